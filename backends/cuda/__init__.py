@@ -1,0 +1,1 @@
+"""kvswap backend: cuda (being written)."""

@@ -1,0 +1,1 @@
+"""kvswap backend: rocm (being written)."""

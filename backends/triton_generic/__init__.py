@@ -1,0 +1,1 @@
+"""kvswap backend: triton_generic (being written)."""

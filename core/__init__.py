@@ -1,0 +1,56 @@
+"""kvswap: move KV-cache blocks between pinned host memory and accelerator memory.
+
+Engines call :func:`resolve` (or hold a ``BlockMover``); backends need only
+``from kvswap import hookimpl``.
+"""
+from __future__ import annotations
+
+import pluggy
+
+PROJECT = "kvswap"
+hookimpl = pluggy.HookimplMarker(PROJECT)
+hookspec = pluggy.HookspecMarker(PROJECT)
+
+__version__ = "0.1.0"
+
+from .errors import (  # noqa: E402
+    ConfigurationError,
+    DriverError,
+    InvalidImplError,
+    InvalidTransferError,
+    KvSwapError,
+    KvSwapWarning,
+    PluginWarning,
+    ProfileWarning,
+    ResolutionError,
+)
+from .impl import BindContext, CopyImpl  # noqa: E402
+from .thresholds import Calibration, Curve  # noqa: E402
+from .types import DeviceInfo, Direction, Policy  # noqa: E402
+from .plan import Plan, Route  # noqa: E402
+from .resolver import resolve  # noqa: E402
+from .swapfn import SwapFn  # noqa: E402
+
+__all__ = [
+    "BindContext",
+    "Calibration",
+    "ConfigurationError",
+    "CopyImpl",
+    "Curve",
+    "DeviceInfo",
+    "Direction",
+    "DriverError",
+    "InvalidImplError",
+    "InvalidTransferError",
+    "KvSwapError",
+    "KvSwapWarning",
+    "Plan",
+    "PluginWarning",
+    "Policy",
+    "ProfileWarning",
+    "ResolutionError",
+    "Route",
+    "SwapFn",
+    "hookimpl",
+    "resolve",
+]

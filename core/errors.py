@@ -1,0 +1,68 @@
+"""Every error kvswap raises derives from :class:`KvSwapError`.
+
+Bad input is a :class:`ValueError` too, failures of the driver or of resolution a
+:class:`RuntimeError`, so callers that already catch the builtin kinds keep working.
+"""
+from __future__ import annotations
+
+
+class KvSwapError(Exception):
+    """Root of every kvswap error."""
+
+
+class ConfigurationError(KvSwapError, ValueError):
+    """A direction, policy, device or option that kvswap cannot accept."""
+
+
+class InvalidImplError(ConfigurationError):
+    """A CopyImpl or Calibration that contradicts itself; the message names it."""
+
+
+class InvalidTransferError(KvSwapError, ValueError):
+    """A transfer refused before any byte moved (bad descriptors, ids, tensors)."""
+
+
+class ResolutionError(KvSwapError, RuntimeError):
+    """No implementation can serve the request, or a forced one cannot be honoured."""
+
+
+class DriverError(KvSwapError, RuntimeError):
+    """A driver or runtime call failed.
+
+    :ivar code: the numeric status the driver returned.
+    :ivar name: the driver's name for it (``CUDA_ERROR_INVALID_VALUE``), if known.
+    :ivar index: the failing descriptor's index where the driver reports one, else None.
+    """
+
+    def __init__(
+        self,
+        call: str,
+        code: int,
+        name: str | None = None,
+        text: str | None = None,
+        index: int | None = None,
+    ) -> None:
+        self.call = call
+        self.code = code
+        self.name = name
+        self.text = text
+        self.index = index
+        label = name or "unknown error"
+        message = f"{call} failed: {label} ({code})"
+        if text:
+            message += f": {text}"
+        if index is not None:
+            message += f" [descriptor {index}]"
+        super().__init__(message)
+
+
+class KvSwapWarning(UserWarning):
+    """Root of kvswap's warnings."""
+
+
+class PluginWarning(KvSwapWarning):
+    """A plugin was dropped or partly ignored; the message names it and says why."""
+
+
+class ProfileWarning(KvSwapWarning):
+    """A calibration profile was skipped; the message names the file and says why."""

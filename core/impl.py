@@ -1,0 +1,170 @@
+"""CopyImpl: the frozen, self-checking description of one way to copy a batch of blocks."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Protocol
+
+import numpy as np
+
+from .descriptors import misaligned
+from .errors import InvalidImplError
+from .types import DeviceInfo, Direction
+
+KINDS = ("batch", "kernel")
+_NAME = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z0-9_]+)+$")
+
+
+class TransferFn(Protocol):
+    """What a CopyImpl's factory returns; called per transfer with validated descriptors.
+
+    ``src``, ``dst`` and ``sizes`` are 1-D, C-contiguous int64 numpy arrays of equal length
+    (addresses and byte counts); ``stream`` is what the caller passed (None: the current one).
+    """
+
+    def __call__(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream: Any) -> None: ...
+
+
+@dataclass(frozen=True)
+class BindContext:
+    """Everything a factory may use to bind tuned parameters once, at resolve time.
+
+    :ivar params: tuned parameters chosen by the resolver for this route (``num_sms`` for
+        kernels), already capped by the policy.
+    :ivar translate_host: maps host addresses to addresses the device can dereference in a
+        kernel (identity where host and device share addresses).
+    """
+
+    direction: Direction
+    device: DeviceInfo
+    params: Mapping[str, Any] = field(default_factory=dict)
+    translate_host: Callable[[np.ndarray], np.ndarray] = lambda addrs: addrs
+
+
+def _always(device: DeviceInfo) -> Optional[str]:
+    return None
+
+
+@dataclass(frozen=True)
+class CopyImpl:
+    """One implementation a backend offers.
+
+    :param name: dotted, lower-case, unique (``"cuda.batch"``, ``"triton.kernel"``).
+    :param kind: ``"batch"`` (copy engine; uses no SMs) or ``"kernel"`` (occupies SMs).
+    :param platforms: platforms it serves (``"cuda"``, ``"rocm"``, ``"cpu"``, …).
+    :param directions: the directions it copies (strings or :class:`Direction`).
+    :param factory: ``factory(BindContext) -> TransferFn``, called once per resolve.
+    :param availability: ``availability(DeviceInfo) -> None | reason``; a reason says why not.
+    :param alignment: addresses and sizes must be multiples of this (power of two).
+    :param min_block_bytes: smallest descriptor size it accepts.
+    :param max_block_bytes: largest descriptor size it accepts (None: unbounded).
+    :param requires_pinned: host memory must be page-locked (and mapped for kernels).
+    :param mixed_sizes: whether one call may mix descriptor sizes.
+    :param description: one line for ``kvswap info``.
+    """
+
+    name: str
+    kind: str
+    platforms: tuple[str, ...]
+    directions: tuple[Direction, ...]
+    factory: Callable[[BindContext], TransferFn]
+    availability: Callable[[DeviceInfo], Optional[str]] = _always
+    alignment: int = 1
+    min_block_bytes: int = 1
+    max_block_bytes: Optional[int] = None
+    requires_pinned: bool = False
+    mixed_sizes: bool = True
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> InvalidImplError:
+            return InvalidImplError(f"CopyImpl {self.name!r}: {msg}")
+
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            raise bad(f"name must look like 'platform.route' and match {_NAME.pattern}")
+        if self.kind not in KINDS:
+            raise bad(f"kind={self.kind!r} is not valid; choose one of {KINDS}")
+        platforms = (self.platforms,) if isinstance(self.platforms, str) else tuple(self.platforms)
+        if not platforms or not all(isinstance(p, str) and p for p in platforms):
+            raise bad(f"platforms={self.platforms!r} must be a non-empty tuple of names")
+        object.__setattr__(self, "platforms", platforms)
+        raw = (self.directions,) if isinstance(self.directions, (str, Direction)) else self.directions
+        try:
+            directions = tuple(Direction.parse(d) for d in raw)
+        except Exception as e:
+            raise bad(str(e)) from e
+        if not directions or len(set(directions)) != len(directions):
+            raise bad(f"directions={self.directions!r} must be non-empty without repeats")
+        object.__setattr__(self, "directions", directions)
+        if not callable(self.factory):
+            raise bad("factory must be callable: factory(BindContext) -> TransferFn")
+        if not callable(self.availability):
+            raise bad("availability must be callable: availability(DeviceInfo) -> None | reason")
+        a = self.alignment
+        if not isinstance(a, int) or a < 1 or a & (a - 1):
+            raise bad(f"alignment={a!r} must be a power of two >= 1")
+        if not isinstance(self.min_block_bytes, int) or self.min_block_bytes < 1:
+            raise bad(f"min_block_bytes={self.min_block_bytes!r} must be an int >= 1")
+        if self.max_block_bytes is not None and (
+            not isinstance(self.max_block_bytes, int) or self.max_block_bytes < self.min_block_bytes
+        ):
+            raise bad(
+                f"max_block_bytes={self.max_block_bytes!r} must be None or an int >= "
+                f"min_block_bytes ({self.min_block_bytes})"
+            )
+        if self.min_block_bytes % a:
+            raise bad(f"min_block_bytes={self.min_block_bytes} is not a multiple of alignment={a}")
+
+    @property
+    def uses_sms(self) -> bool:
+        return self.kind == "kernel"
+
+    def unavailable_reason(self, device: DeviceInfo) -> Optional[str]:
+        """None when usable on ``device``, else the reason; an availability check that
+        raises counts as unavailable, with the exception as the reason."""
+        if device.platform not in self.platforms:
+            return f"serves platforms {', '.join(self.platforms)}, not {device.platform}"
+        try:
+            reason = self.availability(device)
+        except Exception as e:  # a broken check must not break resolution
+            return f"availability check raised {type(e).__name__}: {e}"
+        if reason is not None and not isinstance(reason, str):
+            return f"availability check returned {reason!r} instead of None or a reason"
+        return reason
+
+    def accepts_size(self, block_bytes: int) -> bool:
+        if block_bytes < self.min_block_bytes or block_bytes % self.alignment:
+            return False
+        return self.max_block_bytes is None or block_bytes <= self.max_block_bytes
+
+    def accepts_range(self, block_bytes: int) -> bool:
+        """Whether the size bounds (not the alignment) admit ``block_bytes``."""
+        if block_bytes < self.min_block_bytes:
+            return False
+        return self.max_block_bytes is None or block_bytes <= self.max_block_bytes
+
+    def refused(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+        """Boolean mask of the descriptors this implementation's constraints refuse."""
+        bad = misaligned(src, dst, sizes, self.alignment)
+        if self.min_block_bytes > 1:
+            bad |= sizes < self.min_block_bytes
+        if self.max_block_bytes is not None:
+            bad |= sizes > self.max_block_bytes
+        return bad
+
+    def why_refused(self, src: int, dst: int, size: int) -> str:
+        a = self.alignment
+        if (src | dst | size) & (a - 1):
+            return f"addresses and size must be multiples of {a} bytes"
+        if size < self.min_block_bytes:
+            return f"size must be >= {self.min_block_bytes} bytes"
+        return f"size must be <= {self.max_block_bytes} bytes"
+
+    def constraints(self) -> dict[str, Any]:
+        return {
+            "alignment": self.alignment,
+            "min_block_bytes": self.min_block_bytes,
+            "max_block_bytes": self.max_block_bytes,
+            "requires_pinned": self.requires_pinned,
+            "mixed_sizes": self.mixed_sizes,
+        }

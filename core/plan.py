@@ -1,0 +1,109 @@
+"""The structured result of a resolve (:class:`Plan`) and its reading in words."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+from .types import DeviceInfo, Direction, Policy
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """An implementation considered for this resolve, usable or not."""
+
+    name: str
+    kind: str
+    plugin: str
+    available: bool
+    reason: Optional[str] = None
+    constraints: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Route:
+    """The decision for one range of block sizes, ``[min_bytes, max_bytes]``.
+
+    :ivar impl: the implementation used.
+    :ivar predicted: ``(impl, GB/s or None)`` for every usable candidate at ``at_bytes``,
+        best first, as the ranking saw them.
+    :ivar min_batch: below this many descriptors ``small_batch_impl`` is used instead.
+    :ivar fallbacks: where descriptors go that ``impl``'s constraints refuse (alignment).
+    """
+
+    min_bytes: int
+    max_bytes: Optional[int]
+    impl: str
+    at_bytes: int
+    predicted: tuple[tuple[str, Optional[float]], ...]
+    min_batch: int = 0
+    small_batch_impl: Optional[str] = None
+    fallbacks: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Plan:
+    direction: Direction
+    device: DeviceInfo
+    policy: Policy
+    calibration: dict[str, Any]
+    candidates: tuple[Candidate, ...]
+    routes: tuple[Route, ...]
+    params: dict[str, dict[str, Any]]
+    forced: Optional[str] = None
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["direction"] = str(self.direction)
+        return d
+
+    def explain(self) -> str:
+        return "\n".join(_explain_lines(self))
+
+
+def human_bytes(n: Optional[int]) -> str:
+    if n is None:
+        return "inf"
+    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size and n % (size // 4 or 1) == 0:
+            v = n / size
+            return f"{v:g} {unit}"
+    return f"{n} B"
+
+
+def _explain_lines(p: Plan) -> list[str]:
+    d = p.device
+    lines = [
+        f"kvswap plan for {p.direction} on {d.platform} device {d.name!r} (identity {d.identity})",
+        f"  device: {d.compute_units} compute units, arch {d.arch}, driver {d.driver_version}, "
+        f"runtime {d.runtime_version}, link {d.link}",
+        f"  policy: prefer={p.policy.prefer}, max_sms={p.policy.max_sms}, force={p.policy.force}",
+    ]
+    cal = p.calibration
+    state = "measured" if cal.get("calibrated") else "NOT calibrated: run `kvswap calibrate` on this device"
+    lines.append(f"  calibration: {cal.get('source')} ({state})")
+    if p.forced:
+        lines.append(f"  forced: {p.forced}")
+    lines.append("  candidates:")
+    width = max([len(c.name) for c in p.candidates] + [4])
+    for c in p.candidates:
+        mark = "+" if c.available else "-"
+        status = "available" if c.available else f"rejected: {c.reason}"
+        bound = p.params.get(c.name)
+        extra = f", bound with {', '.join(f'{k}={v}' for k, v in bound.items())}" if bound else ""
+        lines.append(f"    {mark} {c.name:<{width}}  {c.kind:<6} (plugin {c.plugin}) {status}{extra}")
+    lines.append("  routes by block size:")
+    for r in p.routes:
+        span = f"{human_bytes(r.min_bytes)} .. {human_bytes(r.max_bytes)}"
+        pred = ", ".join(f"{n} {g:.1f}" if g is not None else f"{n} ?" for n, g in r.predicted)
+        line = f"    {span:<22} -> {r.impl}"
+        if pred:
+            line += f"  (GB/s predicted at {human_bytes(r.at_bytes)}: {pred})"
+        lines.append(line)
+        if r.small_batch_impl:
+            lines.append(f"    {'':<22}    batches under {r.min_batch} descriptors -> {r.small_batch_impl}")
+        if r.fallbacks:
+            lines.append(f"    {'':<22}    descriptors {r.impl} refuses -> {', '.join(r.fallbacks)}")
+    for note in p.notes:
+        lines.append(f"  note: {note}")
+    return lines

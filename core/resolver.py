@@ -1,0 +1,231 @@
+"""``resolve()``: choose, once, how a device copies batches of blocks in one direction."""
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Iterable, Optional, Union
+
+from .errors import ConfigurationError, ResolutionError
+from .impl import BindContext, CopyImpl
+from .lookup import find_calibration
+from .plan import Candidate, Plan, Route
+from .platform import detect
+from .plugins import PluginHost, plugin_host
+from .swapfn import SwapFn
+from .thresholds import Calibration
+from .types import DeviceInfo, Direction, DirectionLike, Policy
+
+FORCE_ENV = "KVSWAP_FORCE_IMPL"
+KiB = 1024
+# Block-size classes the plan decides for: powers of two and their midpoints, 1 KiB-4 MiB.
+EDGES = (1,) + tuple(
+    sorted({KiB << i for i in range(13)} | {3 * (KiB << i) // 2 for i in range(12)})
+)
+
+
+def collect_impls(host: PluginHost, platform: str) -> list[tuple[str, CopyImpl]]:
+    """``(plugin, impl)`` registered for ``platform``; a name registered twice keeps the
+    registration of the plugin first by name, and the other plugin is warned about."""
+    seen: dict[str, str] = {}
+    out = []
+    for plugin, impl in host.collect("kvswap_register_copy_impls", CopyImpl, platform=platform):
+        if impl.name in seen:
+            if seen[impl.name] != plugin:
+                host.warn(plugin, f"registers {impl.name!r}, already registered by {seen[impl.name]!r}; ignored")
+            continue
+        seen[impl.name] = plugin
+        out.append((plugin, impl))
+    return out
+
+
+def _block_sizes(block_bytes: Union[None, int, Iterable[int]]) -> tuple[int, ...]:
+    if block_bytes is None:
+        return ()
+    values = (block_bytes,) if isinstance(block_bytes, int) else tuple(block_bytes)
+    if not values or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in values):
+        raise ConfigurationError(f"block_bytes={block_bytes!r} must be a positive int or a list of them")
+    return tuple(sorted(set(values)))
+
+
+def _num_sms(cal: Calibration, direction: Direction, policy: Policy, device: DeviceInfo) -> int:
+    n = cal.sms(direction)
+    if policy.max_sms is not None:
+        n = min(n, policy.max_sms)
+    if device.compute_units:
+        n = min(n, device.compute_units)
+    return max(n, 1)
+
+
+def _rank(
+    usable: list[CopyImpl], cal: Calibration, direction: Direction, policy: Policy,
+    size: int, exact: bool, num_sms: int,
+) -> list[tuple[CopyImpl, Optional[float]]]:
+    """Usable impls that can take ``size``, best first, with predicted GB/s.
+
+    Unknown predictions rank last; ties go to the route that takes no SMs, then by name,
+    so registration order never decides.
+    """
+    rows = []
+    for impl in usable:
+        if not (impl.accepts_size(size) if exact else impl.accepts_range(size)):
+            continue
+        g = cal.predict(impl.name, impl.kind, direction, size, num_sms if impl.uses_sms else None)
+        score = None if g is None else g
+        if score is not None and policy.prefer == "low_interference":
+            score *= 1.0 - cal.slowdown_of(impl.name, impl.kind)
+        rows.append((score is None, -(score or 0.0), impl.uses_sms, impl.name, impl, g))
+    rows.sort(key=lambda r: r[:4])
+    return [(r[4], r[5]) for r in rows]
+
+
+def _routes(
+    usable: list[CopyImpl], cal: Calibration, direction: Direction, policy: Policy,
+    sizes: tuple[int, ...], num_sms: int,
+) -> tuple[Route, ...]:
+    routes: list[Route] = []
+    for i, lo in enumerate(EDGES):
+        hi = EDGES[i + 1] - 1 if i + 1 < len(EDGES) else None
+        given = [s for s in sizes if s >= lo and (hi is None or s <= hi)]
+        rep = given[0] if given else (lo if hi is None else int(math.sqrt(lo * (hi + 1))))
+        ranked = _rank(usable, cal, direction, policy, rep, bool(given), num_sms)
+        if not ranked:
+            continue
+        best = ranked[0][0]
+        small = next((impl for impl, _ in ranked[1:] if not impl.uses_sms), None) if best.uses_sms else None
+        route = Route(
+            min_bytes=lo,
+            max_bytes=hi,
+            impl=best.name,
+            at_bytes=rep,
+            predicted=tuple((impl.name, None if g is None else round(g, 2)) for impl, g in ranked),
+            min_batch=cal.min_batch(direction) if small else 0,
+            small_batch_impl=small.name if small else None,
+            fallbacks=tuple(impl.name for impl, _ in ranked[1:]),
+        )
+        prev = routes[-1] if routes else None
+        same = prev and (prev.impl, prev.small_batch_impl, prev.fallbacks, prev.max_bytes) == (
+            route.impl, route.small_batch_impl, route.fallbacks, lo - 1
+        )
+        if same:
+            keep = route if given and prev.at_bytes not in sizes else prev
+            routes[-1] = Route(prev.min_bytes, hi, prev.impl, keep.at_bytes, keep.predicted,
+                               prev.min_batch, prev.small_batch_impl, prev.fallbacks)
+        else:
+            routes.append(route)
+    return tuple(routes)
+
+
+def _translator(host: PluginHost, device: DeviceInfo) -> Any:
+    for plugin, fn in host.call_each("kvswap_host_address_translator", device=device):
+        if fn is None:
+            continue
+        if not callable(fn):
+            host.drop(plugin, f"kvswap_host_address_translator returned {fn!r}, not a callable")
+            continue
+        return fn
+    return lambda addrs: addrs
+
+
+def resolve(
+    direction: DirectionLike,
+    *,
+    device: Any = None,
+    block_bytes: Union[None, int, Iterable[int]] = None,
+    policy: Optional[Policy] = None,
+    host: Optional[PluginHost] = None,
+) -> SwapFn:
+    """Choose how to copy batches of blocks in ``direction`` on ``device``, once.
+
+    :param direction: ``"h2d"`` or ``"d2h"``.
+    :param device: ``None`` (the current accelerator, else the CPU), ``"cpu"``,
+        ``"cuda:N"``, a ``torch.device``, an index, or a device a plugin recognises.
+    :param block_bytes: the block (chunk) sizes the caller will copy, if known; the plan is
+        then decided at exactly those sizes (others still work).
+    :param policy: SM budget, throughput vs low interference, a forced implementation.
+        ``KVSWAP_FORCE_IMPL`` forces one when the policy does not.
+    :param host: a plugin host (tests); default the process's, loaded on first use.
+    :return: a :class:`SwapFn` with ``.plan`` and ``.explain()``.
+    :raises ResolutionError: no implementation can serve the request, or a forced one
+        cannot be honoured (the message names it, the reason and the valid choices).
+    """
+    direction = Direction.parse(direction)
+    policy = Policy() if policy is None else policy
+    if not isinstance(policy, Policy):
+        raise ConfigurationError(f"policy={policy!r} must be a kvswap.Policy")
+    sizes = _block_sizes(block_bytes)
+    host = plugin_host() if host is None else host
+    dev = detect(host, device)
+    cal = find_calibration(host, dev)
+    num_sms = _num_sms(cal, direction, policy, dev)
+    translate = _translator(host, dev)
+    notes = [] if cal.calibrated else [
+        f"device {dev.identity} is not calibrated; run `kvswap calibrate` on it for measured thresholds"
+    ]
+
+    candidates, usable, bound, params = [], [], {}, {}
+    for plugin, impl in collect_impls(host, dev.platform):
+        reason = impl.unavailable_reason(dev)
+        if reason is None and direction not in impl.directions:
+            reason = f"copies only {', '.join(map(str, impl.directions))}"
+        if reason is None and impl.uses_sms and policy.max_sms == 0:
+            reason = "Policy.max_sms=0 allows no kernel routes"
+        if reason is None:
+            p = {"num_sms": num_sms} if impl.uses_sms else {}
+            try:
+                fn = impl.factory(BindContext(direction, dev, p, translate))
+                if not callable(fn):
+                    raise TypeError(f"factory returned {fn!r}, not a callable")
+            except Exception as e:
+                reason = f"factory raised {type(e).__name__}: {e}"
+            else:
+                bound[impl.name], usable = fn, usable + [impl]
+                if p:
+                    params[impl.name] = p
+                note = getattr(fn, "note", None)
+                if note:
+                    notes.append(f"{impl.name}: {note}")
+        candidates.append(Candidate(impl.name, impl.kind, plugin, reason is None, reason, impl.constraints()))
+    candidates.sort(key=lambda c: (not c.available, c.name))
+    names = ", ".join(i.name for i in usable) or "none"
+
+    forced = policy.force or os.environ.get(FORCE_ENV) or None
+    if forced:
+        where = "Policy.force" if policy.force else FORCE_ENV
+        cand = next((c for c in candidates if c.name == forced), None)
+        if cand is None:
+            raise ResolutionError(
+                f"{where}={forced!r} is not registered for platform {dev.platform!r}; usable here: {names}"
+            )
+        if not cand.available:
+            raise ResolutionError(f"{where}={forced!r} cannot be honoured: {cand.reason}; usable here: {names}")
+        impl = next(i for i in usable if i.name == forced)
+        refused = [s for s in sizes if not impl.accepts_size(s)]
+        if refused:
+            raise ResolutionError(
+                f"{where}={forced!r} cannot be honoured: it refuses block_bytes {refused} "
+                f"({impl.why_refused(0, 0, refused[0])}); usable here: {names}"
+            )
+        routes = (Route(1, None, forced, sizes[0] if sizes else 0, ()),)
+        usable = [impl]
+        notes.append(f"forced by {where}")
+    else:
+        routes = _routes(usable, cal, direction, policy, sizes, num_sms)
+        if not routes:
+            rejected = "; ".join(f"{c.name}: {c.reason}" for c in candidates) or "no backend registered any"
+            raise ResolutionError(
+                f"no implementation can copy {direction} on {dev.platform} device {dev.name!r} ({rejected})"
+            )
+    used = {n for r in routes for n in (r.impl, r.small_batch_impl, *r.fallbacks) if n}
+    plan = Plan(
+        direction=direction,
+        device=dev,
+        policy=policy,
+        calibration=cal.summary(),
+        candidates=tuple(candidates),
+        routes=routes,
+        params={k: v for k, v in params.items() if k in used},
+        forced=forced,
+        notes=tuple(notes),
+    )
+    impls = {i.name: i for i in usable if i.name in used}
+    return SwapFn(plan, impls, {k: v for k, v in bound.items() if k in used})

@@ -1,0 +1,111 @@
+"""SwapFn: the callable ``resolve()`` returns; per call it only routes and launches."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from .descriptors import normalize
+from .errors import InvalidTransferError
+from .impl import CopyImpl, TransferFn
+from .plan import Plan, Route
+
+
+class SwapFn:
+    """``fn(src_ptrs, dst_ptrs, sizes, *, stream=None)`` copies a batch of blocks.
+
+    Arguments are 1-D int64 CPU tensors, numpy arrays or sequences of addresses and byte
+    counts. Per call it does only what cannot be known at resolve time: it checks the
+    batch, routes each descriptor by size class and batch size, and sends descriptors a
+    route's constraints refuse (alignment) to the next route that accepts them. Every
+    check runs before the first byte moves. Where a stream applies, the copy is enqueued
+    on ``stream`` (default: the current stream) and the call returns without waiting.
+    """
+
+    def __init__(self, plan: Plan, impls: dict[str, CopyImpl], bound: dict[str, TransferFn]) -> None:
+        self.plan = plan
+        self._impls = impls
+        self._bound = bound
+        self._routes = plan.routes
+        self._lows = np.array([r.min_bytes for r in plan.routes], dtype=np.int64)
+
+    def explain(self) -> str:
+        """The decision trace in words: platform, device, candidates, calibration, routes."""
+        return self.plan.explain()
+
+    def __repr__(self) -> str:
+        routes = ", ".join(r.impl for r in self._routes)
+        return f"<kvswap.SwapFn {self.plan.direction} on {self.plan.device.platform}: {routes}>"
+
+    def __call__(self, src_ptrs: Any, dst_ptrs: Any, sizes: Any, *, stream: Any = None) -> None:
+        src, dst, n = normalize(src_ptrs, dst_ptrs, sizes)
+        if not len(n):
+            return
+        work = self.assign(src, dst, n)
+        for name, sel in work:
+            if sel is None:
+                self._bound[name](src, dst, n, stream)
+            else:
+                self._bound[name](src[sel], dst[sel], n[sel], stream)
+
+    def assign(self, src: np.ndarray, dst: np.ndarray, n: np.ndarray) -> list[tuple[str, Optional[np.ndarray]]]:
+        """Which implementation copies which descriptors: ``(impl, indices or None=all)``.
+
+        Raises :class:`InvalidTransferError` for a descriptor no usable route accepts.
+        """
+        routes = self._routes
+        if len(routes) == 1:
+            groups: list[tuple[Route, Optional[np.ndarray]]] = [(routes[0], None)]
+        else:
+            lo, hi = int(n.min()), int(n.max())
+            r_lo, r_hi = (int(np.searchsorted(self._lows, v, side="right")) - 1 for v in (lo, hi))
+            if r_lo == r_hi:
+                groups = [(routes[r_lo], None)]
+            else:
+                which = np.searchsorted(self._lows, n, side="right") - 1
+                groups = [(routes[r], np.flatnonzero(which == r)) for r in np.unique(which)]
+        out: list[tuple[str, Optional[np.ndarray]]] = []
+        for route, sel in groups:
+            count = len(n) if sel is None else len(sel)
+            name = route.impl
+            if route.small_batch_impl and count < route.min_batch:
+                name = route.small_batch_impl
+            self._place(name, route, src, dst, n, sel, out)
+        return out
+
+    def _place(self, name: str, route: Route, src: np.ndarray, dst: np.ndarray, n: np.ndarray,
+               sel: Optional[np.ndarray], out: list) -> None:
+        impl = self._impls[name]
+        view = (src, dst, n) if sel is None else (src[sel], dst[sel], n[sel])
+        bad = impl.refused(*view)
+        if not bad.any():
+            self._split_sizes(impl, sel, view[2], out)
+            return
+        idx = np.arange(len(n)) if sel is None else sel
+        if (~bad).any():
+            self._split_sizes(impl, idx[~bad], view[2][~bad], out)
+        left = idx[bad]
+        for other in (route.impl, route.small_batch_impl, *route.fallbacks):
+            if not left.size or other is None or other == name:
+                continue
+            alt = self._impls[other]
+            refused = alt.refused(src[left], dst[left], n[left])
+            if (~refused).any():
+                self._split_sizes(alt, left[~refused], n[left][~refused], out)
+            left = left[refused]
+        if left.size:
+            i = int(left[0])
+            raise InvalidTransferError(
+                f"descriptor {i} (src=0x{int(src[i]):x}, dst=0x{int(dst[i]):x}, size={int(n[i])}) "
+                f"is refused by {name}: {impl.why_refused(int(src[i]), int(dst[i]), int(n[i]))}; "
+                f"no other usable implementation accepts it"
+            )
+
+    @staticmethod
+    def _split_sizes(impl: CopyImpl, sel: Optional[np.ndarray], sizes: np.ndarray, out: list) -> None:
+        if impl.mixed_sizes or sizes.min() == sizes.max():
+            out.append((impl.name, sel))
+            return
+        idx = np.arange(len(sizes)) if sel is None else sel
+        for size in np.unique(sizes):
+            out.append((impl.name, idx[sizes == size]))

@@ -1,0 +1,177 @@
+"""Calibration: predicted bandwidth per route and the thresholds the resolver decides by.
+
+A Calibration comes from a measured profile, a backend's defaults for a known device, or
+the conservative built-in fallback below; the resolver never guesses outside one.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+from .errors import InvalidImplError
+from .types import Direction
+
+SCOPES = ("device", "family", "platform")  # most specific first
+
+
+@dataclass(frozen=True)
+class Curve:
+    """Bandwidth of one route against block size, in GB/s (1e9 bytes per second).
+
+    :param impl: an impl name, or ``"*batch"`` / ``"*kernel"`` for any impl of that kind.
+    :param num_sms: SMs the kernel ran on when measured (None for batch routes).
+    :param points: ``(block_bytes, gbps)`` pairs; interpolated over log(block_bytes) and
+        held flat past either end.
+    """
+
+    impl: str
+    direction: Direction
+    points: tuple[tuple[int, float], ...]
+    num_sms: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "direction", Direction.parse(self.direction))
+        pts = tuple(sorted((int(b), float(g)) for b, g in self.points))
+        if not pts or any(b <= 0 or not (g >= 0) or math.isinf(g) for b, g in pts):
+            raise InvalidImplError(
+                f"Curve {self.impl!r} {self.direction}: points must be (bytes > 0, finite GB/s >= 0)"
+            )
+        if len({b for b, _ in pts}) != len(pts):
+            raise InvalidImplError(f"Curve {self.impl!r} {self.direction}: repeated block size")
+        object.__setattr__(self, "points", pts)
+
+    def gbps(self, block_bytes: int) -> float:
+        pts = self.points
+        if block_bytes <= pts[0][0]:
+            return pts[0][1]
+        if block_bytes >= pts[-1][0]:
+            return pts[-1][1]
+        x = math.log(block_bytes)
+        for (b0, g0), (b1, g1) in zip(pts, pts[1:]):
+            if block_bytes <= b1:
+                t = (x - math.log(b0)) / (math.log(b1) - math.log(b0))
+                return g0 + t * (g1 - g0)
+        raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Tuned numbers for one device (or a family, or a whole platform).
+
+    :param source: where the numbers come from, in words a person can check
+        (``"profile /path/x.json"``, ``"cuda defaults: H200 measured 2026-11 (FACTS.md)"``).
+    :param platform: the platform it applies to.
+    :param scope: ``"device"`` (one identity), ``"family"`` or ``"platform"``; the most
+        specific registered calibration wins.
+    :param curves: predicted bandwidth per route.
+    :param kernel_sms: per direction, the SM knee: fewest SMs within a few % of the peak.
+    :param kernel_min_batch: per direction, the smallest batch from which a kernel wins.
+    :param slowdown: fraction of compute throughput lost while a route runs, keyed by impl
+        name or by kind (``"batch"``, ``"kernel"``); used by ``prefer="low_interference"``.
+    :param ceiling_gbps: per direction, the contiguous copy ceiling when measured.
+    :param calibrated: False for guesses; ``explain()`` then says how to calibrate.
+    """
+
+    source: str
+    platform: str
+    scope: str = "platform"
+    curves: tuple[Curve, ...] = ()
+    kernel_sms: Mapping[str, int] = field(default_factory=dict)
+    kernel_min_batch: Mapping[str, int] = field(default_factory=dict)
+    slowdown: Mapping[str, float] = field(default_factory=dict)
+    ceiling_gbps: Mapping[str, float] = field(default_factory=dict)
+    calibrated: bool = True
+    identity: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> InvalidImplError:
+            return InvalidImplError(f"Calibration {self.source!r}: {msg}")
+
+        if not self.source or not isinstance(self.source, str):
+            raise bad("source must say where the numbers come from")
+        if self.scope not in SCOPES:
+            raise bad(f"scope={self.scope!r} is not valid; choose one of {SCOPES}")
+        object.__setattr__(self, "curves", tuple(self.curves))
+        if not all(isinstance(c, Curve) for c in self.curves):
+            raise bad("curves must be Curve objects")
+        for name in ("kernel_sms", "kernel_min_batch", "ceiling_gbps"):
+            value = {str(Direction.parse(k)): v for k, v in dict(getattr(self, name)).items()}
+            if any(not isinstance(v, (int, float)) or v < 0 for v in value.values()):
+                raise bad(f"{name} values must be numbers >= 0")
+            object.__setattr__(self, name, value)
+        if any(not 0 <= v < 1 for v in self.slowdown.values()):
+            raise bad("slowdown values are fractions in [0, 1)")
+
+    def curve_for(self, impl: str, kind: str, direction: Direction, num_sms: Optional[int]) -> tuple[Optional[Curve], float]:
+        """The curve that predicts ``impl``, and the factor to scale it by for ``num_sms``.
+
+        Kernel curves measured at several SM counts: the largest count not above
+        ``num_sms``; below every measured count, the smallest, scaled down linearly.
+        """
+        for key in (impl, "*" + kind):
+            found = [c for c in self.curves if c.impl == key and c.direction == direction]
+            if not found:
+                continue
+            if kind != "kernel" or num_sms is None:
+                return found[0], 1.0
+            sized = sorted((c for c in found if c.num_sms), key=lambda c: c.num_sms)
+            if not sized:
+                return found[0], 1.0
+            below = [c for c in sized if c.num_sms <= num_sms]
+            if below:
+                return below[-1], 1.0
+            return sized[0], num_sms / sized[0].num_sms
+        return None, 1.0
+
+    def predict(self, impl: str, kind: str, direction: Direction, block_bytes: int, num_sms: Optional[int] = None) -> Optional[float]:
+        curve, scale = self.curve_for(impl, kind, direction, num_sms)
+        return None if curve is None else curve.gbps(block_bytes) * scale
+
+    def sms(self, direction: Direction, default: int = 8) -> int:
+        return int(self.kernel_sms.get(str(direction), default))
+
+    def min_batch(self, direction: Direction, default: int = 16) -> int:
+        return int(self.kernel_min_batch.get(str(direction), default))
+
+    def slowdown_of(self, impl: str, kind: str) -> float:
+        return float(self.slowdown.get(impl, self.slowdown.get(kind, 0.0)))
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "platform": self.platform,
+            "scope": self.scope,
+            "calibrated": self.calibrated,
+            "identity": self.identity,
+        }
+
+
+def _kind_curves(batch: list[tuple[int, float]], kernel: list[tuple[int, float]], sms: int) -> tuple[Curve, ...]:
+    out = []
+    for d in Direction:
+        out.append(Curve("*batch", d, tuple(batch)))
+        out.append(Curve("*kernel", d, tuple(kernel), num_sms=sms))
+    return tuple(out)
+
+
+KiB = 1024
+
+# Conservative guesses for an uncalibrated accelerator: the copy engine's batch API
+# collapses below ~32 KiB on every NVIDIA part we know of (FACTS.md, H200: 4-6 GB/s at
+# 4-24 KiB), while a kernel on 8 SMs is assumed to reach only ~60% of a PCIe Gen5 link.
+# Slowdowns are the lower ends measured beside a bf16 GEMM on the H200 (FACTS.md).
+FALLBACK = Calibration(
+    source="built-in conservative fallback (no profile, no backend defaults)",
+    platform="*",
+    scope="platform",
+    curves=_kind_curves(
+        batch=[(4 * KiB, 4.0), (16 * KiB, 6.0), (32 * KiB, 25.0), (64 * KiB, 35.0), (256 * KiB, 45.0)],
+        kernel=[(4 * KiB, 20.0), (16 * KiB, 28.0), (64 * KiB, 30.0), (256 * KiB, 30.0)],
+        sms=8,
+    ),
+    kernel_sms={"h2d": 8, "d2h": 8},
+    kernel_min_batch={"h2d": 16, "d2h": 16},
+    slowdown={"batch": 0.08, "kernel": 0.25},
+    calibrated=False,
+)

@@ -1,0 +1,125 @@
+"""The small value types engines and plugins share: Direction, DeviceInfo, Policy."""
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any, Union
+
+from .errors import ConfigurationError
+
+
+class Direction(str, enum.Enum):
+    """Which way a transfer goes. Plain strings ``"h2d"``/``"d2h"`` are accepted anywhere."""
+
+    H2D = "h2d"
+    D2H = "d2h"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, value: DirectionLike) -> Direction:
+        if isinstance(value, Direction):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            raise ConfigurationError(
+                f"direction={value!r} is not valid; choose one of 'h2d', 'd2h'"
+            ) from None
+
+    @property
+    def src_is_host(self) -> bool:
+        return self is Direction.H2D
+
+    @property
+    def dst_is_host(self) -> bool:
+        return self is Direction.D2H
+
+
+DirectionLike = Union[Direction, str]
+
+_IDENTITY = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+
+
+def slug(text: str) -> str:
+    """Lower-case ``text`` into the characters an identity key may hold."""
+    out = re.sub(r"[^a-z0-9._-]+", "-", text.lower()).strip("-.")
+    return out or "unknown"
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What kvswap knows of the device it resolves for.
+
+    ``identity`` is the key calibration profiles are looked up by: stable across runs and
+    processes for the same kind of device on the same kind of link, and made only of
+    ``[a-z0-9._-]``. ``compute_units`` counts SMs (CUDA), CUs (ROCm) or CPU cores.
+    """
+
+    platform: str
+    name: str
+    identity: str
+    compute_units: int
+    index: int | None = None
+    arch: str = "unknown"
+    driver_version: str = "unknown"
+    runtime_version: str = "unknown"
+    link: str = "unknown"
+    pci_bus_id: str = "unknown"
+    details: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.platform or not isinstance(self.platform, str):
+            raise ConfigurationError(f"DeviceInfo.platform={self.platform!r} must be a non-empty string")
+        if not _IDENTITY.match(self.identity or ""):
+            raise ConfigurationError(
+                f"DeviceInfo.identity={self.identity!r} must match {_IDENTITY.pattern}"
+            )
+        if not isinstance(self.compute_units, int) or self.compute_units < 0:
+            raise ConfigurationError(
+                f"DeviceInfo.compute_units={self.compute_units!r} must be a non-negative int"
+            )
+
+    @property
+    def torch_device(self) -> str:
+        """The torch device string for this device (``"cpu"`` or ``"cuda:N"``)."""
+        if self.platform == "cpu":
+            return "cpu"
+        return f"{self.details.get('torch_type', 'cuda')}:{self.index or 0}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+PREFERENCES = ("throughput", "low_interference")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What the engine is willing to give for speed.
+
+    :param max_sms: the most SMs (CUs) a kernel route may occupy; ``0`` forbids kernel
+        routes, ``None`` lets calibration decide.
+    :param prefer: ``"throughput"`` ranks by predicted bandwidth alone;
+        ``"low_interference"`` discounts each route by the compute slowdown it causes.
+    :param force: an implementation name to use for every transfer; resolution fails if
+        it cannot be honoured.
+    """
+
+    max_sms: int | None = None
+    prefer: str = "throughput"
+    force: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_sms is not None and (
+            not isinstance(self.max_sms, int) or isinstance(self.max_sms, bool) or self.max_sms < 0
+        ):
+            raise ConfigurationError(f"Policy.max_sms={self.max_sms!r} must be None or an int >= 0")
+        if self.prefer not in PREFERENCES:
+            raise ConfigurationError(
+                f"Policy.prefer={self.prefer!r} is not valid; choose one of {', '.join(map(repr, PREFERENCES))}"
+            )
+        if self.force is not None and (not isinstance(self.force, str) or not self.force):
+            raise ConfigurationError(f"Policy.force={self.force!r} must be None or an impl name")

@@ -29,6 +29,16 @@ class SwapFn:
         self._routes = plan.routes
         self._lows = np.array([r.min_bytes for r in plan.routes], dtype=np.int64)
 
+    @property
+    def requires_pinned(self) -> bool:
+        """Whether any route this function may take needs page-locked host memory."""
+        return any(impl.requires_pinned for impl in self._impls.values())
+
+    @property
+    def impls(self) -> tuple[str, ...]:
+        """Names of the implementations this function may call."""
+        return tuple(sorted(self._impls))
+
     def explain(self) -> str:
         """The decision trace in words: platform, device, candidates, calibration, routes."""
         return self.plan.explain()

@@ -112,8 +112,6 @@ class CopyImpl:
                 f"max_block_bytes={self.max_block_bytes!r} must be None or an int >= "
                 f"min_block_bytes ({self.min_block_bytes})"
             )
-        if self.min_block_bytes % a:
-            raise bad(f"min_block_bytes={self.min_block_bytes} is not a multiple of alignment={a}")
 
     @property
     def uses_sms(self) -> bool:

@@ -51,7 +51,7 @@ def _num_sms(cal: Calibration, direction: Direction, policy: Policy, device: Dev
     n = cal.sms(direction)
     if policy.max_sms is not None:
         n = min(n, policy.max_sms)
-    if device.compute_units:
+    if device.compute_units and device.platform != "cpu":  # CPU cores are not SMs
         n = min(n, device.compute_units)
     return max(n, 1)
 
@@ -186,7 +186,7 @@ def resolve(
                     notes.append(f"{impl.name}: {note}")
         candidates.append(Candidate(impl.name, impl.kind, plugin, reason is None, reason, impl.constraints()))
     candidates.sort(key=lambda c: (not c.available, c.name))
-    names = ", ".join(i.name for i in usable) or "none"
+    names = ", ".join(sorted(i.name for i in usable)) or "none"
 
     forced = policy.force or os.environ.get(FORCE_ENV) or None
     if forced:

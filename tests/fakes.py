@@ -1,0 +1,58 @@
+"""Throwaway plugins and distributions for tests: real entry points, no pip install.
+
+A distribution is a ``<name>-<version>.dist-info`` folder (METADATA + entry_points.txt)
+beside the plugin's module in a temporary directory; putting that directory on
+``sys.path`` (or PYTHONPATH for a subprocess) makes ``importlib.metadata`` find it exactly
+as it finds an installed package.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+
+
+def make_distribution(root: Path, dist: str, plugins: dict[str, str], modules: dict[str, str], version: str = "1.0") -> Path:
+    """Write a fake distribution ``dist`` under ``root`` and return ``root``.
+
+    :param plugins: entry point name -> module name, in group ``kvswap.backends``.
+    :param modules: module name -> source text.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    for name, source in modules.items():
+        (root / f"{name}.py").write_text(textwrap.dedent(source))
+    info = root / f"{dist.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    lines = ["[kvswap.backends]"] + [f"{ep} = {mod}" for ep, mod in plugins.items()]
+    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def entry_points_from(root: Path) -> list[importlib.metadata.EntryPoint]:
+    """The ``kvswap.backends`` entry points of the fake distributions under ``root``."""
+    found = []
+    for dist in importlib.metadata.distributions(path=[str(root)]):
+        found.extend(ep for ep in dist.entry_points if ep.group == "kvswap.backends")
+    return found
+
+
+def forget_modules(*names: str) -> None:
+    for name in names:
+        sys.modules.pop(name, None)
+
+
+def scattered(rng: np.random.Generator, pool_bytes: int, sizes: np.ndarray, slot: int) -> np.ndarray:
+    """Offsets of ``len(sizes)`` non-overlapping blocks in a pool cut into ``slot``-byte slots,
+    in random order, each placed at a random offset inside its slot."""
+    n = len(sizes)
+    slots = rng.choice(pool_bytes // slot, size=n, replace=False).astype(np.int64) * slot
+    slack = slot - sizes
+    return slots + (rng.integers(0, slack + 1) if n else 0)
+
+
+def address(buf: np.ndarray) -> int:
+    return int(buf.ctypes.data)

@@ -1,0 +1,140 @@
+"""The ``kvswap`` command as a person (or a script) uses it, in fresh processes."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fakes import make_distribution
+
+BROKEN = "raise RuntimeError('acme firmware missing')\n"
+ACME = """
+    import ctypes
+    from kvswap import CopyImpl, hookimpl
+
+    def _copy(src, dst, sizes, stream):
+        for s, d, n in zip(src.tolist(), dst.tolist(), sizes.tolist()):
+            ctypes.memmove(d, s, n)
+
+    @hookimpl
+    def kvswap_register_copy_impls(platform, register):
+        if platform == "cpu":
+            register(CopyImpl("acme.copy", "batch", ("cpu",), ("h2d", "d2h"), lambda ctx: _copy))
+"""
+
+
+def kvswap(*args, env=None, code=None):
+    cmd = [sys.executable, "-c", code] if code else [sys.executable, "-m", "kvswap", *args]
+    full = dict(os.environ, **(env or {}))
+    return subprocess.run(cmd, capture_output=True, text=True, env=full, timeout=120)
+
+
+@pytest.fixture
+def third_party(tmp_path):
+    root = make_distribution(tmp_path / "site", "kvswap-acme", {"acme": "kvswap_acme", "fragile": "kvswap_fragile"},
+                             {"kvswap_acme": ACME, "kvswap_fragile": BROKEN}, version="2.5")
+    return {"PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+
+
+def test_info_json_lists_reference_available_and_gpu_impls_with_reasons():
+    out = kvswap("info", "--json")
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)  # stdout carries only the JSON
+    assert info["platform"] == "cpu" and info["device"]["platform"] == "cpu"
+    impls = {i["name"]: i for i in info["impls"]}
+    assert impls["host.reference"]["available"] is True and impls["host.reference"]["reason"] is None
+    assert set(impls["host.reference"]) >= {"name", "kind", "directions", "available", "reason"}
+    for gpu in ("cuda.batch", "rocm.batch"):
+        assert impls[gpu]["available"] is False and impls[gpu]["reason"], impls[gpu]
+    for p in info["plugins"]:
+        assert {"name", "distribution", "version"} <= set(p)
+    assert {p["name"] for p in info["plugins"]} >= {"host", "cuda", "rocm", "triton"}
+
+
+def test_info_text_names_plugins_and_reasons():
+    out = kvswap("info")
+    assert out.returncode == 0, out.stderr
+    assert "host.reference" in out.stdout and "unavailable:" in out.stdout and "plugins:" in out.stdout
+
+
+def test_third_party_plugin_is_discovered_forced_and_blocked(third_party):
+    info = json.loads(kvswap("info", "--json", env=third_party).stdout)
+    acme = next(p for p in info["plugins"] if p["name"] == "acme")
+    assert (acme["distribution"], acme["version"], acme["status"]) == ("kvswap-acme", "2.5", "loaded")
+    assert any(i["name"] == "acme.copy" and i["available"] for i in info["impls"])
+
+    out = kvswap("explain", "--direction", "h2d", "--force", "acme.copy", env=third_party)
+    assert out.returncode == 0, out.stderr
+    assert "-> acme.copy" in out.stdout
+
+    blocked = dict(third_party, KVSWAP_DISABLE_PLUGINS="acme")
+    out = kvswap("explain", "--direction", "h2d", "--force", "acme.copy", env=blocked)
+    assert out.returncode == 1 and "'acme.copy' is not registered" in out.stderr
+    info = json.loads(kvswap("info", "--json", env=blocked).stdout)
+    assert next(p for p in info["plugins"] if p["name"] == "acme")["status"] == "disabled"
+
+
+def test_plugin_raising_on_import_leaves_info_and_resolve_working(third_party):
+    out = kvswap("info", "--json", env=third_party)
+    assert out.returncode == 0
+    json.loads(out.stdout)
+    assert "kvswap plugin 'fragile' (from kvswap-acme 2.5) dropped" in out.stderr
+    assert "acme firmware missing" in out.stderr
+    code = (
+        "import numpy as np, kvswap\n"
+        "src = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8)\n"
+        "dst = np.zeros(4096, dtype=np.uint8) + 7\n"
+        "fn = kvswap.resolve('h2d')\n"
+        "fn([src.ctypes.data], [dst.ctypes.data + 8], [100])\n"
+        "assert (dst[8:108] == src[:100]).all() and (dst[:8] == 7).all() and (dst[108:] == 7).all()\n"
+        "print(fn.explain())\n"
+    )
+    out = kvswap(code=code, env=third_party)
+    assert out.returncode == 0, out.stderr
+    assert "fragile" in out.stderr and "host.reference" in out.stdout
+
+
+def test_explain_json_and_block_bytes():
+    out = kvswap("explain", "--direction", "d2h", "--block-bytes", "8192,16384", "--json")
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert plan["direction"] == "d2h" and plan["device"]["platform"] == "cpu"
+    assert plan["routes"][0]["impl"] == "host.reference"
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        ([], "required"),
+        (["explain"], "--direction"),
+        (["explain", "--direction", "sideways"], "direction='sideways' is not valid"),
+        (["explain", "--direction", "h2d", "--block-bytes", "8k"], "not a comma-separated list"),
+        (["explain", "--direction", "h2d", "--max-sms", "-1"], "must be >= 0"),
+        (["explain", "--direction", "h2d", "--device", "gpu#1"], "device='gpu#1' is not valid"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line(args, fragment):
+    out = kvswap(*args)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0], out.stderr
+    assert out.stdout == ""
+
+
+def test_help_explains_each_command():
+    out = kvswap("--help")
+    assert out.returncode == 0
+    for cmd in ("info", "explain"):
+        assert cmd in out.stdout
+    out = kvswap("explain", "--help")
+    assert "--block-bytes" in out.stdout and "--max-sms" in out.stdout
+
+
+def test_console_script_is_installed():
+    exe = os.path.join(os.path.dirname(sys.executable), "kvswap")
+    out = subprocess.run([exe, "info", "--json"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and json.loads(out.stdout)["platform"] == "cpu"

@@ -1,0 +1,81 @@
+"""The wheel holds every package of the source tree (mapped packages are easy to drop)."""
+from __future__ import annotations
+
+import configparser
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MAPPING = {"core": "kvswap", "backends": "kvswap.backends", "calibration": "kvswap.calibration"}
+
+
+def source_packages() -> set[str]:
+    found = set()
+    for folder, name in MAPPING.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder).parts
+            if "__pycache__" not in rel:
+                found.add(".".join((name,) + rel))
+    return found
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> zipfile.ZipFile:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
+        check=True, capture_output=True, timeout=300,
+    )
+    (path,) = out.glob("kvswap-*.whl")
+    return zipfile.ZipFile(path)
+
+
+def test_every_source_package_is_in_the_wheel(wheel):
+    names = wheel.namelist()
+    in_wheel = {n[: -len("/__init__.py")].replace("/", ".") for n in names if n.endswith("/__init__.py")}
+    missing = source_packages() - in_wheel
+    assert not missing, f"packages missing from the wheel (list them in pyproject.toml): {sorted(missing)}"
+    assert source_packages() >= {"kvswap", "kvswap.backends.cuda", "kvswap.backends.rocm",
+                                 "kvswap.backends.triton_generic", "kvswap.calibration"}
+
+
+def test_every_module_and_shipped_profile_is_in_the_wheel(wheel):
+    names = set(wheel.namelist())
+    for folder, name in MAPPING.items():
+        for f in (ROOT / folder).rglob("*"):
+            if f.suffix in {".py", ".json"} and "__pycache__" not in f.parts:
+                rel = f.relative_to(ROOT / folder)
+                assert "/".join(name.split(".") + list(rel.parts)) in names, f"{f} is not in the wheel"
+
+
+def test_entry_points_register_backends_and_never_autoload_the_pytest_plugin(wheel):
+    (ep_file,) = [n for n in wheel.namelist() if n.endswith(".dist-info/entry_points.txt")]
+    cfg = configparser.ConfigParser()
+    cfg.read_string(wheel.read(ep_file).decode())
+    assert dict(cfg["kvswap.backends"]) == {
+        "cuda": "kvswap.backends.cuda",
+        "rocm": "kvswap.backends.rocm",
+        "triton": "kvswap.backends.triton_generic",
+    }
+    assert cfg["console_scripts"]["kvswap"] == "kvswap.cli:main"
+    assert "pytest11" not in cfg
+
+
+def test_backend_modules_import_light():
+    code = (
+        "import sys\n"
+        "import kvswap.backends.cuda, kvswap.backends.rocm, kvswap.backends.triton_generic\n"
+        "heavy = [m for m in ('triton',) if m in sys.modules]\n"
+        "torch = sys.modules.get('torch')\n"
+        "if torch is not None and torch.cuda.is_initialized(): heavy.append('CUDA context')\n"
+        "maps = open('/proc/self/maps').read()\n"
+        "heavy += [lib for lib in ('libcuda.so', 'libamdhip64') if lib in maps]\n"
+        "print(','.join(heavy))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "", f"importing the backends loaded {out.stdout.strip()}"

@@ -1,0 +1,294 @@
+"""resolve() and SwapFn on the CPU: real copies through the host reference, and ranking,
+forcing and routing decided through throwaway plugins."""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+import kvswap
+from kvswap import (
+    Calibration, ConfigurationError, CopyImpl, Curve, InvalidTransferError, Policy,
+    ResolutionError, hookimpl,
+)
+from kvswap.plugins import create_plugin_host
+from kvswap.reference import host_copy
+
+from fakes import address, scattered
+
+POISON = 0xA5
+
+
+def host_batch(rng, sizes, pool=1 << 22, slot=None):
+    """Random source pool, poisoned destination pool, scattered non-overlapping blocks."""
+    slot = slot or int(max(sizes.max(initial=1), 1))
+    pool = max(pool, 2 * slot * len(sizes))
+    src = rng.integers(0, 256, pool, dtype=np.uint8)
+    dst = np.full(pool, POISON, dtype=np.uint8)
+    so = scattered(rng, pool, sizes, slot)
+    do = scattered(rng, pool, sizes, slot)
+    return src, dst, so, do
+
+
+def expected(src, dst_before, so, do, sizes):
+    out = dst_before.copy()
+    for s, d, n in zip(so, do, sizes):
+        out[d:d + n] = src[s:s + n]
+    return out
+
+
+@pytest.mark.parametrize("n", [0, 1, 17, 3000])
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+def test_resolve_on_cpu_copies_every_byte_and_nothing_else(n, direction):
+    rng = np.random.default_rng(n)
+    sizes = rng.integers(1, 9000, n).astype(np.int64)
+    src, dst, so, do = host_batch(rng, sizes, slot=9000)
+    want = expected(src, dst, so, do, sizes)
+    fn = kvswap.resolve(direction)
+    assert fn.plan.device.platform == "cpu"
+    assert fn.impls == ("host.reference",)
+    fn(address(src) + so, address(dst) + do, sizes)
+    assert np.array_equal(dst, want)  # every copied byte, and every byte outside stays poison
+
+
+def test_swapfn_takes_torch_tensors_and_lists():
+    import torch
+
+    rng = np.random.default_rng(1)
+    sizes = np.array([64, 128, 8], dtype=np.int64)
+    src, dst, so, do = host_batch(rng, sizes, pool=1 << 14, slot=256)
+    want = expected(src, dst, so, do, sizes)
+    fn = kvswap.resolve("h2d", device="cpu")
+    fn(torch.from_numpy(address(src) + so), list(address(dst) + do), torch.tensor(sizes, dtype=torch.int32))
+    assert np.array_equal(dst, want)
+
+
+@pytest.mark.parametrize(
+    "src, dst, sizes, match",
+    [
+        ([1, 2], [1], [1, 1], "equal length"),
+        ([1], [2], [0], "sizes\\[0\\]=0"),
+        ([0], [2], [1], "src_ptrs\\[0\\]=0 is not a valid address"),
+        ([1.5], [2], [1], "must hold integers"),
+        ([[1]], [[2]], [[1]], "must be 1-D"),
+    ],
+)
+def test_swapfn_rejects_bad_batches(src, dst, sizes, match):
+    fn = kvswap.resolve("h2d", device="cpu")
+    with pytest.raises(InvalidTransferError, match=match):
+        fn(src, dst, sizes)
+
+
+def test_overlapping_destinations_are_refused_before_any_byte_moves():
+    rng = np.random.default_rng(2)
+    src = rng.integers(0, 256, 4096, dtype=np.uint8)
+    dst = np.full(4096, POISON, dtype=np.uint8)
+    fn = kvswap.resolve("h2d", device="cpu")
+    with pytest.raises(InvalidTransferError, match="overlap"):
+        fn([address(src), address(src) + 512], [address(dst) + 1024, address(dst)], [256, 1100])
+    assert (dst == POISON).all()
+
+
+def test_explain_tells_the_whole_decision():
+    text = kvswap.resolve("d2h", device="cpu", block_bytes=[8192, 16384]).explain()
+    for part in ("d2h", "cpu", "host.reference", "calibration:", "routes by block size", "not calibrated"):
+        assert part in text
+    plan = kvswap.resolve("d2h", device="cpu").plan.to_dict()
+    assert plan["direction"] == "d2h" and plan["routes"][0]["impl"] == "host.reference"
+
+
+@pytest.mark.parametrize("bad", [dict(direction="up"), dict(block_bytes=0), dict(block_bytes=[1, -2]),
+                                 dict(device="not a device!"), dict(policy="fast")])
+def test_bad_resolve_arguments_raise_configuration_errors(bad):
+    args = dict(direction="h2d") | bad
+    with pytest.raises(ConfigurationError):
+        kvswap.resolve(args.pop("direction"), **args)
+
+
+# ---- ranking, forcing and routing, decided through throwaway plugins ----------------
+
+LOG: list[tuple[str, int]] = []
+
+
+def recording_impl(name, kind="batch", alignment=1, max_block_bytes=None, mixed_sizes=True, platform="cpu"):
+    def factory(ctx):
+        def fn(src, dst, sizes, stream):
+            LOG.append((name, len(sizes)))
+            host_copy(src, dst, sizes)
+        fn.note = f"{name} bound with {dict(ctx.params)}"
+        return fn
+
+    return CopyImpl(name, kind, (platform,), ("h2d", "d2h"), factory, alignment=alignment,
+                    max_block_bytes=max_block_bytes, mixed_sizes=mixed_sizes)
+
+
+class Offer:
+    """A plugin offering given impls and one calibration for the cpu platform."""
+
+    def __init__(self, impls, calibration=None):
+        self.impls, self.calibration = impls, calibration
+
+    @hookimpl
+    def kvswap_register_copy_impls(self, platform, register):
+        for impl in self.impls:
+            if platform in impl.platforms:
+                register(impl)
+
+    @hookimpl
+    def kvswap_register_calibrations(self, device, register):
+        if self.calibration is not None:
+            register(self.calibration)
+
+
+def cpu_cal(points, **kw):
+    curves = tuple(Curve(name, d, pts, num_sms=sms) for name, pts, sms in points for d in ("h2d", "d2h"))
+    return Calibration(source="test calibration", platform="cpu", scope="device", curves=curves, **kw)
+
+
+DMA = [(4096, 5.0), (32768, 40.0), (262144, 50.0)]
+KERNEL = [(4096, 45.0), (32768, 48.0), (262144, 48.0)]
+
+
+def two_route_host(order, **cal):
+    impls = {"acme.dma": recording_impl("acme.dma"), "acme.kern": recording_impl("acme.kern", kind="kernel")}
+    cal = cpu_cal([("acme.dma", DMA, None), ("acme.kern", KERNEL, 8)], **cal)
+    plugins = [(f"p{i}", Offer([impls[n]], cal if i == 0 else None)) for i, n in enumerate(order)]
+    return create_plugin_host(entry_points=[], env={}, extra=plugins)
+
+
+@pytest.mark.parametrize("order", [("acme.dma", "acme.kern"), ("acme.kern", "acme.dma")])
+def test_ranking_follows_predicted_bandwidth_not_registration_order(order):
+    fn = kvswap.resolve("h2d", device="cpu", host=two_route_host(order), block_bytes=[4096, 262144])
+    by_size = {r.at_bytes: r.impl for r in fn.plan.routes}
+    assert by_size[4096] == "acme.kern"  # 45 GB/s beats 5
+    assert by_size[262144] == "acme.dma"  # 50 beats 48, and the DMA takes no SMs
+    assert fn.plan.params["acme.kern"] == {"num_sms": 8}
+
+
+def test_routes_split_mixed_sizes_and_small_batches_by_route():
+    LOG.clear()
+    fn = kvswap.resolve("h2d", device="cpu", host=two_route_host(("acme.dma", "acme.kern")),
+                        block_bytes=[4096, 262144])
+    rng = np.random.default_rng(3)
+    sizes = np.array([4096] * 20 + [262144] * 3, dtype=np.int64)
+    rng.shuffle(sizes)
+    src, dst, so, do = host_batch(rng, sizes, pool=1 << 24, slot=262144)
+    want = expected(src, dst, so, do, sizes)
+    fn(address(src) + so, address(dst) + do, sizes)
+    assert np.array_equal(dst, want)
+    assert sorted(LOG) == [("acme.dma", 3), ("acme.kern", 20)]
+    LOG.clear()
+    fn(address(src) + so[:5], address(dst) + do[:5], np.full(5, 4096))  # under the min batch of 16
+    assert LOG == [("acme.dma", 5)]
+
+
+def test_low_interference_discounts_routes_that_slow_compute():
+    host = two_route_host(("acme.dma", "acme.kern"), slowdown={"kernel": 0.95, "batch": 0.0})
+    fast = kvswap.resolve("h2d", device="cpu", host=host, block_bytes=4096)
+    calm = kvswap.resolve("h2d", device="cpu", host=host, block_bytes=4096,
+                          policy=Policy(prefer="low_interference"))
+    route = lambda fn: next(r.impl for r in fn.plan.routes if r.at_bytes == 4096)
+    assert route(fast) == "acme.kern" and route(calm) == "acme.dma"
+
+
+def test_max_sms_caps_kernels_and_zero_rejects_them():
+    host = two_route_host(("acme.dma", "acme.kern"), kernel_sms={"h2d": 16})
+    fn = kvswap.resolve("h2d", device="cpu", host=host, policy=Policy(max_sms=1))
+    assert fn.plan.params["acme.kern"] == {"num_sms": 1}
+    none = kvswap.resolve("h2d", device="cpu", host=host, policy=Policy(max_sms=0))
+    kern = next(c for c in none.plan.candidates if c.name == "acme.kern")
+    assert not kern.available and "max_sms=0" in kern.reason
+    assert {r.impl for r in none.plan.routes} == {"acme.dma"}
+
+
+def test_misaligned_descriptors_go_to_a_route_that_accepts_them():
+    LOG.clear()
+    impls = [recording_impl("acme.wide", alignment=8), recording_impl("acme.bytes")]
+    cal = cpu_cal([("acme.wide", [(1, 90.0)], None), ("acme.bytes", [(1, 1.0)], None)])
+    host = create_plugin_host(entry_points=[], env={}, extra=[("acme", Offer(impls, cal))])
+    fn = kvswap.resolve("d2h", device="cpu", host=host)
+    assert "descriptors acme.wide refuses -> acme.bytes" in fn.explain()
+    rng = np.random.default_rng(4)
+    sizes = np.array([64, 13, 128, 7], dtype=np.int64)
+    src, dst, so, do = host_batch(rng, sizes, pool=1 << 16, slot=256)
+    so, do = so - so % 8, do - do % 8
+    want = expected(src, dst, so, do, sizes)
+    fn(address(src) + so, address(dst) + do, sizes)
+    assert np.array_equal(dst, want)
+    assert sorted(LOG) == [("acme.bytes", 2), ("acme.wide", 2)]
+
+
+def test_a_descriptor_no_route_accepts_is_refused_before_any_byte_moves():
+    LOG.clear()
+    host = create_plugin_host(entry_points=[], env={}, extra=[("acme", Offer([recording_impl("acme.wide", alignment=8)]))])
+    fn = kvswap.resolve("h2d", device="cpu", host=host, policy=Policy(force="acme.wide"))
+    src = np.random.default_rng(5).integers(0, 256, 64, dtype=np.uint8)
+    dst = np.full(64, POISON, dtype=np.uint8)
+    with pytest.raises(InvalidTransferError, match="descriptor 1 .*multiples of 8"):
+        fn([address(src), address(src) + 16], [address(dst), address(dst) + 32], [8, 12])
+    assert (dst == POISON).all() and LOG == []
+
+
+def test_unmixed_impl_gets_one_call_per_size():
+    LOG.clear()
+    host = create_plugin_host(entry_points=[], env={}, extra=[("acme", Offer([recording_impl("acme.one", mixed_sizes=False)]))])
+    fn = kvswap.resolve("h2d", device="cpu", host=host, policy=Policy(force="acme.one"))
+    rng = np.random.default_rng(6)
+    sizes = np.array([16, 32, 16, 32, 48], dtype=np.int64)
+    src, dst, so, do = host_batch(rng, sizes, pool=1 << 14, slot=64)
+    want = expected(src, dst, so, do, sizes)
+    fn(address(src) + so, address(dst) + do, sizes)
+    assert np.array_equal(dst, want) and sorted(LOG) == [("acme.one", 1), ("acme.one", 2), ("acme.one", 2)]
+
+
+def test_force_through_policy_and_environment(monkeypatch):
+    host = two_route_host(("acme.dma", "acme.kern"))
+    fn = kvswap.resolve("h2d", device="cpu", host=host, policy=Policy(force="acme.dma"), block_bytes=4096)
+    assert [r.impl for r in fn.plan.routes] == ["acme.dma"] and "forced by Policy.force" in fn.explain()
+    monkeypatch.setenv("KVSWAP_FORCE_IMPL", "acme.kern")
+    fn = kvswap.resolve("h2d", device="cpu", host=host, block_bytes=262144)
+    assert [r.impl for r in fn.plan.routes] == ["acme.kern"] and "KVSWAP_FORCE_IMPL" in fn.explain()
+
+
+def test_force_that_cannot_be_honoured_names_impl_reason_and_choices():
+    host = two_route_host(("acme.dma", "acme.kern"))
+    with pytest.raises(ResolutionError, match=r"'acme\.nope' is not registered .* usable here: acme\.dma, acme\.kern, host\.reference"):
+        kvswap.resolve("h2d", device="cpu", host=host, policy=Policy(force="acme.nope"))
+    with pytest.raises(ResolutionError, match=r"'acme\.kern' cannot be honoured: Policy\.max_sms=0"):
+        kvswap.resolve("h2d", device="cpu", host=host, policy=Policy(force="acme.kern", max_sms=0))
+    wide = create_plugin_host(entry_points=[], env={}, extra=[("acme", Offer([recording_impl("acme.wide", alignment=8)]))])
+    with pytest.raises(ResolutionError, match=r"refuses block_bytes \[12\]"):
+        kvswap.resolve("h2d", device="cpu", host=wide, block_bytes=[8, 12], policy=Policy(force="acme.wide"))
+
+
+def test_impl_for_another_platform_or_direction_is_rejected_with_reason():
+    gpu_only = recording_impl("acme.gpu", platform="cpu")
+    one_way = CopyImpl("acme.up", "batch", ("cpu",), ("h2d",), lambda ctx: host_copy)
+    unavailable = CopyImpl("acme.off", "batch", ("cpu",), ("d2h",), lambda ctx: host_copy,
+                           availability=lambda dev: "the acme driver is not loaded")
+    host = create_plugin_host(entry_points=[], env={}, extra=[("acme", Offer([gpu_only, one_way, unavailable]))])
+    fn = kvswap.resolve("d2h", device="cpu", host=host)
+    reasons = {c.name: c.reason for c in fn.plan.candidates}
+    assert reasons["acme.up"] == "copies only h2d"
+    assert reasons["acme.off"] == "the acme driver is not loaded"
+    assert reasons["acme.gpu"] is None
+
+
+def test_a_factory_that_raises_rejects_only_its_impl():
+    def broken(ctx):
+        raise RuntimeError("cannot bind")
+
+    bad = CopyImpl("acme.broken", "batch", ("cpu",), ("h2d", "d2h"), broken)
+    cal = cpu_cal([("acme.broken", [(1, 999.0)], None)])
+    host = create_plugin_host(entry_points=[], env={}, extra=[("acme", Offer([bad], cal))])
+    fn = kvswap.resolve("h2d", device="cpu", host=host)
+    assert fn.impls == ("host.reference",)
+    assert "factory raised RuntimeError: cannot bind" in fn.explain()
+
+
+def test_uncalibrated_impls_rank_after_predicted_ones_by_name():
+    impls = [recording_impl("acme.zeta"), recording_impl("acme.alpha")]
+    host = create_plugin_host(entry_points=[], env={}, extra=[("acme", Offer(impls))])
+    fn = kvswap.resolve("h2d", device="cpu", host=host)
+    assert fn.plan.routes[0].impl == "acme.alpha"

@@ -5,15 +5,24 @@ user's data directory (``<user data dir>/kvswap/profiles/<identity>.json``); the
 shipped in ``kvswap/calibration/profiles/``. A profile that is malformed, of another
 schema, or for another device is skipped with a :class:`kvswap.ProfileWarning` naming the
 file.
+
+A profile document (schema ``kvswap.profile/1``) holds: ``schema``, ``kvswap_version``,
+``identity``, ``device`` (the full DeviceInfo), ``created``, ``measured`` (what was timed,
+in words), ``settings``, ``ceiling_gbps``, ``measurements`` (raw timings), ``failures``,
+``curves``, ``decisions`` (per direction: routes, ``kernel_sms``, ``kernel_min_batch``,
+crossover), ``slowdown`` and ``interference``. :func:`to_calibration` is what the resolver
+reads of it.
 """
 from __future__ import annotations
 
+import contextlib
+import datetime
 import json
 import os
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from kvswap.errors import ProfileWarning
 from kvswap.thresholds import Calibration, Curve
@@ -26,13 +35,23 @@ SHIPPED = Path(__file__).resolve().parent / "profiles"
 
 def user_dir() -> Path:
     """Where ``kvswap calibrate`` writes profiles by default (platformdirs' user data dir)."""
-    import platformdirs
-
+    try:
+        import platformdirs
+    except ImportError:
+        # A machine without platformdirs must still resolve: this is what platformdirs
+        # answers on Linux, the only platform with accelerators kvswap serves today.
+        base = os.environ.get("XDG_DATA_HOME", "").strip() or os.path.expanduser("~/.local/share")
+        return Path(base) / "kvswap" / "profiles"
     return Path(platformdirs.user_data_dir("kvswap", appauthor=False)) / "profiles"
 
 
 def profile_name(identity: str) -> str:
     return f"{identity}.json"
+
+
+def default_path(device: DeviceInfo) -> Path:
+    """Where ``kvswap calibrate`` writes the profile of ``device`` unless told otherwise."""
+    return user_dir() / profile_name(device.identity)
 
 
 class ProfileError(ValueError):
@@ -46,6 +65,12 @@ def to_calibration(doc: dict[str, Any], source: str) -> Calibration:
     if doc.get("schema") != SCHEMA:
         raise ProfileError(f"schema is {doc.get('schema')!r}, this kvswap reads {SCHEMA!r}")
     try:
+        identity, device = doc["identity"], doc["device"]
+        if not isinstance(device, dict) or device.get("identity") != identity:
+            raise ProfileError(
+                f"identity {identity!r} does not match the device it describes "
+                f"({device.get('identity') if isinstance(device, dict) else device!r})"
+            )
         decisions = doc["decisions"]
         curves = tuple(
             Curve(c["impl"], c["direction"], tuple(map(tuple, c["points"])), c.get("num_sms"))
@@ -53,14 +78,14 @@ def to_calibration(doc: dict[str, Any], source: str) -> Calibration:
         )
         return Calibration(
             source=source,
-            platform=doc["device"]["platform"],
+            platform=device["platform"],
             scope="device",
             curves=curves,
             kernel_sms={d: v["kernel_sms"] for d, v in decisions.items() if v.get("kernel_sms")},
             kernel_min_batch={d: v["kernel_min_batch"] for d, v in decisions.items() if v.get("kernel_min_batch")},
             slowdown=doc.get("slowdown", {}),
             ceiling_gbps=doc.get("ceiling_gbps", {}),
-            identity=doc["identity"],
+            identity=identity,
         )
     except ProfileError:
         raise
@@ -70,6 +95,11 @@ def to_calibration(doc: dict[str, Any], source: str) -> Calibration:
 
 def load(path: Path, device: Optional[DeviceInfo] = None) -> Calibration:
     """Read one profile; raise :class:`ProfileError` if unusable (or for another device)."""
+    return to_calibration(read(path, device), f"profile {path}")
+
+
+def read(path: Path, device: Optional[DeviceInfo] = None) -> dict[str, Any]:
+    """The checked document of one profile (what :func:`load` turns into a Calibration)."""
     try:
         doc = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
@@ -77,7 +107,7 @@ def load(path: Path, device: Optional[DeviceInfo] = None) -> Calibration:
     cal = to_calibration(doc, f"profile {path}")
     if device is not None and cal.identity != device.identity:
         raise ProfileError(f"is for device {cal.identity!r}, not {device.identity!r}")
-    return cal
+    return doc
 
 
 def candidates(device: DeviceInfo) -> list[Path]:
@@ -86,13 +116,40 @@ def candidates(device: DeviceInfo) -> list[Path]:
     env = os.environ.get(PROFILE_ENV)
     if env:
         out.append(Path(env))
-    out.append(user_dir() / profile_name(device.identity))
+    try:
+        out.append(user_dir() / profile_name(device.identity))
+    except ImportError:  # installed with --no-deps somewhere without platformdirs
+        warnings.warn("kvswap cannot search the user profile directory: platformdirs is not installed",
+                      ProfileWarning, stacklevel=3)
     out.append(SHIPPED / profile_name(device.identity))
     return out
 
 
+# While `kvswap calibrate` measures, it must bind kernels at exact SM counts and must not
+# be steered by the profile it is about to replace; an override stands in for find().
+_NO_PROFILE = object()
+_overrides: list[Any] = []
+
+
+@contextlib.contextmanager
+def override(calibration: Optional[Calibration]) -> Iterator[None]:
+    """Inside the block, :func:`find` answers ``calibration`` (None: no profile at all,
+    so the resolver falls back to backend defaults) instead of reading files."""
+    _overrides.append(_NO_PROFILE if calibration is None else calibration)
+    try:
+        yield
+    finally:
+        _overrides.pop()
+
+
 def find(device: DeviceInfo) -> Optional[Calibration]:
     """The measured calibration for ``device``, or None; bad files are skipped with a warning."""
+    if _overrides:
+        top = _overrides[-1]
+        if top is _NO_PROFILE:
+            return None
+        if top.identity in (None, device.identity):
+            return top
     env = os.environ.get(PROFILE_ENV)
     for path in candidates(device):
         if not path.exists() and str(path) != env:
@@ -102,6 +159,23 @@ def find(device: DeviceInfo) -> Optional[Calibration]:
         except ProfileError as e:
             warnings.warn(f"kvswap skipped calibration profile {path}: {e}", ProfileWarning, stacklevel=2)
     return None
+
+
+def make_document(device: DeviceInfo, **fields: Any) -> dict[str, Any]:
+    """A profile document for ``device``: schema, version, identity, device, time, then ``fields``."""
+    from kvswap import __version__
+
+    # DeviceInfo.details is free-form plugin data: keep what JSON can hold, as text otherwise.
+    described = json.loads(json.dumps(device.to_dict(), default=str))
+    doc: dict[str, Any] = {
+        "schema": SCHEMA,
+        "kvswap_version": __version__,
+        "identity": device.identity,
+        "device": described,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    doc.update(fields)
+    return doc
 
 
 def save(doc: dict[str, Any], path: Path) -> Path:

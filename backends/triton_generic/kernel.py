@@ -32,17 +32,21 @@ def _copy_step(sp, dp, rem, col):
 
 
 @triton.jit
-def copy_kernel(desc, n, JOBS: tl.constexpr, WORDS: tl.constexpr, WIDE: tl.constexpr):
+def copy_kernel(desc, n, splits, JOBS: tl.constexpr, WORDS: tl.constexpr, WIDE: tl.constexpr):
     """Copy ``n`` descriptors packed in ``desc``; see the module docstring.
 
+    ``splits``: how many programs share one tile, each taking every ``splits``-th step
+    (more than 1 only when there are fewer tiles than programs, so a few large blocks
+    still spread over the whole SM budget).
     ``WIDE``: take the 16-byte path for tiles whose addresses and sizes are all multiples
     of 16 (the compiler is told so, and vectorises the accesses).
     """
     lane = tl.arange(0, JOBS)
     col = tl.arange(0, WORDS)
-    ntiles = tl.cdiv(n, JOBS)
-    for t in range(tl.program_id(0), ntiles, tl.num_programs(0)):
-        j = t.to(tl.int64) * JOBS + lane
+    work = tl.cdiv(n, JOBS) * splits
+    for w in range(tl.program_id(0), work, tl.num_programs(0)):
+        part = w % splits
+        j = (w // splits).to(tl.int64) * JOBS + lane
         live = j < n
         s = tl.load(desc + j, mask=live, other=0)
         d = tl.load(desc + n + j, mask=live, other=0)
@@ -56,7 +60,7 @@ def copy_kernel(desc, n, JOBS: tl.constexpr, WORDS: tl.constexpr, WIDE: tl.const
         if wide:
             sp = tl.multiple_of(s, 16).to(tl.pointer_type(tl.int64))
             dp = tl.multiple_of(d, 16).to(tl.pointer_type(tl.int64))
-            for c in range(0, top, WORDS):
+            for c in range(part * WORDS, top, splits * WORDS):
                 # Even counts from 16-byte aligned starts: the mask is constant over
                 # pairs, which is what lets the accesses become 16-byte vectors.
                 rem = tl.multiple_of(tl.minimum(nw - c, WORDS).to(tl.int32), 2)
@@ -64,7 +68,7 @@ def copy_kernel(desc, n, JOBS: tl.constexpr, WORDS: tl.constexpr, WIDE: tl.const
         else:
             sp = s.to(tl.pointer_type(tl.int64))
             dp = d.to(tl.pointer_type(tl.int64))
-            for c in range(0, top, WORDS):
+            for c in range(part * WORDS, top, splits * WORDS):
                 rem = tl.minimum(nw - c, WORDS).to(tl.int32)
                 _copy_step(sp + c, dp + c, rem, col)
         # Bytes: the tail of word-copied rows (< 8) and all of an unaligned row.
@@ -74,6 +78,6 @@ def copy_kernel(desc, n, JOBS: tl.constexpr, WORDS: tl.constexpr, WIDE: tl.const
         if tail > 0:
             sb = s.to(tl.pointer_type(tl.uint8)) + b0
             db = d.to(tl.pointer_type(tl.uint8)) + b0
-            for c in range(0, tail, WORDS):
+            for c in range(part * WORDS, tail, splits * WORDS):
                 rem = tl.minimum(nb - c, WORDS).to(tl.int32)
                 _copy_step(sb + c, db + c, rem, col)

@@ -19,6 +19,7 @@ import contextlib
 import datetime
 import json
 import os
+import re
 import tempfile
 import warnings
 from pathlib import Path
@@ -178,16 +179,27 @@ def make_document(device: DeviceInfo, **fields: Any) -> dict[str, Any]:
     return doc
 
 
+_FLAT_LIST = re.compile(r"\[\s+([^\[\]{}\"]*?)\s+\]")
+
+
+def dumps(doc: dict[str, Any]) -> str:
+    """Indented JSON with lists of numbers (curve points) on one line each."""
+    text = json.dumps(doc, indent=1, sort_keys=True, allow_nan=False)
+    # JSON escapes newlines inside strings, so every raw newline here is layout.
+    return _FLAT_LIST.sub(lambda m: "[" + re.sub(r"\s*\n\s*", " ", m.group(1)) + "]", text) + "\n"
+
+
 def save(doc: dict[str, Any], path: Path) -> Path:
     """Write ``doc`` atomically (temporary file in the same folder, then rename)."""
     to_calibration(doc, str(path))  # refuse to write what could not be read back
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    text = dumps(doc)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.fchmod(fd, 0o644)  # a profile is meant to be read and shared, unlike mkstemp's 0600
         with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=1, sort_keys=True)
-            f.write("\n")
+            f.write(text)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)

@@ -30,9 +30,11 @@ from .types import DeviceInfo, Direction, Policy  # noqa: E402
 from .plan import Plan, Route  # noqa: E402
 from .resolver import resolve  # noqa: E402
 from .swapfn import SwapFn  # noqa: E402
+from .mover import BlockMover, TransferResult  # noqa: E402
 
 __all__ = [
     "BindContext",
+    "BlockMover",
     "Calibration",
     "ConfigurationError",
     "CopyImpl",
@@ -51,6 +53,7 @@ __all__ = [
     "ResolutionError",
     "Route",
     "SwapFn",
+    "TransferResult",
     "hookimpl",
     "resolve",
 ]

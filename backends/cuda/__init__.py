@@ -1,1 +1,44 @@
-"""kvswap backend: cuda (being written)."""
+"""kvswap backend ``cuda``: batch copies through the CUDA driver, the CUDA device
+description, and thresholds for the NVIDIA GPUs kvswap has numbers for.
+
+Registered through the ``kvswap.backends`` entry point like any vendor's plugin. Importing
+it loads no library and initialises no GPU: libcuda is opened on first use, and a machine
+without it sees ``cuda.batch`` as unavailable, with the reason.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from kvswap import hookimpl
+from kvswap.impl import CopyImpl
+from kvswap.thresholds import Calibration
+from kvswap.types import DeviceInfo
+
+__all__ = [
+    "kvswap_detect_platform",
+    "kvswap_register_calibrations",
+    "kvswap_register_copy_impls",
+]
+
+
+@hookimpl
+def kvswap_register_copy_impls(platform: str, register: Callable[[CopyImpl], None]) -> None:
+    if platform == "cuda":
+        from .batch import CUDA_BATCH
+
+        register(CUDA_BATCH)
+
+
+@hookimpl
+def kvswap_register_calibrations(device: DeviceInfo, register: Callable[[Calibration], None]) -> None:
+    from .defaults import calibrations_for
+
+    for cal in calibrations_for(device):
+        register(cal)
+
+
+@hookimpl
+def kvswap_detect_platform(device: Optional[str]) -> Optional[DeviceInfo]:
+    from .device import describe
+
+    return describe(device)

@@ -32,7 +32,19 @@ def _copy_step(sp, dp, rem, col):
 
 
 @triton.jit
-def copy_kernel(desc, n, splits, JOBS: tl.constexpr, WORDS: tl.constexpr, WIDE: tl.constexpr):
+def _load_descriptors(desc, n, tile, JOBS: tl.constexpr):
+    j = tile.to(tl.int64) * JOBS + tl.arange(0, JOBS)
+    live = j < n
+    # Rows past ``n`` read as size 0 and copy nothing.
+    s = tl.load(desc + j, mask=live, other=0)
+    d = tl.load(desc + n + j, mask=live, other=0)
+    z = tl.load(desc + 2 * n + j, mask=live, other=0)
+    return s, d, z
+
+
+@triton.jit
+def copy_kernel(desc, n, splits, JOBS: tl.constexpr, WORDS: tl.constexpr, WIDE: tl.constexpr,
+                PREFETCH: tl.constexpr):
     """Copy ``n`` descriptors packed in ``desc``; see the module docstring.
 
     ``splits``: how many programs share one tile, each taking every ``splits``-th step
@@ -40,17 +52,21 @@ def copy_kernel(desc, n, splits, JOBS: tl.constexpr, WORDS: tl.constexpr, WIDE: 
     still spread over the whole SM budget).
     ``WIDE``: take the 16-byte path for tiles whose addresses and sizes are all multiples
     of 16 (the compiler is told so, and vectorises the accesses).
+    ``PREFETCH``: load the next tile's descriptors before copying this one, so their
+    latency hides behind the copy instead of adding to every tile.
     """
-    lane = tl.arange(0, JOBS)
     col = tl.arange(0, WORDS)
     work = tl.cdiv(n, JOBS) * splits
-    for w in range(tl.program_id(0), work, tl.num_programs(0)):
+    step = tl.num_programs(0)
+    first = tl.program_id(0)
+    ns, nd, nz = _load_descriptors(desc, n, first // splits, JOBS)
+    for w in range(first, work, step):
         part = w % splits
-        j = (w // splits).to(tl.int64) * JOBS + lane
-        live = j < n
-        s = tl.load(desc + j, mask=live, other=0)
-        d = tl.load(desc + n + j, mask=live, other=0)
-        z = tl.load(desc + 2 * n + j, mask=live, other=0)
+        if PREFETCH:
+            s, d, z = ns, nd, nz
+            ns, nd, nz = _load_descriptors(desc, n, (w + step) // splits, JOBS)
+        else:
+            s, d, z = _load_descriptors(desc, n, w // splits, JOBS)
         # 8-byte words where both addresses allow; size 0 rows (past n) copy nothing.
         nw = tl.where(((s | d) & 7) == 0, z >> 3, 0)
         top = tl.max(nw, 0)

@@ -34,13 +34,15 @@ def _pow2_at_least(x: int) -> int:
 @dataclass(frozen=True)
 class Tile:
     """One launch shape: ``jobs`` descriptors side by side, ``words`` elements of each per
-    step, ``warps`` warps per program, ``splits`` programs per tile, ``wide`` 16-byte path."""
+    step, ``warps`` warps per program, ``splits`` programs per tile, ``wide`` 16-byte path,
+    ``prefetch`` next tile's descriptors loaded while this one copies."""
 
     jobs: int
     words: int
     warps: int
     splits: int = 1
     wide: bool = True
+    prefetch: bool = True
 
 
 @dataclass(frozen=True)
@@ -51,12 +53,14 @@ class TilePlan:
     :param row_max: most elements of one descriptor per step.
     :param warps: warps per program for a full tile (fewer for smaller tiles).
     :param wide: allow the 16-byte vector path.
+    :param prefetch: load the next tile's descriptors during this tile's copy.
     """
 
     tile_elems: int = TILE_ELEMS
     row_max: int = ROW_MAX
     warps: int = WARPS
     wide: bool = True
+    prefetch: bool = True
 
     def __post_init__(self) -> None:
         for name in ("tile_elems", "row_max", "warps"):
@@ -71,22 +75,22 @@ class TilePlan:
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> TilePlan:
-        keys = ("tile_elems", "row_max", "warps", "wide")
+        keys = ("tile_elems", "row_max", "warps", "wide", "prefetch")
         return cls(**{k: params[k] for k in keys if k in params})
 
     def pick(self, n: int, total_bytes: int, num_sms: int) -> Tile:
         mean_words = -(-total_bytes // (8 * n))
         words = min(max(_pow2_at_least(mean_words), ROW_MIN), self.row_max)
+        # One tile shape per row width keeps the compiled variants few (each costs a
+        # compile on first use); short batches are latency-bound by one step anyway.
         jobs = self.tile_elems // words
-        # Short batches: fewer descriptors per tile so that they spread over every program.
-        jobs = max(1, min(jobs, _pow2_at_least(-(-n // num_sms))))
         tiles = -(-n // jobs)
         splits = 1
         if tiles < num_sms:
             # Fewer tiles than programs: let programs share a tile's steps.
             splits = max(1, min(num_sms // tiles, -(-mean_words // words)))
         warps = max(1, min(self.warps, jobs * words // 512))
-        return Tile(jobs, words, warps, splits, self.wide)
+        return Tile(jobs, words, warps, splits, self.wide, self.prefetch)
 
 
 @dataclass(frozen=True)
@@ -179,7 +183,8 @@ class KernelCopy:
 
     @staticmethod
     def _args(tile: Tile) -> dict[str, Any]:
-        return dict(JOBS=tile.jobs, WORDS=tile.words, WIDE=tile.wide, num_warps=tile.warps)
+        return dict(JOBS=tile.jobs, WORDS=tile.words, WIDE=tile.wide, PREFETCH=tile.prefetch,
+                    num_warps=tile.warps)
 
     def _interpret(self, kernel: Any, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, launch: Launch) -> None:
         import torch

@@ -1,0 +1,178 @@
+"""``cuda.batch``: a whole batch in one ``cuMemcpyBatchAsync`` call on the copy engines.
+
+The descriptor arrays reach the driver as raw pointers to the caller's int64 numpy arrays
+(no per-descriptor Python objects). Where the batch call cannot serve — a driver older
+than 12.8, or the legacy default stream, which it rejects — each descriptor becomes one
+``cuMemcpyAsync``: correct, just slower (FACTS.md: 5.3 GB/s for 16 KiB blocks), and the
+callable's ``note`` says so in ``explain()``.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from kvswap.errors import DriverError, InvalidTransferError
+from kvswap.impl import BindContext, CopyImpl
+from kvswap.streams import raw_handle
+from kvswap.types import DeviceInfo, Direction
+
+from . import driver as drv
+from .device import torch_reason
+
+NAME = "cuda.batch"
+BATCH, PER_COPY = "batch", "per-copy"
+
+
+def access_order(direction: Direction) -> int:
+    """ANY lets the copy engine read the source before earlier work on the stream is done:
+    safe only for a host source nobody on the GPU writes; device memory keeps STREAM order."""
+    return drv.ORDER_ANY if Direction.parse(direction).src_is_host else drv.ORDER_STREAM
+
+
+def make_attributes(direction: Direction) -> drv.MemcpyAttributes:
+    """The one attribute (``attrsIdxs=[0]``, ``numAttrs=1``) that covers every copy."""
+    attr = drv.MemcpyAttributes()
+    attr.srcAccessOrder = access_order(direction)
+    return attr
+
+
+def choose_path(batch_ready: bool, handle: int) -> str:
+    """``"batch"`` when the batch entry point exists and ``handle`` is not the legacy stream."""
+    return BATCH if batch_ready and handle not in drv.LEGACY_STREAMS else PER_COPY
+
+
+class BatchCopy:
+    """The callable ``cuda.batch``'s factory binds: ``fn(src, dst, sizes, stream)``.
+
+    :param batch_fn: ``cuMemcpyBatchAsync`` of ``abi``'s prototype, or None (per-copy only).
+    :param memcpy_fn: ``cuMemcpyAsync(dst, src, size, stream)``.
+    :param error: ``error(call, code, index) -> DriverError``.
+    :param context: a :class:`~kvswap.backends.cuda.driver.ContextGuard`, or None.
+    :param why: why there is no batch entry point (when ``batch_fn`` is None).
+
+    ``last_path`` says which path the latest call took (``"batch"`` or ``"per-copy"``).
+    """
+
+    def __init__(
+        self,
+        direction: Direction,
+        device_index: int,
+        *,
+        abi: Optional[drv.BatchAbi],
+        batch_fn: Any,
+        memcpy_fn: Any,
+        error: Callable[..., DriverError],
+        context: Optional[drv.ContextGuard] = None,
+        why: str = "",
+        driver_version: Optional[int] = None,
+    ) -> None:
+        self.direction = Direction.parse(direction)
+        self.device_index = int(device_index)
+        self.abi = abi if batch_fn is not None else None
+        self._batch = batch_fn if self.abi is not None else None
+        self._memcpy = memcpy_fn
+        self._error = error
+        self._context = context
+        self._attr = make_attributes(self.direction)
+        self._attr_idx = (ctypes.c_size_t * 1)(0)
+        self._attr_addr = ctypes.addressof(self._attr)
+        self._attr_idx_addr = ctypes.addressof(self._attr_idx)
+        self.last_path: Optional[str] = None
+        on = f" on driver CUDA {drv.version_text(driver_version)}" if driver_version else ""
+        if self.abi is None:
+            self.note = f"per-copy path: one cuMemcpyAsync per descriptor (correct, slower) because {why or 'no batch entry point'}"
+        else:
+            order = "ANY (host source)" if self._attr.srcAccessOrder == drv.ORDER_ANY else "STREAM"
+            self.note = (
+                f"batch path: one cuMemcpyBatchAsync call per transfer ({self.abi.label}, found by "
+                f"cuGetProcAddress{on}), source order {order}; the legacy default stream, which the "
+                f"batch call rejects, takes the per-copy cuMemcpyAsync path"
+            )
+
+    def path_for(self, handle: int) -> str:
+        return choose_path(self._batch is not None, handle)
+
+    def __call__(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream: Any = None) -> None:
+        count = len(sizes)
+        if count == 0:
+            return
+        src, dst, sizes = (np.ascontiguousarray(a, dtype=np.int64) for a in (src, dst, sizes))
+        if not len(src) == len(dst) == count:
+            raise InvalidTransferError(f"src, dst and sizes must have equal length, got {len(src)}, {len(dst)}, {count}")
+        handle = raw_handle(stream, self.device_index)
+        path = self.path_for(handle)
+        pushed = self._context.enter() if self._context is not None else False
+        try:
+            if path == BATCH:
+                self._copy_batch(src, dst, sizes, handle)
+            else:
+                self._copy_each(src, dst, sizes, handle)
+        finally:
+            if pushed:
+                self._context.exit()
+        self.last_path = path
+
+    def _copy_batch(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, handle: int) -> None:
+        count = len(sizes)
+        args = (dst.ctypes.data, src.ctypes.data, sizes.ctypes.data, count,
+                self._attr_addr, self._attr_idx_addr, 1)
+        if self.abi.has_fail_idx:
+            failed = ctypes.c_size_t(drv.SIZE_MAX)  # per call: concurrent callers never share it
+            rc = self._batch(*args, ctypes.addressof(failed), handle)
+            index = drv.fail_index(failed.value, count)
+        else:
+            rc, index = self._batch(*args, handle), None
+        if rc:
+            raise self._error("cuMemcpyBatchAsync", rc, index)
+
+    def _copy_each(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, handle: int) -> None:
+        memcpy = self._memcpy
+        for i, (d, s, n) in enumerate(zip(dst.tolist(), src.tolist(), sizes.tolist())):
+            rc = memcpy(d, s, n, handle)
+            if rc:
+                raise self._error("cuMemcpyAsync", rc, i)
+
+
+def availability(device: DeviceInfo) -> Optional[str]:
+    """None when this process can drive a CUDA GPU through libcuda, else why not."""
+    return drv.unavailable_reason() or torch_reason()
+
+
+def bind(driver: drv.Driver, direction: Direction, device_index: int) -> BatchCopy:
+    """Bind ``cuda.batch`` for one direction and device on ``driver``: the entry points,
+    the primary context and the path, once, at resolve time."""
+    context = driver.context_guard(device_index)
+    abi, why = driver.batch_abi()
+    return BatchCopy(
+        direction,
+        device_index,
+        abi=abi,
+        batch_fn=driver.batch_function(abi) if abi is not None else None,
+        memcpy_fn=driver.memcpy_async(),
+        error=driver.error,
+        context=context,
+        why=why,
+        driver_version=driver.version,
+    )
+
+
+def _factory(ctx: BindContext) -> BatchCopy:
+    import torch
+
+    torch.cuda.init()  # torch creates the primary context bind() then retains
+    index = ctx.device.index if ctx.device.index is not None else torch.cuda.current_device()
+    return bind(drv.get(), ctx.direction, index)
+
+
+CUDA_BATCH = CopyImpl(
+    name=NAME,
+    kind="batch",
+    platforms=("cuda",),
+    directions=(Direction.H2D, Direction.D2H),
+    factory=_factory,
+    availability=availability,
+    requires_pinned=True,
+    description="copy engines: one cuMemcpyBatchAsync per batch (CUDA 12.8+), else cuMemcpyAsync per block",
+)

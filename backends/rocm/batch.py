@@ -1,0 +1,167 @@
+"""``rocm.batch``: one HIP call per chunk of descriptors, or one per copy on old runtimes.
+
+Which path a bound function takes is decided once, at resolve time, from the runtime
+version and the symbols it exports (FACTS.md, ROCm rules):
+
+* HIP < 7.1, or no ``hipMemcpyBatchAsync`` exported: ``hipMemcpyAsync`` per descriptor;
+* 7.1 <= HIP < 7.13: ``hipMemcpyBatchAsync`` with ``numAttrs = 0`` (7.2.x rejects
+  ``numAttrs > 0``);
+* HIP >= 7.13: one attribute for the whole batch; source order ``ANY`` for a host source
+  (host to device), ``STREAM`` for a device source (device to host: the copy must wait
+  for the kernels that wrote the blocks).
+
+Batches are cut into chunks of at most 8 192 descriptors (larger batches have faulted),
+overridable with ``KVSWAP_ROCM_BATCH_CHUNK`` or the bind parameter ``batch_chunk``.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+import numpy as np
+
+from kvswap.descriptors import coalesce, first_overlap
+from kvswap.errors import ConfigurationError, InvalidTransferError
+from kvswap.streams import raw_handle
+from kvswap.types import Direction
+
+from .hip import (
+    MEMCPY_DEVICE_TO_HOST,
+    MEMCPY_HOST_TO_DEVICE,
+    SIZE_MAX,
+    SRC_ACCESS_ORDER_ANY,
+    SRC_ACCESS_ORDER_STREAM,
+    HipApi,
+    HipVersion,
+    MemcpyAttributes,
+)
+
+DEFAULT_CHUNK = 8192  # FACTS.md: hipMemcpyBatchAsync batches over 8 192 descriptors have faulted
+CHUNK_ENV = "KVSWAP_ROCM_BATCH_CHUNK"
+BATCH_SINCE = (7, 1)
+ATTRS_SINCE = (7, 13)
+
+
+@dataclass(frozen=True)
+class BatchPath:
+    """How a bound function copies: ``batch`` (with ``num_attrs`` attributes whose source
+    order is ``access_order``) or ``per_copy``; ``why`` is the reason in words."""
+
+    kind: str
+    num_attrs: int
+    access_order: Optional[int]
+    why: str
+
+
+def choose_path(hip: HipApi, version: Optional[HipVersion], direction: Direction) -> BatchPath:
+    if version is None:
+        return BatchPath("per_copy", 0, None, "HIP runtime version unknown")
+    if not version.at_least(*BATCH_SINCE):
+        return BatchPath("per_copy", 0, None, f"HIP runtime {version} < 7.1 has no hipMemcpyBatchAsync")
+    if not hip.has("hipMemcpyBatchAsync"):
+        return BatchPath("per_copy", 0, None, f"{hip.origin} (HIP {version}) does not export hipMemcpyBatchAsync")
+    if not version.at_least(*ATTRS_SINCE):
+        return BatchPath("batch", 0, None, f"numAttrs=0: HIP runtime {version} < 7.13 rejects attributes")
+    if direction.src_is_host:
+        return BatchPath("batch", 1, SRC_ACCESS_ORDER_ANY,
+                         f"one attribute, source order ANY (host source; HIP runtime {version} >= 7.13)")
+    return BatchPath("batch", 1, SRC_ACCESS_ORDER_STREAM,
+                     f"one attribute, source order STREAM (device source; HIP runtime {version} >= 7.13)")
+
+
+def chunk_size(params: Mapping[str, Any], default: int = DEFAULT_CHUNK, env: Optional[Mapping[str, str]] = None) -> int:
+    """Descriptors per batch call: ``params["batch_chunk"]``, else ``KVSWAP_ROCM_BATCH_CHUNK``,
+    else ``default``. Raises :class:`ConfigurationError` for anything but a positive int."""
+    env = os.environ if env is None else env
+    if params.get("batch_chunk") is not None:
+        value, where = params["batch_chunk"], "batch_chunk"
+    elif env.get(CHUNK_ENV):
+        value, where = env[CHUNK_ENV], CHUNK_ENV
+    else:
+        value, where = default, "default chunk"
+    try:
+        n = int(value)
+        ok = not isinstance(value, bool) and n >= 1 and (not isinstance(value, float) or n == value)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ConfigurationError(f"{where}={value!r} must be a positive number of descriptors (default {DEFAULT_CHUNK})")
+    return n
+
+
+def _original_index(dst: np.ndarray, merged_dst: np.ndarray, k: int) -> int:
+    """Index in the caller's batch of merged descriptor ``k`` (destinations are distinct)."""
+    hits = np.flatnonzero(dst == merged_dst[k])
+    return int(hits[0]) if len(hits) else k
+
+
+def make_transfer(
+    hip: HipApi,
+    path: BatchPath,
+    direction: Direction,
+    device_index: int,
+    chunk: int,
+    stream_handle: Callable[[Any, int], int] = raw_handle,
+) -> Callable[[np.ndarray, np.ndarray, np.ndarray, Any], None]:
+    """The per-transfer callable for ``path``; ``.note`` says which path and why."""
+    kind = MEMCPY_HOST_TO_DEVICE if direction.src_is_host else MEMCPY_DEVICE_TO_HOST
+    if path.kind == "batch":
+        batch_fn = hip.fn("hipMemcpyBatchAsync")
+        attrs = (MemcpyAttributes * 1)()
+        idxs = (ctypes.c_size_t * 1)(0)
+        if path.num_attrs:
+            attrs[0].srcAccessOrder = path.access_order
+        attrs_ptr = ctypes.addressof(attrs) if path.num_attrs else None
+        idxs_ptr = ctypes.addressof(idxs) if path.num_attrs else None
+    else:
+        copy_fn = hip.fn("hipMemcpyAsync")
+
+    def transfer(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream: Any) -> None:
+        if not len(sizes):
+            return
+        clash = first_overlap(dst, sizes)
+        if clash is not None:
+            raise InvalidTransferError(f"destination ranges of descriptors {clash[0]} and {clash[1]} overlap")
+        handle = stream_handle(stream, device_index)
+        s, d, n = (np.ascontiguousarray(a, dtype=np.int64) for a in coalesce(src, dst, sizes))
+        merged = len(n) != len(sizes)
+        if path.kind == "batch":
+            _batch(s, d, n, handle, dst if merged else None)
+        else:
+            _per_copy(s, d, n, handle, dst if merged else None)
+
+    def _batch(s: np.ndarray, d: np.ndarray, n: np.ndarray, handle: int, orig_dst: Optional[np.ndarray]) -> None:
+        fail = ctypes.c_size_t(SIZE_MAX)
+        base_s, base_d, base_n = s.ctypes.data, d.ctypes.data, n.ctypes.data
+        for lo in range(0, len(n), chunk):
+            count = min(chunk, len(n) - lo)
+            fail.value = SIZE_MAX
+            off = lo * 8  # int64 == size_t == pointer width on every platform HIP serves
+            code = batch_fn(base_d + off, base_s + off, base_n + off, count,
+                            attrs_ptr, idxs_ptr, path.num_attrs, ctypes.byref(fail), handle)
+            if code:
+                k = lo + fail.value if fail.value < count else None
+                if k is not None and orig_dst is not None:
+                    k = _original_index(orig_dst, d, k)
+                raise hip.error("hipMemcpyBatchAsync", code, k)
+
+    def _per_copy(s: np.ndarray, d: np.ndarray, n: np.ndarray, handle: int, orig_dst: Optional[np.ndarray]) -> None:
+        # One runtime call per descriptor is the point of this path (runtimes without the
+        # batch call); the Python loop only feeds it.
+        for i, (a, b, c) in enumerate(zip(d.tolist(), s.tolist(), n.tolist())):
+            code = copy_fn(a, b, c, kind, handle)
+            if code:
+                raise hip.error("hipMemcpyAsync", code, i if orig_dst is None else _original_index(orig_dst, d, i))
+
+    if path.kind == "batch":
+        # The call reads the attribute array through a raw address: the ctypes objects
+        # must live as long as the bound function, not just this factory call.
+        transfer._attrs = (attrs, idxs)  # type: ignore[attr-defined]
+    what = "hipMemcpyBatchAsync" if path.kind == "batch" else "per-copy hipMemcpyAsync"
+    extra = f"; chunks of <= {chunk} descriptors" if path.kind == "batch" else ""
+    transfer.note = f"{what} path: {path.why}{extra}"  # type: ignore[attr-defined]
+    transfer.path = path  # type: ignore[attr-defined]
+    transfer.chunk = chunk  # type: ignore[attr-defined]
+    return transfer

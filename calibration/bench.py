@@ -1,0 +1,167 @@
+"""``kvswap bench``: the resolved SwapFn against every candidate and a peer policy.
+
+At each (direction, block size, batch) point, in one process and interleaved in rounds:
+every available impl bound exactly as the resolver binds it, the SwapFn ``resolve()``
+returns for that block size, and the policy of the original Triton fast path in vLLM as a
+peer baseline. Ratios: resolved / best candidate (1.0 = no regret) and resolved / peer.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Optional, Sequence
+
+from kvswap.plugins import PluginHost, plugin_host
+from kvswap.platform import detect
+from kvswap.resolver import resolve
+from kvswap.types import Direction, Policy
+
+from . import store
+from .sweep import Progress, measurement_calibration
+from .timing import make_timer, median, on_host
+from .workload import Batch, Pools
+
+KiB, MiB = 1024, 1 << 20
+
+# The peer: vLLM's original Triton fast path (H100-tuned): kernel on 12 SMs for blocks
+# under 28 KiB in batches of at least 16 descriptors, batch DMA otherwise; d2h always DMA.
+PEER_KERNEL, PEER_BATCH = "triton.kernel", "cuda.batch"
+PEER_SMS, PEER_MAX_BLOCK, PEER_MIN_BATCH = 12, 28 * KiB, 16
+PEER_POLICY = (f"h2d: {PEER_KERNEL} on {PEER_SMS} SMs when block < {PEER_MAX_BLOCK // KiB} KiB and batch >= "
+               f"{PEER_MIN_BATCH}, else {PEER_BATCH}; d2h: always {PEER_BATCH}")
+
+
+def peer_route(direction: str, block_bytes: int, batch: int) -> tuple[str, Optional[int]]:
+    """The impl (and SM count) the peer policy uses at this point."""
+    if direction == "h2d" and block_bytes < PEER_MAX_BLOCK and batch >= PEER_MIN_BATCH:
+        return PEER_KERNEL, PEER_SMS
+    return PEER_BATCH, None
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    block_sizes: tuple[int, ...]
+    batch_sizes: tuple[int, ...]
+    pool_bytes: int
+    ceiling_bytes: int
+    repeats: int
+    warmup: int
+    seed: int = 0
+
+
+def bench_settings(host_only: bool, block_sizes: Optional[Sequence[int]] = None,
+                   batch_sizes: Optional[Sequence[int]] = None, repeats: Optional[int] = None) -> BenchSettings:
+    if host_only:  # the host reference copies one block at a time in Python: keep it small
+        blocks, batches, pool, ceiling, reps = (4 * KiB, 16 * KiB, 64 * KiB), (1, 16, 256), 16 * MiB, 8 * MiB, 3
+    else:
+        blocks = (1 * KiB, 2 * KiB, 4 * KiB, 8 * KiB, 16 * KiB, 24 * KiB, 32 * KiB, 48 * KiB, 64 * KiB,
+                  128 * KiB, 256 * KiB, 512 * KiB)
+        batches, pool, ceiling, reps = (1, 4, 16, 64, 256, 1024, 10000), 2048 * MiB, 512 * MiB, 9
+    return BenchSettings(
+        block_sizes=tuple(sorted(set(block_sizes or blocks))),
+        batch_sizes=tuple(sorted(set(batch_sizes or batches))),
+        pool_bytes=pool, ceiling_bytes=ceiling, repeats=repeats or reps, warmup=2,
+    )
+
+
+def _route_label(fn: Any, batch: Batch) -> str:
+    names = dict.fromkeys(name for name, _ in fn.assign(batch.src, batch.dst, batch.sizes))
+    return "+".join(n + (f"@{fn.plan.params[n]['num_sms']}" if fn.plan.params.get(n, {}).get("num_sms") else "")
+                    for n in names)
+
+
+def run_bench(device: Any, settings: BenchSettings, directions: Sequence[Any], *,
+              host: Optional[PluginHost] = None, progress: Optional[Progress] = None) -> dict[str, Any]:
+    """Measure the grid; return the JSON-ready result (see the module doc)."""
+    from kvswap import __version__
+
+    host = plugin_host() if host is None else host
+    dev = detect(host, device)
+    progress = progress or Progress()
+    dirs = [str(Direction.parse(d)) for d in directions]
+    timer = make_timer(dev)
+    out: dict[str, Any] = {
+        "kvswap_version": __version__, "device": dev.to_dict(), "directions": dirs,
+        "measured": "host memory copies (no accelerator: host reference)" if on_host(dev)
+        else f"{dev.platform} copies between pinned host memory and device memory",
+        "timer": timer.label, "settings": asdict(settings), "peer_policy": PEER_POLICY,
+        "calibration": {}, "ceiling_gbps": {}, "rows": [], "summary": {}, "notes": [], "failures": [],
+    }
+    grid = [(b, n) for b in settings.block_sizes for n in settings.batch_sizes]
+    progress.add(len(dirs) * (len(grid) + 1))
+    pools = Pools(dev, settings.pool_bytes, settings.seed)
+    for d in dirs:
+        t = timer.measure([pools.contiguous(d, settings.ceiling_bytes)], settings.repeats, settings.warmup)[0]
+        out["ceiling_gbps"][d] = round(min(settings.ceiling_bytes, pools.pool_bytes) / median(t) / 1e9, 3)
+        progress.step(f"{d} ceiling")
+        base = resolve(d, device=device, host=host)
+        out["calibration"][d] = base.plan.calibration
+        cands = {}
+        for c in base.plan.candidates:
+            if c.available:
+                try:
+                    fn = resolve(d, device=device, host=host, policy=Policy(force=c.name))
+                except Exception as e:
+                    out["failures"].append({"direction": d, "route": c.name, "error": f"{type(e).__name__}: {e}"})
+                    continue
+                cands[c.name] = (fn, fn.plan.params.get(c.name, {}).get("num_sms"))
+            else:
+                out["notes"].append(f"{d}: candidate {c.name} not available: {c.reason}")
+        peer: dict[tuple[str, Optional[int]], Any] = {}
+        if PEER_KERNEL in cands and PEER_BATCH in cands:
+            with store.override(measurement_calibration(dev, PEER_SMS)):
+                peer[(PEER_KERNEL, PEER_SMS)] = resolve(
+                    d, device=device, host=host, policy=Policy(force=PEER_KERNEL, max_sms=PEER_SMS))
+            peer[(PEER_BATCH, None)] = cands[PEER_BATCH][0]
+        else:
+            out["notes"].append(f"{d}: peer baseline not applicable here: it needs {PEER_KERNEL} and {PEER_BATCH}")
+        for b in settings.block_sizes:
+            resolved = resolve(d, device=device, host=host, block_bytes=b)
+            for n in settings.batch_sizes:
+                progress.step(f"{d} grid")
+                if n > pools.slots(b):
+                    out["notes"].append(f"{d}: {n} x {b} B skipped: more than the {pools.pool_bytes >> 20} MiB pool")
+                    continue
+                out["rows"].append(_point(d, pools, timer, settings, pools.batch(d, b, n), cands, resolved, peer, out))
+    for d in dirs:
+        rows = [r for r in out["rows"] if r["direction"] == d]
+        best = [r["resolved_over_best"] for r in rows if r["resolved_over_best"]]
+        vs_peer = [r["resolved_over_peer"] for r in rows if r["resolved_over_peer"]]
+        out["summary"][d] = {
+            "points": len(rows),
+            "min_resolved_over_best": min(best, default=None),
+            "min_resolved_over_peer": min(vs_peer, default=None),
+        }
+    return out
+
+
+def _point(d: str, pools: Pools, timer: Any, s: BenchSettings, batch: Batch, cands: dict[str, tuple[Any, Any]],
+           resolved: Any, peer: dict[tuple[str, Optional[int]], Any], out: dict[str, Any]) -> dict[str, Any]:
+    contenders: list[tuple[str, Any]] = [(name, fn) for name, (fn, _) in sorted(cands.items())]
+    contenders.append(("resolved", resolved))
+    peer_key = peer_route(d, batch.block_bytes, batch.n) if peer else None
+    if peer_key:
+        contenders.append(("peer", peer[peer_key]))
+    ok = []
+    for key, fn in contenders:
+        call = (lambda f: lambda stream: f(batch.src, batch.dst, batch.sizes, stream=stream))(fn)
+        try:
+            pools.verify(timer, call, batch)
+            ok.append((key, call))
+        except Exception as e:
+            out["failures"].append({"direction": d, "route": key, "block_bytes": batch.block_bytes, "batch": batch.n,
+                                    "error": f"{type(e).__name__}: {e}"})
+    times = dict(zip([k for k, _ in ok], timer.measure([c for _, c in ok], s.repeats, s.warmup))) if ok else {}
+    gbps = {k: round(batch.nbytes / median(t) / 1e9, 3) for k, t in times.items()}
+    cand = {name: {"gbps": gbps[name], "num_sms": cands[name][1]} for name in cands if name in gbps}
+    best = max(cand, key=lambda k: cand[k]["gbps"], default=None)
+    res = gbps.get("resolved")
+    row = {
+        "direction": d, "block_bytes": batch.block_bytes, "batch": batch.n,
+        "ceiling_gbps": out["ceiling_gbps"][d], "candidates": cand, "best": best,
+        "resolved": {"gbps": res, "route": _route_label(resolved, batch)},
+        "peer": {"gbps": gbps["peer"], "route": peer_key[0] + (f"@{peer_key[1]}" if peer_key[1] else "")}
+        if peer_key and "peer" in gbps else None,
+        "resolved_over_best": round(res / cand[best]["gbps"], 4) if res and best else None,
+        "resolved_over_peer": round(res / gbps["peer"], 4) if res and "peer" in gbps else None,
+    }
+    return row

@@ -1,0 +1,89 @@
+"""``kvswap bench``: the resolved route against every candidate and vLLM's original policy."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kvswap.cli import add_device, block_list, directions
+from kvswap.errors import ConfigurationError
+from kvswap.types import Direction
+
+HELP = "compare the resolved route with every candidate and a peer policy over a grid"
+DESCRIPTION = (
+    "In one process, for a grid of block sizes x batch sizes in both directions, measure the "
+    "contiguous ceiling, every available implementation (bound as the resolver binds it), the "
+    "SwapFn resolve() returns, and the policy of vLLM's original Triton fast path as a peer "
+    "baseline (kernel on 12 SMs for blocks under 28 KiB in batches of at least 16, batch DMA "
+    "otherwise; device to host always batch DMA). Prints GB/s, resolved/best-candidate "
+    "(regret) and resolved/peer, and writes them as JSON with --json. On a machine without an "
+    "accelerator it measures the host reference's host memory copies."
+)
+
+
+def positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
+    return v
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_device(p)
+    p.add_argument("--json", type=Path, metavar="FILE", help="also write the results to FILE as JSON")
+    p.add_argument("--directions", type=directions, default=[Direction.H2D, Direction.D2H], metavar="h2d,d2h",
+                   help="directions to measure (default both)")
+    p.add_argument("--block-bytes", type=block_list, metavar="N[,N...]",
+                   help="block sizes of the grid (default: 1 KiB-512 KiB on a GPU)")
+    p.add_argument("--batches", type=block_list, metavar="N[,N...]",
+                   help="batch sizes of the grid (default: 1-10000 on a GPU)")
+    p.add_argument("--repeats", type=positive, metavar="N", help="timed rounds per point (median reported)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from kvswap.platform import detect
+    from kvswap.plugins import plugin_host
+
+    from .bench import bench_settings, run_bench
+    from .report import bench_report
+    from .sweep import Progress
+    from .timing import on_host
+
+    dirs = list(dict.fromkeys(args.directions))
+    if not dirs:
+        raise ConfigurationError("--directions must name at least one of h2d, d2h")
+    if args.json is not None and args.json.is_dir():
+        raise ConfigurationError(f"--json {str(args.json)!r} is a directory; name the file to write")
+    host = plugin_host()
+    dev = detect(host, args.device)
+    settings = bench_settings(on_host(dev), args.block_bytes, args.batches, args.repeats)
+    if on_host(dev):
+        print(f"kvswap bench: no accelerator on {dev.name!r}; measuring HOST MEMORY COPIES (host.reference)",
+              file=sys.stderr)
+    progress = Progress(lambda total: tqdm(
+        total=total, file=sys.stderr, unit="point", dynamic_ncols=True, leave=False, mininterval=0.5))
+    try:
+        result = run_bench(args.device, settings, dirs, host=host, progress=progress)
+    finally:
+        progress.close()
+    print(f"kvswap bench on {dev.platform} device {dev.name!r} ({result['measured']})")
+    for d, cal in result["calibration"].items():
+        print(f"  {d} calibration: {cal.get('source')}")
+    print(f"  peer: {result['peer_policy']}")
+    print()
+    print(bench_report(result))
+    for note in result["notes"]:
+        print(f"note: {note}")
+    for f in result["failures"]:
+        print(f"failed: {f}")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1, default=str) + "\n")
+        print(f"results written to {args.json}")
+    return 0

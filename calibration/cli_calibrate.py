@@ -1,0 +1,142 @@
+"""``kvswap calibrate``: measure this device, fit its thresholds, write its profile and plot."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from kvswap.cli import add_device, directions, non_negative
+from kvswap.errors import ConfigurationError
+from kvswap.types import Direction
+
+HELP = "measure this device and write its calibration profile (and a plot)"
+DESCRIPTION = (
+    "Measure, on the present device and in one run: the contiguous copy ceiling per direction, "
+    "every available implementation over block sizes (1 KiB-512 KiB) and batch sizes, the kernel "
+    "at several SM counts, and optionally the compute slowdown beside a reference GEMM. Fit the "
+    "route per block size, the SM knee and the minimum batch for the kernel; write the profile "
+    "(JSON, keyed by device identity) where the resolver finds it, and a PNG of the curves. "
+    "On a machine without an accelerator it measures the host reference's host memory copies."
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_device(p)
+    p.add_argument("--quick", action="store_true",
+                   help="a smaller grid: about a minute on a GPU (the full run takes under ten)")
+    p.add_argument("--directions", type=directions, default=[Direction.H2D, Direction.D2H], metavar="h2d,d2h",
+                   help="directions to measure (default both); others are carried over from the "
+                   "calibration in force")
+    p.add_argument("--max-sms", type=non_negative, metavar="N",
+                   help="measure kernels on at most N SMs (0: measure no kernel route)")
+    p.add_argument("--interference", action="store_true",
+                   help="also measure how much each route slows a bf16 GEMM running beside it (GPU only)")
+    p.add_argument("--out", type=Path, metavar="FILE",
+                   help="write the profile here (default: the user data directory, where the resolver looks)")
+    p.add_argument("--plot", type=Path, metavar="FILE.png", help="write the plot here (default: next to the profile)")
+
+
+def _check(args: argparse.Namespace) -> list[Direction]:
+    dirs = list(dict.fromkeys(args.directions))
+    if not dirs:
+        raise ConfigurationError("--directions must name at least one of h2d, d2h")
+    if args.out is not None and args.out.is_dir():
+        raise ConfigurationError(f"--out {str(args.out)!r} is a directory; name the profile file to write")
+    if args.plot is not None:
+        if args.plot.suffix.lower() != ".png":
+            raise ConfigurationError(f"--plot {str(args.plot)!r} must name a .png file")
+        if args.plot.is_dir():
+            raise ConfigurationError(f"--plot {str(args.plot)!r} is a directory")
+    return dirs
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from kvswap.lookup import find_calibration
+    from kvswap.platform import detect
+    from kvswap.plugins import plugin_host
+
+    from . import fit, store
+    from .report import calibration_report
+    from .sweep import Progress, Sweep, settings_for
+
+    dirs = _check(args)
+    host = plugin_host()
+    dev = detect(host, args.device)
+    settings = settings_for(dev, quick=args.quick, max_sms=args.max_sms, interference=args.interference)
+    prior = find_calibration(host, dev)  # what is in force now: carried over for what this run skips
+    path = Path(args.out) if args.out is not None else store.default_path(dev)
+
+    sweep = Sweep(args.device, settings, dirs, host=host)
+    if sweep.result.host_only:
+        measured = "host memory copies: no accelerator, so the host reference copied between two host buffers"
+        print(f"kvswap calibrate: no accelerator on {dev.name!r}; measuring HOST MEMORY COPIES "
+              "(host.reference), not a device link", file=sys.stderr)
+    else:
+        measured = f"{dev.platform} copies between pinned host memory and device memory"
+        print(f"kvswap calibrate: {dev.platform} device {dev.name!r} ({dev.compute_units} SMs, link {dev.link})",
+              file=sys.stderr)
+    print(f"  identity {dev.identity}; {'quick' if args.quick else 'full'} grid", file=sys.stderr)
+    t0 = time.monotonic()
+    for d, bounds in sweep.prepare().items():
+        names = dict.fromkeys(b.impl for b in bounds)
+        routes = [n + (f" at {[b.num_sms for b in bounds if b.impl == n]} SMs" if any(
+            b.impl == n and b.num_sms for b in bounds) else "") for n in names]
+        print(f"  {d}: measuring {'; '.join(routes) or 'nothing (no usable route)'}", file=sys.stderr)
+    sweep.progress = Progress(lambda total: tqdm(
+        total=total, file=sys.stderr, unit="step", dynamic_ncols=True, leave=False, mininterval=0.5))
+    try:
+        result = sweep.run()
+    finally:
+        sweep.progress.close()
+    elapsed = time.monotonic() - t0
+    for note in result.notes:
+        print(f"  note: {note}", file=sys.stderr)
+    if not any(m.stage != "ceiling" for m in result.measurements):
+        for f in result.failures:
+            print(f"kvswap calibrate: {f.describe()}", file=sys.stderr)
+        print("kvswap calibrate: error: no route could be measured; no profile written", file=sys.stderr)
+        return 1
+
+    doc: dict[str, Any] = store.make_document(
+        dev,
+        measured=measured,
+        timer=result.timer,
+        elapsed_s=round(elapsed, 1),
+        settings=settings.to_dict(),
+        directions=[str(d) for d in dirs],
+        measurements=[m.to_dict() for m in result.measurements],
+        failures=[f.to_dict() for f in result.failures],
+        interference=[r.to_dict() for r in result.interference],
+        notes=result.notes,
+        **fit.profile_fields(result.measurements, result.interference, dirs, prior),
+    )
+    store.save(doc, path)
+    plot_path = Path(args.plot) if args.plot is not None else path.with_suffix(".png")
+    try:
+        from .plot import plot_profile
+
+        plot_profile(doc, plot_path)
+    except ImportError as e:
+        plot_path = None
+        warnings.warn(f"no plot written: {e} (install kvswap[plot] for matplotlib)")
+
+    print(calibration_report(doc))
+    print()
+    if result.host_only:
+        print("measured: HOST MEMORY COPIES (no accelerator); these are not device link numbers")
+    print(f"profile for {dev.identity} written to {path} ({elapsed:.0f} s)")
+    if plot_path is not None:
+        print(f"plot written to {plot_path}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        found = store.find(dev)
+    used = found.source.removeprefix("profile ") if found is not None else None
+    if used is None or Path(used).resolve() != path.resolve():
+        print(f"note: the resolver does not read this file for {dev.identity} (it reads {used or 'no profile'}); "
+              f"set {store.PROFILE_ENV}={path} to use it, or copy it to {store.default_path(dev)}")
+    return 0

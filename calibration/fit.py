@@ -1,0 +1,278 @@
+"""Turn measurements into decisions: pure functions, no device, no I/O.
+
+Per direction:
+
+* **SM knee**: the fewest SMs at which the kernel stays within ``tolerance`` of its own
+  peak (over every SM count measured) at every block size where, at that peak, it beats
+  the best batch route. Fewer SMs leave more for compute (FACTS.md: a copy kernel on 8
+  SMs cost a GEMM up to 57%), so nothing beyond the knee is worth taking.
+* **Route per block size**: the fastest of the batch routes and the kernel *at the knee*,
+  ties to the route that takes no SMs. ``by_size`` says it for each measured size;
+  ``routes`` for each of the resolver's block-size classes, ranked from the curves the
+  profile holds exactly as the resolver ranks them, so ``explain()`` shows what the fit
+  decided.
+* **Minimum batch**: the batch-size threshold under which the batch route is used
+  instead of the kernel, chosen to minimise the summed slowdown against the faster of
+  the two over every measured (block size, batch) point; ties go to the larger threshold.
+  One noisy point cannot move it the way "first batch where the kernel won" would.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any, Iterable, Optional
+
+from kvswap.resolver import EDGES
+from kvswap.thresholds import Calibration, Curve
+from kvswap.types import Direction
+
+from .records import BATCH, CEILING, SIZE, Interference, Measurement
+
+TOLERANCE = 0.05  # "within a few % of peak": what the knee may give up for fewer SMs
+
+Key = tuple[str, str, Optional[int]]  # (impl, kind, num_sms)
+
+
+def size_table(ms: Iterable[Measurement], direction: str) -> dict[Key, dict[int, float]]:
+    """GB/s per route and block size from the size sweep of ``direction``."""
+    out: dict[Key, dict[int, float]] = defaultdict(dict)
+    for m in ms:
+        if m.direction == direction and m.stage == SIZE:
+            out[(m.impl, m.kind, m.num_sms)][m.block_bytes] = m.gbps
+    return dict(out)
+
+
+def _kernel_by_sms(table: dict[Key, dict[int, float]]) -> dict[int, dict[int, float]]:
+    """The best kernel's GB/s per SM count and block size (any kernel impl)."""
+    out: dict[int, dict[int, float]] = defaultdict(dict)
+    for (impl, kind, sms), row in table.items():
+        if kind == "kernel" and sms:
+            for b, g in row.items():
+                out[sms][b] = max(g, out[sms].get(b, 0.0))
+    return dict(out)
+
+
+def _best_batch(table: dict[Key, dict[int, float]]) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for (impl, kind, sms), row in table.items():
+        if kind == "batch":
+            for b, g in row.items():
+                out[b] = max(g, out.get(b, 0.0))
+    return out
+
+
+def sm_knee(kernel: dict[int, dict[int, float]], sizes: Iterable[int], tolerance: float = TOLERANCE) -> int:
+    """The fewest SMs within ``tolerance`` of the kernel's peak at every size in ``sizes``.
+
+    :param kernel: GB/s per SM count, then per block size.
+    """
+    counts = sorted(kernel)
+    sizes = [b for b in sizes if any(b in kernel[k] for k in counts)]
+    peak = {b: max(kernel[k].get(b, 0.0) for k in counts) for b in sizes}
+    for k in counts:
+        if all(kernel[k].get(b, 0.0) >= (1.0 - tolerance) * peak[b] for b in sizes):
+            return k
+    return counts[-1]
+
+
+def choose_routes(table: dict[Key, dict[int, float]], knee: Optional[int]) -> list[dict[str, Any]]:
+    """The route per measured block size: batch routes and kernels bound at ``knee``."""
+    sizes = sorted({b for row in table.values() for b in row})
+    out = []
+    for b in sizes:
+        rows = [
+            (-g, kind == "kernel", impl, kind, sms, g)
+            for (impl, kind, sms), row in table.items()
+            if (g := row.get(b)) is not None and (kind == "batch" or (kind == "kernel" and sms == knee))
+        ]
+        if not rows:
+            continue
+        _, _, impl, kind, sms, g = min(rows)
+        out.append({"block_bytes": b, "impl": impl, "kind": kind, "num_sms": sms, "gbps": round(g, 3)})
+    return out
+
+
+def resolver_routes(curve_docs: list[dict[str, Any]], direction: str, knee: Optional[int]) -> list[dict[str, Any]]:
+    """The route per block-size class exactly as the resolver will rank ``curve_docs``
+    (its classes, its representative size per class, its interpolation, its tie-break:
+    no SMs first, then the name), kernels at ``knee`` SMs; runs of one route merged."""
+    mine = [c for c in curve_docs if c["direction"] == direction]
+    if not mine:
+        return []
+    cal = Calibration(source="fit", platform="*", curves=tuple(
+        Curve(c["impl"], direction, tuple(map(tuple, c["points"])), c.get("num_sms")) for c in mine))
+    routes = {(c["impl"], "kernel" if c.get("num_sms") else "batch") for c in mine}
+    out: list[dict[str, Any]] = []
+    for i, lo in enumerate(EDGES):
+        hi = EDGES[i + 1] - 1 if i + 1 < len(EDGES) else None
+        rep = lo if hi is None else int(math.sqrt(lo * (hi + 1)))
+        ranked = []
+        for impl, kind in routes:
+            sms = knee if kind == "kernel" else None
+            if kind == "kernel" and not knee:
+                continue
+            g = cal.predict(impl, kind, Direction.parse(direction), rep, sms)
+            if g is not None:
+                ranked.append((-g, kind == "kernel", impl, kind, sms))
+        if not ranked:
+            continue
+        _, _, impl, kind, sms = min(ranked)
+        if out and (out[-1]["impl"], out[-1]["num_sms"]) == (impl, sms):
+            out[-1]["max_bytes"] = hi
+        else:
+            out.append({"min_bytes": lo, "max_bytes": hi, "impl": impl, "kind": kind, "num_sms": sms})
+    return out
+
+
+def crossover(routes: list[dict[str, Any]]) -> Optional[int]:
+    """The smallest block size from which a batch route is used at every larger size,
+    when a kernel is used below it; None when one kind is used throughout."""
+    kinds = [r["kind"] for r in routes]
+    if "kernel" not in kinds or kinds[-1] == "kernel":
+        return None
+    last_kernel = max(i for i, k in enumerate(kinds) if k == "kernel")
+    return routes[last_kernel + 1]["min_bytes"]
+
+
+def min_batch(points: Iterable[tuple[int, int, float, float]]) -> Optional[int]:
+    """The batch size from which the kernel is used, from ``(block, n, t_kernel, t_batch)``.
+
+    Candidates are the measured batch sizes; a threshold t sends batches of n >= t to the
+    kernel. The winner minimises the summed ``t_chosen / min(t_kernel, t_batch)``; ties go
+    to the larger t. Where the kernel never pays, the largest measured size is returned.
+    """
+    pts = list(points)
+    if not pts:
+        return None
+    ns = sorted({n for _, n, _, _ in pts})
+    best: Optional[tuple[float, int]] = None
+    for t in ns + [ns[-1] + 1]:
+        cost = sum((tk if n >= t else tb) / min(tk, tb) for _, n, tk, tb in pts)
+        if best is None or cost < best[0] * (1 - 1e-9) or (cost <= best[0] * (1 + 1e-9) and t > best[1]):
+            best = (cost, t)
+    assert best is not None
+    return min(best[1], ns[-1])
+
+
+def batch_points(ms: Iterable[Measurement], direction: str) -> list[tuple[int, int, float, float]]:
+    """``(block, n, fastest kernel seconds, fastest batch seconds)`` from the batch sweep."""
+    kern: dict[tuple[int, int], float] = {}
+    dma: dict[tuple[int, int], float] = {}
+    for m in ms:
+        if m.direction != direction or m.stage != BATCH:
+            continue
+        into = kern if m.kind == "kernel" else dma if m.kind == "batch" else None
+        if into is not None:
+            key = (m.block_bytes, m.batch)
+            into[key] = min(m.seconds, into.get(key, float("inf")))
+    return [(b, n, kern[(b, n)], dma[(b, n)]) for (b, n) in sorted(kern) if (b, n) in dma]
+
+
+def fit_direction(ms: list[Measurement], direction: str, tolerance: float = TOLERANCE) -> dict[str, Any]:
+    """Everything decided for one direction from its measurements (see the module doc)."""
+    table = size_table(ms, direction)
+    kernel = _kernel_by_sms(table)
+    batch = _best_batch(table)
+    out: dict[str, Any] = {"knee_tolerance": tolerance}
+    knee = peak_sms = None
+    if kernel:
+        sizes = sorted({b for row in kernel.values() for b in row})
+        peak = {b: max(kernel[k].get(b, 0.0) for k in kernel) for b in sizes}
+        winning = [b for b in sizes if peak[b] > batch.get(b, 0.0)]
+        knee = sm_knee(kernel, winning or sizes, tolerance)
+        peak_sms = max(kernel, key=lambda k: (sum(kernel[k].get(b, 0.0) for b in winning or sizes), -k))
+    by_size = choose_routes(table, knee)
+    routes = resolver_routes(curves(m for m in ms if m.direction == direction), direction, knee)
+    uses_kernel = [r for r in by_size if r["kind"] == "kernel"]
+    out.update(
+        by_size=by_size,
+        routes=routes,
+        crossover_bytes=crossover(routes),
+        kernel_impl=max(
+            {r["impl"] for r in uses_kernel}, key=lambda i: sum(r["impl"] == i for r in uses_kernel), default=None
+        ),
+        kernel_sms=knee,
+        kernel_peak_sms=peak_sms,
+        kernel_min_batch=min_batch(batch_points(ms, direction)) if uses_kernel else None,
+    )
+    return out
+
+
+def curves(ms: Iterable[Measurement]) -> list[dict[str, Any]]:
+    """The profile's curves: GB/s against block size per route (and SM count), size sweep."""
+    rows: dict[tuple[str, str, Optional[int]], dict[int, float]] = defaultdict(dict)
+    for m in ms:
+        if m.stage == SIZE:
+            rows[(m.direction, m.impl, m.num_sms)][m.block_bytes] = m.gbps
+    return [
+        {"impl": impl, "direction": d, "num_sms": sms, "points": [[b, round(g, 3)] for b, g in sorted(pts.items())]}
+        for (d, impl, sms), pts in sorted(rows.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0))
+    ]
+
+
+def ceilings(ms: Iterable[Measurement]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for m in ms:
+        if m.stage == CEILING:
+            out[m.direction] = max(round(m.gbps, 3), out.get(m.direction, 0.0))
+    return out
+
+
+def slowdown(records: Iterable[Interference], decisions: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Slowdown per impl, and per kind, as the resolver reads them: a kernel at the SM
+    count the resolver binds it with (the knee), a batch route as measured; the worse
+    direction counts (the resolver has one number per impl)."""
+    out: dict[str, float] = {}
+    for r in records:
+        if r.kind not in ("batch", "kernel"):
+            continue
+        if r.kind == "kernel" and r.num_sms != decisions.get(r.direction, {}).get("kernel_sms"):
+            continue
+        v = min(max(r.slowdown, 0.0), 0.99)
+        for key in (r.impl, r.kind):
+            out[key] = round(max(v, out.get(key, 0.0)), 4)
+    return out
+
+
+def profile_fields(
+    ms: list[Measurement],
+    records: list[Interference],
+    directions: Iterable[str],
+    prior: Optional[Calibration] = None,
+    tolerance: float = TOLERANCE,
+) -> dict[str, Any]:
+    """``curves``, ``decisions``, ``ceiling_gbps`` and ``slowdown`` of a profile.
+
+    Directions not measured in this run, and the slowdown when interference was not
+    measured, are carried over from ``prior`` (the calibration in force before), each
+    saying so, so a partial run never leaves a direction with nothing to rank by.
+    """
+    measured = [str(Direction.parse(d)) for d in directions]
+    decisions = {d: fit_direction(ms, d, tolerance) for d in measured}
+    out_curves = curves(ms)
+    ceiling = ceilings(ms)
+    fields: dict[str, Any] = {}
+    if prior is not None:
+        for d in (str(x) for x in Direction):
+            if d in decisions:
+                continue
+            out_curves += [
+                {"impl": c.impl, "direction": d, "num_sms": c.num_sms, "points": [list(p) for p in c.points]}
+                for c in prior.curves if str(c.direction) == d
+            ]
+            decisions[d] = {
+                "carried_from": prior.source,
+                "kernel_sms": prior.kernel_sms.get(d),
+                "kernel_min_batch": prior.kernel_min_batch.get(d),
+            }
+            if d in prior.ceiling_gbps:
+                ceiling[d] = prior.ceiling_gbps[d]
+    measured_slowdown = slowdown(records, decisions)
+    if records:
+        fields["slowdown_source"] = "measured beside a reference GEMM in this run"
+        fields["slowdown"] = measured_slowdown
+    else:
+        fields["slowdown_source"] = f"not measured (run with --interference); carried from {prior.source}" if prior else "not measured"
+        fields["slowdown"] = dict(prior.slowdown) if prior else {}
+    fields.update(curves=out_curves, decisions=decisions, ceiling_gbps=ceiling)
+    return fields

@@ -1,0 +1,92 @@
+"""What a calibration run records: timings, failures, interference. Plain data, JSON-ready."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Optional
+
+# Stages of a run: the contiguous ceiling, every route over block sizes at a large batch,
+# and the kernel against the batch route over batch sizes (for the minimum batch).
+CEILING, SIZE, BATCH = "ceiling", "size", "batch"
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """The median time of one route copying ``batch`` blocks of ``block_bytes``.
+
+    ``kind`` is the impl's kind (``"batch"``, ``"kernel"``) or ``"ceiling"`` for the
+    contiguous copy; ``num_sms`` is what a kernel was bound with (None otherwise).
+    """
+
+    direction: str
+    stage: str
+    impl: str
+    kind: str
+    num_sms: Optional[int]
+    block_bytes: int
+    batch: int
+    seconds: float
+    repeats: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.block_bytes * self.batch
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["gbps"] = round(self.gbps, 4)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Measurement:
+        return cls(**{f.name: d[f.name] for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A route that could not be measured, and why; the run goes on without it."""
+
+    direction: str
+    impl: str
+    num_sms: Optional[int]
+    block_bytes: Optional[int]
+    error: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def describe(self) -> str:
+        sms = f" on {self.num_sms} SMs" if self.num_sms else ""
+        at = f" at {self.block_bytes} B blocks" if self.block_bytes else ""
+        return f"{self.direction} {self.impl}{sms}{at}: {self.error}"
+
+
+@dataclass(frozen=True)
+class Interference:
+    """How much a reference GEMM stream slowed down while a route copied beside it.
+
+    ``slowdown`` is the fraction of GEMM throughput lost (0.2: 20% fewer FLOP/s);
+    ``covered`` is False when the copies ended before the GEMMs did (an underestimate).
+    """
+
+    direction: str
+    impl: str
+    kind: str
+    num_sms: Optional[int]
+    block_bytes: int
+    batch: int
+    gemm_tflops_alone: float
+    gemm_tflops_beside: float
+    slowdown: float
+    copy_gbps_beside: float
+    covered: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Interference:
+        return cls(**{f.name: d[f.name] for f in fields(cls)})

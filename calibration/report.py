@@ -1,0 +1,118 @@
+"""What ``kvswap calibrate`` and ``kvswap bench`` print: tables a person reads."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from kvswap.plan import human_bytes
+
+from .records import SIZE, Measurement
+
+
+def _gb(v: Optional[float]) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def _grid(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
+    fmt = lambda r: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    return [fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
+
+
+def describe_decision(d: str, dec: dict[str, Any]) -> list[str]:
+    """The decisions for one direction in words."""
+    if "carried_from" in dec:
+        return [f"{d}: not measured in this run; thresholds carried over from {dec['carried_from']}"]
+    lines = [f"{d}:"]
+    for r in dec.get("routes", []):
+        lo, hi = r["min_bytes"], r["max_bytes"]
+        if lo <= 1:
+            span = "of every size" if hi is None else f"below {human_bytes(hi + 1)}"
+        else:
+            span = f"from {human_bytes(lo)}" if hi is None else f"{human_bytes(lo)} to <{human_bytes(hi + 1)}"
+        sms = f" on {r['num_sms']} SMs" if r.get("num_sms") else ""
+        lines.append(f"  blocks {span:<22} -> {r['impl']}{sms}")
+    if dec.get("kernel_sms"):
+        lines.append(
+            f"  SM knee: {dec['kernel_sms']} SMs (fewest within {dec['knee_tolerance']:.0%} of the kernel's best; "
+            f"it peaks at {dec['kernel_peak_sms']} SMs)"
+        )
+    if dec.get("kernel_min_batch"):
+        lines.append(f"  kernel from batches of {dec['kernel_min_batch']} descriptors; smaller batches take the batch route")
+    if dec.get("crossover_bytes"):
+        lines.append(f"  crossover: batch route from {human_bytes(dec['crossover_bytes'])} blocks")
+    if not dec.get("routes"):
+        lines.append("  nothing measured")
+    return lines
+
+
+def calibration_report(doc: dict[str, Any]) -> str:
+    """Per direction, GB/s by block size for each route, then the decisions."""
+    ms = [Measurement.from_dict(m) for m in doc.get("measurements", [])]
+    out = []
+    for d, dec in doc.get("decisions", {}).items():
+        size = [m for m in ms if m.direction == d and m.stage == SIZE]
+        if not size:
+            continue
+        knee = dec.get("kernel_sms")
+        batch_impls = sorted({m.impl for m in size if m.kind == "batch"})
+        kernel_impls = sorted({m.impl for m in size if m.kind == "kernel"})
+        header = ["block", "n"] + batch_impls + [f"{k}@{knee}" for k in kernel_impls if knee] + \
+            [f"{k} best (SMs)" for k in kernel_impls] + ["route"]
+        chosen = {r["block_bytes"]: r for r in dec.get("by_size", [])}
+        rows = []
+        for b in sorted({m.block_bytes for m in size}):
+            at = [m for m in size if m.block_bytes == b]
+            get = lambda impl, sms: next((m.gbps for m in at if m.impl == impl and m.num_sms == sms), None)  # noqa: E731
+            row = [human_bytes(b), str(max(m.batch for m in at))]
+            row += [_gb(get(i, None)) for i in batch_impls]
+            row += [_gb(get(k, knee)) for k in kernel_impls if knee]
+            for k in kernel_impls:
+                best = max((m for m in at if m.impl == k), key=lambda m: m.gbps, default=None)
+                row.append(f"{best.gbps:.1f} ({best.num_sms})" if best else "-")
+            r = chosen.get(b) or {"impl": "-"}
+            row.append(r["impl"] + (f"@{r['num_sms']}" if r.get("num_sms") else ""))
+            rows.append(row)
+        ceiling = doc.get("ceiling_gbps", {}).get(d)
+        out.append(f"{d}: GB/s by block size (contiguous ceiling {_gb(ceiling)} GB/s)")
+        out += ["  " + line for line in _grid(header, rows)]
+        out.append("")
+    out.append("decisions:")
+    for d, dec in doc.get("decisions", {}).items():
+        out += ["  " + line for line in describe_decision(d, dec)]
+    if doc.get("slowdown"):
+        pairs = ", ".join(f"{k} {v:.0%}" for k, v in sorted(doc["slowdown"].items()))
+        out.append(f"  compute slowdown beside a GEMM: {pairs} ({doc.get('slowdown_source', '')})")
+    for f in doc.get("failures", []):
+        sms = f" on {f['num_sms']} SMs" if f.get("num_sms") else ""
+        out.append(f"  skipped {f['direction']} {f['impl']}{sms}: {f['error']}")
+    return "\n".join(out)
+
+
+def bench_report(result: dict[str, Any]) -> str:
+    """One table per direction: ceiling, each candidate, resolved, peer, and the ratios."""
+    out = []
+    for d in result["directions"]:
+        rows = [r for r in result["rows"] if r["direction"] == d]
+        if not rows:
+            continue
+        names = sorted({n for r in rows for n in r["candidates"]})
+        header = ["block", "n"] + names + ["resolved", "route", "peer", "res/best", "res/peer"]
+        table = []
+        for r in rows:
+            line = [human_bytes(r["block_bytes"]), str(r["batch"])]
+            line += [_gb(r["candidates"].get(n, {}).get("gbps")) for n in names]
+            res, peer = r["resolved"], r["peer"]
+            line += [_gb(res["gbps"]), res["route"], _gb(peer["gbps"]) if peer else "n/a",
+                     f"{r['resolved_over_best']:.3f}" if r["resolved_over_best"] else "-",
+                     f"{r['resolved_over_peer']:.3f}" if r["resolved_over_peer"] else "n/a"]
+            table.append(line)
+        out.append(f"{d}: GB/s (contiguous ceiling {_gb(result['ceiling_gbps'].get(d))} GB/s)")
+        out += ["  " + line for line in _grid(header, table)]
+        s = result["summary"].get(d, {})
+        worst_peer = s.get("min_resolved_over_peer")
+        out.append(
+            f"  worst resolved/best-candidate (regret): {s.get('min_resolved_over_best', 0):.3f}; "
+            f"worst resolved/peer: {'n/a' if worst_peer is None else f'{worst_peer:.3f}'}"
+        )
+        out.append("")
+    return "\n".join(out)

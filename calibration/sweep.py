@@ -1,0 +1,357 @@
+"""The measurement grid of ``kvswap calibrate``, run on the present device.
+
+Stages, per direction: the contiguous ceiling; every available route over block sizes at
+a large batch (kernels at several SM counts); then, at a few block sizes where the kernel
+wins at its SM knee, the kernel against the best batch route over batch sizes; optionally
+the compute slowdown each route causes beside a GEMM. Routes are bound through
+``kvswap.resolve(..., policy=Policy(force=name))`` exactly as an engine gets them, with a
+calibration override that binds kernels at exactly the SM count being measured. A route
+that raises or copies the wrong bytes is recorded as a failure and left out; the run goes
+on.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+from kvswap.errors import KvSwapError
+from kvswap.plugins import PluginHost, plugin_host
+from kvswap.platform import detect
+from kvswap.resolver import resolve
+from kvswap.thresholds import Calibration
+from kvswap.types import DeviceInfo, Direction, Policy
+
+from . import fit, store
+from .records import BATCH, CEILING, SIZE, Failure, Interference, Measurement
+from .timing import make_timer, median, on_host
+from .workload import Batch, Pools
+
+KiB, MiB = 1024, 1 << 20
+
+
+def grid_sizes(lo: int = KiB, hi: int = 512 * KiB, midpoints: bool = True) -> tuple[int, ...]:
+    """Powers of two from ``lo`` to ``hi`` and, with ``midpoints``, 1.5x each of them."""
+    out = set()
+    b = lo
+    while b <= hi:
+        out.add(b)
+        if midpoints and 3 * b // 2 <= hi:
+            out.add(3 * b // 2)
+        b *= 2
+    return tuple(sorted(out))
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The grid and effort of a run (see :func:`settings_for` for the defaults)."""
+
+    block_sizes: tuple[int, ...]
+    sm_counts: tuple[int, ...]
+    batch_sizes: tuple[int, ...]
+    batch_sweep_blocks: int
+    size_sweep_bytes: int
+    max_batch: int
+    pool_bytes: int
+    ceiling_bytes: int
+    repeats: int
+    warmup: int
+    interference: bool = False
+    interference_all_sms: bool = False
+    seed: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _sm_counts(base: Sequence[int], device: DeviceInfo, max_sms: Optional[int]) -> tuple[int, ...]:
+    cap = device.compute_units or max(base)
+    if max_sms is not None:
+        cap = min(cap, max_sms)
+    counts = {k for k in base if k <= cap}
+    if cap >= 1:
+        counts.add(cap)  # the whole budget: the peak the knee is measured against
+    return tuple(sorted(counts))
+
+
+def settings_for(device: DeviceInfo, quick: bool = False, max_sms: Optional[int] = None,
+                 interference: bool = False) -> Settings:
+    """Defaults: ``quick`` about a minute on a GPU, the full grid under ten; on a CPU-only
+    machine small pools and batches, since the host reference copies one block at a time."""
+    if on_host(device):
+        return Settings(
+            block_sizes=grid_sizes(midpoints=not quick),
+            sm_counts=_sm_counts((1, 2, 4, 8), device, max_sms),
+            batch_sizes=(1, 4, 16, 64, 256) if quick else (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024),
+            batch_sweep_blocks=2 if quick else 3,
+            size_sweep_bytes=(4 if quick else 32) * MiB,
+            max_batch=256 if quick else 2048,
+            pool_bytes=(16 if quick else 64) * MiB,
+            ceiling_bytes=(8 if quick else 32) * MiB,
+            repeats=3 if quick else 5,
+            warmup=1,
+            interference=interference,
+        )
+    return Settings(
+        block_sizes=grid_sizes(midpoints=not quick),
+        sm_counts=_sm_counts((2, 4, 8, 16, 32) if quick else (1, 2, 4, 6, 8, 12, 16, 24, 32, 48), device, max_sms),
+        batch_sizes=(1, 4, 16, 64, 256, 1024, 4096) if quick
+        else (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 10000),
+        batch_sweep_blocks=2 if quick else 4,
+        size_sweep_bytes=(64 if quick else 256) * MiB,
+        max_batch=10000,
+        pool_bytes=(512 if quick else 1024) * MiB,
+        ceiling_bytes=(128 if quick else 512) * MiB,
+        repeats=5 if quick else 10,
+        warmup=2 if quick else 3,
+        interference=interference,
+        interference_all_sms=not quick,
+    )
+
+
+@dataclass
+class Bound:
+    """One route as measured: an impl forced through resolve(), bound at ``num_sms``."""
+
+    impl: str
+    kind: str
+    num_sms: Optional[int]
+    fn: Any
+    constraints: dict[str, Any]
+
+    @property
+    def label(self) -> str:
+        return f"{self.impl}@{self.num_sms}" if self.num_sms else self.impl
+
+    def accepts(self, block_bytes: int) -> bool:
+        c = self.constraints
+        if block_bytes < c.get("min_block_bytes", 1) or block_bytes % c.get("alignment", 1):
+            return False
+        return c.get("max_block_bytes") is None or block_bytes <= c["max_block_bytes"]
+
+
+@dataclass
+class SweepResult:
+    device: DeviceInfo
+    settings: Settings
+    directions: list[str]
+    timer: str
+    measurements: list[Measurement] = field(default_factory=list)
+    failures: list[Failure] = field(default_factory=list)
+    interference: list[Interference] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def host_only(self) -> bool:
+        return on_host(self.device)
+
+
+class Progress:
+    """What a run tells a progress bar; the bar (tqdm) is made on the first ``add``, once
+    there is a total to show. ``make(total)`` returns an object with tqdm's ``total``,
+    ``refresh``, ``update``, ``set_description`` and ``close``."""
+
+    def __init__(self, make: Optional[Callable[[int], Any]] = None) -> None:
+        self.make = make
+        self.bar: Any = None
+
+    def add(self, n: int) -> None:
+        if self.make is None or n <= 0:
+            return
+        if self.bar is None:
+            self.bar = self.make(n)
+        else:
+            self.bar.total += n
+            self.bar.refresh()
+
+    def step(self, what: str) -> None:
+        if self.bar is not None:
+            self.bar.set_description(what, refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def measurement_calibration(device: DeviceInfo, num_sms: Optional[int]) -> Calibration:
+    """What the resolver decides by while a route is bound for measurement."""
+    sms = {str(d): num_sms for d in Direction} if num_sms else {}
+    return Calibration(
+        source=f"kvswap calibrate: bound at {num_sms or 'no'} SMs for measurement",
+        platform=device.platform, scope="device", kernel_sms=sms, identity=device.identity,
+    )
+
+
+class Sweep:
+    def __init__(self, device: Any, settings: Settings, directions: Sequence[Any], *,
+                 host: Optional[PluginHost] = None, progress: Optional[Progress] = None) -> None:
+        self.spec = device
+        self.host = plugin_host() if host is None else host
+        self.dev = detect(self.host, device)
+        self.settings = settings
+        self.directions = [Direction.parse(d) for d in directions]
+        self.progress = progress or Progress()
+        self.timer = make_timer(self.dev)
+        self.result = SweepResult(self.dev, settings, [str(d) for d in self.directions], self.timer.label)
+        self.pools: Optional[Pools] = None
+        self._dead: set[tuple[str, str, Optional[int]]] = set()
+        self._bounds: Optional[dict[Direction, list[Bound]]] = None
+
+    # -- binding -------------------------------------------------------------------------
+    def bind(self, direction: Direction) -> list[Bound]:
+        """Every usable route for ``direction``; kernels once per SM count."""
+        with store.override(None):
+            try:
+                plan = resolve(direction, device=self.spec, host=self.host).plan
+            except KvSwapError as e:
+                self._fail(direction, "resolve", None, None, e)
+                return []
+        out = []
+        for c in plan.candidates:
+            if not c.available:
+                self.result.notes.append(f"{direction}: {c.name} not measured: {c.reason}")
+                continue
+            counts: Sequence[Optional[int]] = self.settings.sm_counts if c.kind == "kernel" else (None,)
+            if c.kind == "kernel" and not counts:
+                self.result.notes.append(f"{direction}: {c.name} not measured: no SM budget (--max-sms 0)")
+            for k in counts:
+                try:
+                    with store.override(measurement_calibration(self.dev, k)):
+                        fn = resolve(direction, device=self.spec, host=self.host, policy=Policy(force=c.name, max_sms=k))
+                    got = fn.plan.params.get(c.name, {}).get("num_sms")
+                    if k is not None and got != k:
+                        raise KvSwapError(f"resolve bound it with num_sms={got!r}, not {k}")
+                except Exception as e:
+                    self._fail(direction, c.name, k, None, e)
+                    continue
+                out.append(Bound(c.name, c.kind, k, fn, dict(c.constraints)))
+        return out
+
+    def _fail(self, direction: Direction, impl: str, sms: Optional[int], block: Optional[int], e: BaseException) -> None:
+        self._dead.add((str(direction), impl, sms))
+        self.result.failures.append(Failure(str(direction), impl, sms, block, f"{type(e).__name__}: {e}"))
+
+    # -- measuring -----------------------------------------------------------------------
+    def _call(self, bound: Bound, batch: Batch) -> Callable[[Any], None]:
+        fn, src, dst, sizes = bound.fn, batch.src, batch.dst, batch.sizes
+        return lambda stream: fn(src, dst, sizes, stream=stream)
+
+    def _checked(self, bound: Bound, batch: Batch) -> bool:
+        """Copy once into poisoned destinations and compare; a failure retires the route."""
+        assert self.pools is not None
+        try:
+            self.pools.verify(self.timer, self._call(bound, batch), batch)
+        except Exception as e:
+            self._fail(batch.direction, bound.impl, bound.num_sms, batch.block_bytes, e)
+            return False
+        return True
+
+    def measure(self, bounds: Sequence[Bound], batch: Batch, stage: str) -> list[Measurement]:
+        """Time every route in ``bounds`` on ``batch``, interleaved; skip retired ones."""
+        d = str(batch.direction)
+        live = [b for b in bounds if (d, b.impl, b.num_sms) not in self._dead and b.accepts(batch.block_bytes)]
+        live = [b for b in live if self._checked(b, batch)]
+        if not live:
+            return []
+        s = self.settings
+        try:
+            times = self.timer.measure([self._call(b, batch) for b in live], s.repeats, s.warmup)
+        except Exception:
+            times = []  # one of them failed mid-run: time them one by one to find which
+            for b in list(live):
+                try:
+                    times.append(self.timer.measure([self._call(b, batch)], s.repeats, s.warmup)[0])
+                except Exception as e:
+                    self._fail(batch.direction, b.impl, b.num_sms, batch.block_bytes, e)
+                    live.remove(b)
+        out = [
+            Measurement(d, stage, b.impl, b.kind, b.num_sms, batch.block_bytes, batch.n, median(t), len(t))
+            for b, t in zip(live, times)
+        ]
+        self.result.measurements.extend(out)
+        return out
+
+    def ceiling(self, direction: Direction) -> None:
+        assert self.pools is not None
+        nbytes = min(self.settings.ceiling_bytes, self.pools.pool_bytes)
+        t = self.timer.measure([self.pools.contiguous(direction, nbytes)], self.settings.repeats, self.settings.warmup)[0]
+        self.result.measurements.append(
+            Measurement(str(direction), CEILING, "contiguous", "ceiling", None, nbytes, 1, median(t), len(t))
+        )
+
+    def size_sweep(self, direction: Direction, bounds: list[Bound]) -> None:
+        assert self.pools is not None
+        s = self.settings
+        for b in s.block_sizes:
+            n = min(s.max_batch, max(1, s.size_sweep_bytes // b), self.pools.slots(b))
+            self.measure(bounds, self.pools.batch(direction, b, n), SIZE)
+            self.progress.step(f"{direction} block sizes")
+
+    def batch_sweep(self, direction: Direction, bounds: list[Bound]) -> None:
+        """Kernel at its knee against the best batch route, over batch sizes, at a few
+        block sizes where the kernel is the route."""
+        assert self.pools is not None
+        d = str(direction)
+        decision = fit.fit_direction(self.result.measurements, d)
+        table = fit.size_table(self.result.measurements, d)
+        kernel_at = [r for r in decision["by_size"] if r["kind"] == "kernel"]
+        if not kernel_at:
+            return
+        k = self.settings.batch_sweep_blocks
+        picks = [kernel_at[round(i * (len(kernel_at) - 1) / max(k - 1, 1))] for i in range(min(k, len(kernel_at)))]
+        picks = list({r["block_bytes"]: r for r in picks}.values())
+        plan = []
+        for r in picks:
+            b = r["block_bytes"]
+            dma = [(row[b], impl) for (impl, kind, _), row in table.items() if kind == "batch" and b in row]
+            if not dma:
+                continue
+            best = max(dma)[1]
+            pair = [x for x in bounds if (x.impl, x.num_sms) in ((r["impl"], r["num_sms"]), (best, None))]
+            ns = [n for n in self.settings.batch_sizes if n <= self.pools.slots(b)]
+            plan.append((b, pair, ns))
+        self.progress.add(sum(len(ns) for _, _, ns in plan))
+        for b, pair, ns in plan:
+            for n in ns:
+                self.measure(pair, self.pools.batch(direction, b, n), BATCH)
+                self.progress.step(f"{direction} batch sizes")
+
+    def interference(self, direction: Direction, bounds: list[Bound]) -> None:
+        from .interference import measure_interference
+
+        assert self.pools is not None
+        decision = fit.fit_direction(self.result.measurements, str(direction))
+        knee = decision.get("kernel_sms")
+        chosen = [
+            b for b in bounds
+            if (str(direction), b.impl, b.num_sms) not in self._dead
+            and (b.kind != "kernel" or self.settings.interference_all_sms or b.num_sms == knee)
+        ]
+        self.result.interference.extend(
+            measure_interference(self, direction, chosen, lambda: self.progress.step(f"{direction} interference"))
+        )
+
+    # -- the whole run -------------------------------------------------------------------
+    def prepare(self) -> dict[Direction, list[Bound]]:
+        """Bind every route (once); what :meth:`run` will measure, per direction."""
+        if self._bounds is None:
+            self._bounds = {d: self.bind(d) for d in self.directions}
+        return self._bounds
+
+    def run(self) -> SweepResult:
+        s = self.settings
+        if s.interference and on_host(self.dev):
+            self.result.notes.append("interference not measured: it needs a GPU to run the reference GEMM on")
+        bounds = self.prepare()
+        self.progress.add(sum(1 + len(s.block_sizes) * bool(bounds[d]) for d in self.directions))
+        self.pools = Pools(self.dev, s.pool_bytes, s.seed)
+        for d in self.directions:
+            self.ceiling(d)
+            self.progress.step(f"{d} ceiling")
+            if not bounds[d]:
+                continue
+            self.size_sweep(d, bounds[d])
+            self.batch_sweep(d, bounds[d])
+            if s.interference and not on_host(self.dev):
+                self.interference(d, bounds[d])
+        return self.result

@@ -1,0 +1,104 @@
+"""How kvswap times a copy: CUDA events on an accelerator, ``perf_counter`` on the host.
+
+Every measurement goes through :meth:`Timer.measure`: warm-up calls first (a Triton kernel
+compiles on its first launch; the driver sets up on its first batch), then ``repeats``
+rounds in which each call is timed once. Interleaving the calls of a comparison in rounds
+spreads clock and thermal drift over all of them instead of biasing the last one.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+from kvswap.types import DeviceInfo
+
+Call = Callable[[Any], None]  # call(stream): enqueue one copy on ``stream`` (None on the host)
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def on_host(device: DeviceInfo) -> bool:
+    """Whether both sides of a copy on ``device`` are host memory (no accelerator to time)."""
+    return device.torch_device.split(":")[0] == "cpu"
+
+
+class HostTimer:
+    """Wall-clock time of synchronous host copies."""
+
+    label = "perf_counter around each synchronous call"
+    stream = None
+
+    def measure(self, calls: Sequence[Call], repeats: int, warmup: int = 1) -> list[list[float]]:
+        """Seconds per call: one list of ``repeats`` timings per entry of ``calls``."""
+        for _ in range(warmup):
+            for call in calls:
+                call(None)
+        out: list[list[float]] = [[] for _ in calls]
+        clock = time.perf_counter
+        for _ in range(repeats):
+            for i, call in enumerate(calls):
+                t0 = clock()
+                call(None)
+                out[i].append(max(clock() - t0, 1e-9))
+        return out
+
+    def once(self, call: Call) -> None:
+        """Run ``call`` once and wait for it (checking a route's result, not timing it)."""
+        call(None)
+
+
+class DeviceTimer:
+    """GPU time between two events recorded on a dedicated stream around each call.
+
+    Calls are enqueued back to back and synchronised once per measurement, so when the
+    GPU is the bottleneck each interval is pure copy time, and when the host is (tiny
+    batches) the interval includes the host work the caller would wait for too. The
+    stream is a fresh non-default one: the batch-copy API rejects the legacy stream.
+    """
+
+    label = "CUDA events on a dedicated stream"
+
+    def __init__(self, device: DeviceInfo) -> None:
+        import torch
+
+        self._torch = torch
+        self.index = device.index or 0
+        self.stream = torch.cuda.Stream(device=self.index)
+
+    def once(self, call: Call) -> None:
+        """Run ``call`` once on the timer's stream and wait for it."""
+        torch = self._torch
+        with torch.cuda.device(self.index), torch.cuda.stream(self.stream):
+            try:
+                call(self.stream)
+            finally:
+                self.stream.synchronize()
+
+    def measure(self, calls: Sequence[Call], repeats: int, warmup: int = 1) -> list[list[float]]:
+        torch = self._torch
+        pairs: list[list[tuple[Any, Any]]] = [[] for _ in calls]
+        with torch.cuda.device(self.index), torch.cuda.stream(self.stream):
+            try:
+                for _ in range(warmup):
+                    for call in calls:
+                        call(self.stream)
+                self.stream.synchronize()
+                for _ in range(repeats):
+                    for i, call in enumerate(calls):
+                        start = torch.cuda.Event(enable_timing=True)
+                        end = torch.cuda.Event(enable_timing=True)
+                        start.record(self.stream)
+                        call(self.stream)
+                        end.record(self.stream)
+                        pairs[i].append((start, end))
+            finally:
+                # Never leave copies in flight into buffers the caller may free or reuse.
+                self.stream.synchronize()
+        return [[max(s.elapsed_time(e) / 1e3, 1e-9) for s, e in row] for row in pairs]
+
+
+def make_timer(device: DeviceInfo) -> Any:
+    return HostTimer() if on_host(device) else DeviceTimer(device)

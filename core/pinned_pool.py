@@ -1,0 +1,82 @@
+"""Reusable descriptor buffers, page-locked where a device reads them.
+
+A transfer's descriptors (src addresses, dst addresses, sizes) must stay valid until the
+device has finished with them, and an async upload from pageable memory is synchronous
+(FACTS.md), so on a GPU they live in pinned memory. Pinning is slow (a driver call per
+allocation), hence a pool: buffers are sized in powers of two and come back to the pool
+only when the owner says the job that used them has completed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+# Small jobs share one size class; 1024 descriptors are 24 KiB.
+MIN_CAPACITY = 1024
+
+
+@dataclass(eq=False)
+class DescriptorBuffer:
+    """``array[0]``: src addresses, ``array[1]``: dst addresses, ``array[2]``: sizes.
+
+    ``owner`` keeps the memory alive (the pinned torch tensor, or None for numpy memory).
+    """
+
+    array: np.ndarray
+    owner: Any
+    capacity: int
+
+
+class DescriptorPool:
+    """Buffers of ``(3, capacity)`` int64, reused by size class.
+
+    :param pinned: allocate page-locked host memory through torch (needs a GPU build of
+        torch and a device); otherwise plain numpy memory.
+    """
+
+    def __init__(self, pinned: bool) -> None:
+        self.pinned = pinned
+        self._free: dict[int, list[DescriptorBuffer]] = {}
+        self._lent: set[int] = set()
+        self.allocated = 0
+
+    @property
+    def in_use(self) -> int:
+        """Buffers acquired and not yet released."""
+        return len(self._lent)
+
+    @property
+    def idle(self) -> int:
+        """Buffers waiting in the pool."""
+        return sum(len(v) for v in self._free.values())
+
+    def acquire(self, count: int) -> DescriptorBuffer:
+        """A buffer for at least ``count`` descriptors, from the pool or newly allocated."""
+        cap = MIN_CAPACITY if count <= MIN_CAPACITY else 1 << (count - 1).bit_length()
+        shelf = self._free.get(cap)
+        buf = shelf.pop() if shelf else self._allocate(cap)
+        self._lent.add(id(buf))
+        return buf
+
+    def release(self, buf: DescriptorBuffer) -> None:
+        """Give ``buf`` back; only once the device is done reading it."""
+        key = id(buf)
+        if key not in self._lent:
+            raise RuntimeError("descriptor buffer released twice or not from this pool")
+        self._lent.discard(key)
+        self._free.setdefault(buf.capacity, []).append(buf)
+
+    def clear(self) -> None:
+        """Drop the idle buffers (buffers still lent stay with their jobs)."""
+        self._free.clear()
+
+    def _allocate(self, cap: int) -> DescriptorBuffer:
+        self.allocated += 1
+        if not self.pinned:
+            return DescriptorBuffer(np.empty((3, cap), dtype=np.int64), None, cap)
+        import torch
+
+        owner = torch.empty((3, cap), dtype=torch.int64, pin_memory=True)
+        return DescriptorBuffer(owner.numpy(), owner, cap)

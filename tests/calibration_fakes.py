@@ -1,0 +1,115 @@
+"""A modelled platform for calibration tests: real host copies, modelled costs.
+
+``ModelPlatform`` is a throwaway plugin for a platform ``modelplat`` whose "device memory"
+is host memory. Its routes really copy (through the host reference), so the sweep's
+poisoned-destination checks are real, and each call also adds what it *would* cost on a
+device to a ledger. ``LedgerTimer`` stands in for the timer and reports those modelled
+costs, so decisions come out of the real sweep, fit and resolver without any wall clock.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from kvswap import CopyImpl, DeviceInfo, Direction, hookimpl
+from kvswap.reference import host_copy
+
+KiB = 1024
+BOTH = (Direction.H2D, Direction.D2H)
+
+
+def batch_gbps(b: int) -> float:
+    """A copy engine with the small-block cliff of FACTS.md: slow below 32 KiB."""
+    return 3.0 if b < 4 * KiB else 4.0 if b < 32 * KiB else 45.0 if b < 128 * KiB else 52.0
+
+
+def kernel_gbps(b: int, sms: int) -> float:
+    """A kernel: 6.5 GB/s per SM below 16 KiB, 13 below 64 KiB, 26 above; 50 GB/s cap."""
+    per_sm = 6.5 if b < 16 * KiB else 13.0 if b < 64 * KiB else 26.0
+    return min(50.0, per_sm * sms)
+
+
+KERNEL_LAUNCH_S = 5e-6  # fixed cost of a kernel launch; the batch route has none
+
+
+def batch_cost(direction: str, b: int, n: int, sms: Optional[int]) -> float:
+    return n * b / (batch_gbps(b) * 1e9)
+
+
+def kernel_cost(direction: str, b: int, n: int, sms: Optional[int]) -> float:
+    return KERNEL_LAUNCH_S + n * b / (kernel_gbps(b, sms or 1) * 1e9)
+
+
+class Ledger(list):
+    """Modelled seconds of the calls made since the last clear()."""
+
+
+class LedgerTimer:
+    label = "modelled costs (test)"
+    stream = None
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+
+    def once(self, call: Callable[[Any], None]) -> None:
+        call(None)
+
+    def measure(self, calls: list, repeats: int, warmup: int = 1) -> list[list[float]]:
+        out = []
+        for call in calls:
+            times = []
+            for _ in range(repeats):
+                self.ledger.clear()
+                call(None)
+                times.append(sum(self.ledger) or 1e-3)  # the contiguous ceiling is not modelled
+            out.append(times)
+        return out
+
+
+class ModelPlatform:
+    """Plugin: detects ``modelplat:0`` and registers ``model.batch`` and ``model.kernel``
+    (plus, on request, routes that raise, copy nothing, or refuse large blocks)."""
+
+    IDENTITY = "modelplat-model-device-16cu"
+
+    def __init__(self, ledger: Ledger, broken: bool = False) -> None:
+        self.ledger = ledger
+        self.broken = broken
+        self.bound_sms: list[int] = []
+
+    @hookimpl
+    def kvswap_detect_platform(self, device: Optional[str]) -> Optional[DeviceInfo]:
+        if device is None or not device.startswith("modelplat"):
+            return None
+        return DeviceInfo(platform="modelplat", name="Model device", identity=self.IDENTITY,
+                          compute_units=16, index=0, details={"torch_type": "cpu"})
+
+    def _route(self, cost: Callable[..., float], sms: Optional[int]) -> Callable[..., None]:
+        def fn(src: Any, dst: Any, sizes: Any, stream: Any) -> None:
+            host_copy(src, dst, sizes)
+            self.ledger.append(cost("", int(sizes[0]), len(sizes), sms))
+        return fn
+
+    def _kernel(self, ctx: Any) -> Callable[..., None]:
+        self.bound_sms.append(ctx.params["num_sms"])
+        return self._route(kernel_cost, ctx.params["num_sms"])
+
+    @hookimpl
+    def kvswap_register_copy_impls(self, platform: str, register: Callable[[CopyImpl], None]) -> None:
+        if platform != "modelplat":
+            return
+        register(CopyImpl("model.batch", "batch", ("modelplat",), BOTH, lambda ctx: self._route(batch_cost, None)))
+        register(CopyImpl("model.kernel", "kernel", ("modelplat",), BOTH, self._kernel))
+        if not self.broken:
+            return
+
+        def raises(ctx: Any) -> Callable[..., None]:
+            def fn(src: Any, dst: Any, sizes: Any, stream: Any) -> None:
+                raise RuntimeError("model.raises: device fell off the bus")
+            return fn
+
+        register(CopyImpl("model.raises", "batch", ("modelplat",), BOTH, raises))
+        register(CopyImpl("model.nothing", "kernel", ("modelplat",), BOTH,
+                          lambda ctx: lambda src, dst, sizes, stream: self.ledger.append(1e-9)))
+        register(CopyImpl("model.small", "batch", ("modelplat",), BOTH,
+                          lambda ctx: self._route(lambda d, b, n, s: n * b / 1e9, None),
+                          max_block_bytes=8 * KiB))

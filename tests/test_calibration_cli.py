@@ -1,0 +1,104 @@
+"""``kvswap calibrate`` and ``kvswap bench`` on the CPU, end to end, and their bad arguments."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvswap.calibration import store
+from kvswap.cli import main
+from kvswap.platform import cpu_device
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(autouse=True)
+def no_interpreted_kernel(monkeypatch):
+    # The suite runs Triton's interpreter on the CPU (TRITON_INTERPRET=1), which makes
+    # triton.kernel a CPU route; a real `kvswap calibrate` on a CPU has none, and timing the
+    # interpreter over a whole grid would take minutes. test_calibration_sweep measures it.
+    monkeypatch.setenv("KVSWAP_DISABLE_PLUGINS", "triton")
+
+
+def test_calibrate_quick_writes_profile_and_plot_and_explain_names_it(tmp_path, capsys, monkeypatch):
+    out, png = tmp_path / "p" / "cpu.json", tmp_path / "curves.png"
+    assert main(["calibrate", "--quick", "--out", str(out), "--plot", str(png)]) == 0
+    printed = capsys.readouterr()
+    assert "HOST MEMORY COPIES" in printed.out and "HOST MEMORY COPIES" in printed.err
+    assert f"written to {out}" in printed.out and f"KVSWAP_PROFILE={out}" in printed.out
+    doc = store.read(out, cpu_device())
+    assert doc["measured"].startswith("host memory copies")
+    assert {c["impl"] for c in doc["curves"]} == {"host.reference"}
+    assert {m["stage"] for m in doc["measurements"]} == {"ceiling", "size"}
+    assert set(doc["decisions"]) == {"h2d", "d2h"} and set(doc["ceiling_gbps"]) == {"h2d", "d2h"}
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    monkeypatch.setenv(store.PROFILE_ENV, str(out))
+    assert main(["explain", "--direction", "h2d"]) == 0
+    assert f"calibration: profile {out} (measured)" in capsys.readouterr().out
+
+
+def test_calibrate_default_location_is_found_by_a_new_process(tmp_path, capsys):
+    assert main(["calibrate", "--quick", "--directions", "d2h"]) == 0
+    path = store.default_path(cpu_device())
+    assert path.is_relative_to(os.environ["XDG_DATA_HOME"])
+    assert path.with_suffix(".png").read_bytes()[:8] == PNG_MAGIC
+    doc = store.read(path, cpu_device())
+    assert doc["directions"] == ["d2h"] and "carried_from" in doc["decisions"]["h2d"]
+    assert "KVSWAP_PROFILE" not in capsys.readouterr().out  # no hint: it is where the resolver looks
+    run = subprocess.run([sys.executable, "-m", "kvswap", "explain", "--direction", "d2h"],
+                         capture_output=True, text=True, env=dict(os.environ), check=True)
+    assert f"calibration: profile {path} (measured)" in run.stdout
+
+
+def test_calibrate_replaces_a_corrupt_profile_and_names_it(capsys):
+    path = store.default_path(cpu_device())
+    path.parent.mkdir(parents=True)
+    path.write_text("{broken")
+    assert main(["calibrate", "--quick", "--directions", "h2d"]) == 0
+    assert f"skipped calibration profile {path}" in capsys.readouterr().err
+    assert store.read(path, cpu_device())["directions"] == ["h2d"]
+
+
+def test_bench_writes_json_with_ratios(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--json", str(out), "--block-bytes", "4096,65536", "--batches", "1,16",
+                 "--repeats", "2"]) == 0
+    printed = capsys.readouterr()
+    assert "HOST MEMORY COPIES" in printed.err and "host memory copies" in printed.out
+    assert "res/best" in printed.out
+    result = json.loads(out.read_text())
+    assert result["device"]["platform"] == "cpu" and set(result["ceiling_gbps"]) == {"h2d", "d2h"}
+    assert len(result["rows"]) == 8 and result["failures"] == []
+    for row in result["rows"]:
+        assert set(row["candidates"]) == {"host.reference"} and row["best"] == "host.reference"
+        assert row["resolved"]["route"] == "host.reference" and row["resolved"]["gbps"] > 0
+        assert row["resolved_over_best"] == pytest.approx(row["resolved"]["gbps"] / row["candidates"][row["best"]]["gbps"], rel=1e-3)
+        assert row["peer"] is None and row["resolved_over_peer"] is None  # no triton/cuda: not applicable
+    assert sum("peer baseline not applicable" in n for n in result["notes"]) == 2
+    assert result["summary"]["h2d"]["points"] == 4 and result["summary"]["h2d"]["min_resolved_over_peer"] is None
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["calibrate", "--directions", "sideways"], "direction='sideways'"),
+    (["calibrate", "--directions", ","], "at least one"),
+    (["calibrate", "--max-sms", "-1"], "must be >= 0"),
+    (["calibrate", "--plot", "curves.jpg"], "must name a .png"),
+    (["calibrate", "--out", "{tmp}"], "is a directory"),
+    (["calibrate", "--device", "not a device"], "is not valid"),
+    (["calibrate", "--quick", "--bogus"], "unrecognized arguments"),
+    (["bench", "--block-bytes", "0"], "must be positive"),
+    (["bench", "--batches", "many"], "not a comma-separated list"),
+    (["bench", "--repeats", "0"], "must be >= 1"),
+    (["bench", "--json", "{tmp}"], "is a directory"),
+])
+def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, argv, says):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    before = sorted(tmp_path.rglob("*"))
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0], err
+    assert sorted(tmp_path.rglob("*")) == before
+    assert not store.default_path(cpu_device()).exists()

@@ -1,0 +1,191 @@
+"""The fitting logic on synthetic measurements: knee, routes, crossover, minimum batch,
+slowdown, and the profile fields the resolver reads."""
+from __future__ import annotations
+
+import pytest
+
+from kvswap import DeviceInfo
+from kvswap.calibration import fit, store
+from kvswap.calibration.records import BATCH, CEILING, SIZE, Interference, Measurement
+from kvswap.thresholds import FALLBACK
+
+KiB = 1024
+SMS = (1, 2, 4, 8, 16)
+
+
+def m(d, impl, kind, sms, b, gbps, n=1000, stage=SIZE):
+    return Measurement(d, stage, impl, kind, sms, b, n, b * n / (gbps * 1e9), 5)
+
+
+def grid(d, batch: dict, kernel) -> list[Measurement]:
+    """Size-sweep measurements: ``batch`` {block: GB/s}, ``kernel(block, sms)`` GB/s."""
+    out = [m(d, "x.batch", "batch", None, b, g) for b, g in batch.items()]
+    out += [m(d, "x.kernel", "kernel", k, b, kernel(b, k)) for b in batch for k in SMS]
+    return out
+
+
+def per_sm(rates: dict):
+    return lambda b, k: min(50.0, rates[b] * k)
+
+
+def test_knee_covers_every_size_where_the_kernel_wins():
+    rates = {4 * KiB: 6.5, 64 * KiB: 26.0}  # 4 KiB needs 8 SMs to reach the 50 GB/s cap, 64 KiB 2
+    ms = grid("h2d", {4 * KiB: 4.0, 64 * KiB: 45.0}, per_sm(rates))
+    dec = fit.fit_direction(ms, "h2d")
+    assert dec["kernel_sms"] == 8
+    assert dec["kernel_peak_sms"] == 8  # 16 SMs is no faster: the tie goes to fewer
+    assert [r["impl"] for r in dec["by_size"]] == ["x.kernel", "x.kernel"]
+
+
+def test_knee_ignores_sizes_where_the_batch_route_wins_anyway():
+    rates = {4 * KiB: 6.5, 64 * KiB: 26.0}
+    ms = grid("h2d", {4 * KiB: 60.0, 64 * KiB: 45.0}, per_sm(rates))  # DMA beats any kernel at 4 KiB
+    dec = fit.fit_direction(ms, "h2d")
+    assert dec["kernel_sms"] == 2  # over all sizes it would be 8
+    assert [(r["block_bytes"], r["impl"], r["num_sms"]) for r in dec["by_size"]] == [
+        (4 * KiB, "x.batch", None), (64 * KiB, "x.kernel", 2)]
+
+
+@pytest.mark.parametrize("value, knee", [(95.0, 2), (94.9, 4)])
+def test_knee_tolerance_boundary(value, knee):
+    b = 8 * KiB
+    assert fit.sm_knee({2: {b: value}, 4: {b: 100.0}}, [b], tolerance=0.05) == knee
+
+
+def test_knee_with_no_tolerance_is_the_peak():
+    b = 8 * KiB
+    assert fit.sm_knee({2: {b: 99.0}, 4: {b: 100.0}, 8: {b: 100.0}}, [b], tolerance=0.0) == 4
+
+
+def test_routes_rank_the_kernel_at_its_knee_not_at_its_peak():
+    sizes = (4 * KiB, 16 * KiB, 24 * KiB, 32 * KiB)
+    batch = dict(zip(sizes, (4.0, 6.0, 39.0, 45.0)))
+    at8 = dict(zip(sizes, (48.0, 49.0, 38.5, 40.0)))  # >= 95% of the 16-SM peak everywhere
+    at16 = dict(zip(sizes, (50.0, 50.0, 40.0, 41.5)))
+
+    def kernel(b, k):
+        return at16[b] if k == 16 else at8[b] if k == 8 else at8[b] * k / 16
+
+    dec = fit.fit_direction(grid("h2d", batch, kernel), "h2d")
+    assert dec["kernel_sms"] == 8
+    # at 24 KiB the kernel wins at 16 SMs (40 > 39) but not at the 8 it will be bound with
+    assert [r["impl"] for r in dec["by_size"]] == ["x.kernel", "x.kernel", "x.batch", "x.batch"]
+    # the resolver's class [16, 24) KiB (ranked at ~19.6 KiB) still interpolates to the kernel
+    assert dec["crossover_bytes"] == 24 * KiB
+    assert dec["routes"][0] == {"min_bytes": 1, "max_bytes": 24 * KiB - 1, "impl": "x.kernel", "kind": "kernel",
+                                "num_sms": 8}
+    assert dec["routes"][-1]["impl"] == "x.batch" and dec["routes"][-1]["max_bytes"] is None
+
+
+def test_crossover_is_none_when_one_kind_is_used_throughout():
+    k = {"kind": "kernel", "min_bytes": 1}
+    b = {"kind": "batch", "min_bytes": 1}
+    assert fit.crossover([b]) is None
+    assert fit.crossover([k]) is None
+    assert fit.crossover([dict(k), dict(b, min_bytes=64)]) == 64
+    assert fit.crossover([dict(k), dict(b, min_bytes=8), dict(k, min_bytes=16)]) is None
+
+
+def linear(b, ns, launch, per_kernel, per_batch):
+    return [(b, n, launch + n * per_kernel, n * per_batch) for n in ns]
+
+
+NS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def test_min_batch_where_the_kernel_starts_to_win():
+    # kernel: 10 + 0.1 n, batch: 1.0 n -> the kernel wins from n > 11.1
+    assert fit.min_batch(linear(4 * KiB, NS, 10.0, 0.1, 1.0)) == 16
+
+
+def test_min_batch_is_not_moved_by_one_noisy_point():
+    pts = linear(4 * KiB, NS, 10.0, 0.1, 1.0)
+    pts[1] = (4 * KiB, 2, 1.99, 2.0)  # a blip: the kernel "wins" at n=2 by 0.5%
+    assert fit.min_batch(pts) == 16  # "the first batch where the kernel won" would say 2
+
+
+def test_min_batch_extremes():
+    assert fit.min_batch(linear(4 * KiB, NS, 0.0, 0.1, 1.0)) == 1  # the kernel always wins
+    assert fit.min_batch(linear(4 * KiB, NS, 0.0, 2.0, 1.0)) == 64  # never: only the largest batch
+    assert fit.min_batch([]) is None
+
+
+def test_min_batch_weighs_every_block_size():
+    # A: kernel wins from n > 7.5; B: from n > 62.5, with a large loss below. Excess cost
+    # summed over both sizes: t=8 -> 8.5, t=16 -> 3.1, t=32 -> 1.55, t=64 -> 2.37.
+    ns = (1, 4, 8, 16, 32, 64, 128)
+    pts = linear(4 * KiB, ns, 6.0, 0.2, 1.0) + linear(64 * KiB, ns, 50.0, 0.2, 1.0)
+    assert fit.min_batch(pts) == 32
+
+
+def test_batch_points_pair_the_fastest_kernel_and_batch_per_point():
+    ms = [
+        m("h2d", "x.kernel", "kernel", 8, 4096, 10.0, n=16, stage=BATCH),
+        m("h2d", "x.batch", "batch", None, 4096, 5.0, n=16, stage=BATCH),
+        m("h2d", "y.batch", "batch", None, 4096, 20.0, n=16, stage=BATCH),
+        m("h2d", "x.kernel", "kernel", 8, 4096, 10.0, n=16, stage=SIZE),  # not the batch stage
+        m("d2h", "x.kernel", "kernel", 8, 4096, 10.0, n=32, stage=BATCH),  # other direction
+    ]
+    ((b, n, tk, tb),) = fit.batch_points(ms, "h2d")
+    assert (b, n) == (4096, 16)
+    assert tk == pytest.approx(4096 * 16 / 10e9) and tb == pytest.approx(4096 * 16 / 20e9)
+
+
+def test_slowdown_takes_the_kernel_at_its_knee_and_the_worse_direction():
+    def rec(d, impl, kind, sms, s):
+        return Interference(d, impl, kind, sms, 16 * KiB, 10000, 700.0, 700.0 * (1 - s), s, 10.0, True)
+
+    records = [
+        rec("h2d", "x.kernel", "kernel", 4, 0.18), rec("h2d", "x.kernel", "kernel", 8, 0.30),
+        rec("d2h", "x.kernel", "kernel", 8, 0.40), rec("d2h", "x.kernel", "kernel", 16, 0.60),
+        rec("h2d", "x.batch", "batch", None, 0.16), rec("d2h", "x.batch", "batch", None, -0.01),
+        rec("h2d", "contiguous", "ceiling", None, 0.08), rec("h2d", "y.batch", "batch", None, 1.5),
+    ]
+    decisions = {"h2d": {"kernel_sms": 8}, "d2h": {"kernel_sms": 8}}
+    assert fit.slowdown(records, decisions) == {"x.kernel": 0.4, "kernel": 0.4, "x.batch": 0.16, "batch": 0.99,
+                                                "y.batch": 0.99}
+
+
+def synthetic_run() -> list[Measurement]:
+    rates = {4 * KiB: 6.5, 16 * KiB: 13.0, 64 * KiB: 26.0, 256 * KiB: 26.0}
+    batch = {4 * KiB: 4.0, 16 * KiB: 6.0, 64 * KiB: 45.0, 256 * KiB: 52.0}
+    ms = []
+    for d in ("h2d", "d2h"):
+        ms += grid(d, batch, per_sm(rates))
+        ms.append(Measurement(d, CEILING, "contiguous", "ceiling", None, 1 << 29, 1, (1 << 29) / 55e9, 5))
+        ms += [m(d, "x.kernel", "kernel", 8, 4 * KiB, 48.0 * n / (n + 20), n=n, stage=BATCH) for n in NS]
+        ms += [m(d, "x.batch", "batch", None, 4 * KiB, 4.0, n=n, stage=BATCH) for n in NS]
+    return ms
+
+
+DEVICE = DeviceInfo(platform="cuda", name="Synthetic GPU", identity="cuda-synthetic-gpu-16cu", compute_units=16,
+                    index=0, details={"bus": object()})
+
+
+def test_profile_fields_round_trip_through_the_store(tmp_path):
+    ms = synthetic_run()
+    doc = store.make_document(DEVICE, measurements=[x.to_dict() for x in ms],
+                              **fit.profile_fields(ms, [], ["h2d", "d2h"]))
+    path = store.save(doc, tmp_path / "p.json")
+    cal = store.load(path, DEVICE)
+    assert cal.source == f"profile {path}" and cal.identity == DEVICE.identity and cal.scope == "device"
+    assert cal.kernel_sms == {"h2d": 8, "d2h": 8}
+    # kernel 48 n/(n+20) GB/s against batch 4: the kernel is faster from n > 1.8, i.e. n=2
+    assert cal.kernel_min_batch == {"h2d": 2, "d2h": 2}
+    assert cal.ceiling_gbps == {"h2d": pytest.approx(55.0), "d2h": pytest.approx(55.0)}
+    for x in ms:  # every measured point is what the curves predict there
+        if x.stage == SIZE:
+            assert cal.predict(x.impl, x.kind, x.direction, x.block_bytes, x.num_sms) == pytest.approx(x.gbps, abs=1e-3)
+    assert store.read(path) == doc
+    assert isinstance(store.read(path)["device"]["details"]["bus"], str)  # free-form details kept as text
+
+
+def test_a_partial_run_carries_the_other_direction_over():
+    ms = [x for x in synthetic_run() if x.direction == "h2d"]
+    fields = fit.profile_fields(ms, [], ["h2d"], prior=FALLBACK)
+    assert fields["decisions"]["d2h"]["carried_from"] == FALLBACK.source
+    assert fields["decisions"]["d2h"]["kernel_sms"] == FALLBACK.kernel_sms["d2h"]
+    d2h = [c for c in fields["curves"] if c["direction"] == "d2h"]
+    assert {c["impl"] for c in d2h} == {c.impl for c in FALLBACK.curves if str(c.direction) == "d2h"}
+    assert fields["slowdown"] == dict(FALLBACK.slowdown) and "not measured" in fields["slowdown_source"]
+    assert "carried_from" not in fields["decisions"]["h2d"]

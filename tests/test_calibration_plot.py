@@ -1,0 +1,38 @@
+"""The calibration plot: a PNG from a profile, matplotlib imported only when drawing."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from kvswap.calibration import fit, store
+from kvswap.calibration.plot import plot_profile
+
+from test_calibration_fit import DEVICE, synthetic_run
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_is_a_png_of_every_route(tmp_path):
+    ms = synthetic_run()
+    doc = store.make_document(DEVICE, measured="synthetic", measurements=[m.to_dict() for m in ms],
+                              **fit.profile_fields(ms, [], ["h2d", "d2h"]))
+    assert doc["decisions"]["h2d"]["crossover_bytes"]  # a crossover to mark
+    path = plot_profile(doc, tmp_path / "sub" / "curves.png")
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 20_000
+
+
+def test_plot_of_one_direction_and_no_kernel(tmp_path):
+    ms = [m for m in synthetic_run() if m.direction == "d2h" and m.kind != "kernel"]
+    doc = store.make_document(DEVICE, measurements=[m.to_dict() for m in ms], **fit.profile_fields(ms, [], ["d2h"]))
+    assert plot_profile(doc, tmp_path / "one.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_cli_modules_import_nothing_heavy():
+    code = (
+        "import sys, kvswap.cli, kvswap.calibration.cli_calibrate, kvswap.calibration.cli_bench, "
+        "kvswap.calibration.plot, kvswap.calibration.sweep, kvswap.calibration.bench\n"
+        "heavy = [m for m in ('matplotlib', 'tqdm', 'torch', 'triton') if m in sys.modules]\n"
+        "assert not heavy, heavy"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

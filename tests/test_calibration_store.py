@@ -1,0 +1,154 @@
+"""Profiles on disk: round trip, schema and identity checks, bad files skipped with a
+warning naming them, and the lookup order KVSWAP_PROFILE -> user dir -> shipped."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+import kvswap
+from kvswap import ProfileWarning
+from kvswap.calibration import store
+from kvswap.platform import cpu_device
+
+CPU = cpu_device()
+
+
+def profile(device=CPU, sms: int = 6, gbps: float = 3.0) -> dict:
+    """A small valid profile: one batch curve per direction, a kernel knee of ``sms``."""
+    curves = [{"impl": "host.reference", "direction": d, "num_sms": None,
+               "points": [[4096, gbps], [65536, 10 * gbps]]} for d in ("h2d", "d2h")]
+    decisions = {d: {"kernel_sms": sms, "kernel_min_batch": 32, "routes": []} for d in ("h2d", "d2h")}
+    return store.make_document(device, measured="test", measurements=[], curves=curves, decisions=decisions,
+                               ceiling_gbps={"h2d": 50.0, "d2h": 51.0}, slowdown={"batch": 0.1})
+
+
+@pytest.fixture
+def shipped(tmp_path, monkeypatch):
+    folder = tmp_path / "shipped"
+    folder.mkdir()
+    monkeypatch.setattr(store, "SHIPPED", folder)
+    return folder
+
+
+def test_round_trip(tmp_path):
+    doc = profile()
+    path = store.save(doc, tmp_path / "deep" / "p.json")
+    assert store.read(path, CPU) == doc
+    cal = store.load(path, CPU)
+    assert (cal.source, cal.identity, cal.platform, cal.scope) == (f"profile {path}", CPU.identity, "cpu", "device")
+    assert cal.kernel_sms == {"h2d": 6, "d2h": 6} and cal.kernel_min_batch == {"h2d": 32, "d2h": 32}
+    assert cal.ceiling_gbps == {"h2d": 50.0, "d2h": 51.0} and dict(cal.slowdown) == {"batch": 0.1}
+    assert cal.predict("host.reference", "batch", "h2d", 65536) == 30.0
+    assert doc["schema"] == store.SCHEMA and doc["kvswap_version"] == kvswap.__version__
+    assert doc["device"] == json.loads(json.dumps(CPU.to_dict()))
+    assert os.stat(path).st_mode & 0o777 == 0o644
+    text = path.read_text()
+    assert "[4096, 3.0]" in text  # curve points one per line, the file stays readable
+
+
+@pytest.mark.parametrize("change, why", [
+    (lambda d: d.update(schema="kvswap.profile/0"), "schema is 'kvswap.profile/0'"),
+    (lambda d: d.pop("decisions"), "KeyError"),
+    (lambda d: d["curves"][0].update(points=[[4096, -1.0]]), "finite GB/s >= 0"),
+    (lambda d: d["device"].update(identity="someone-else"), "does not match the device"),
+    (lambda d: d["decisions"].update(sideways={"kernel_sms": 2}), "direction='sideways'"),
+])
+def test_save_refuses_what_could_not_be_read_back_and_keeps_the_old_file(tmp_path, change, why):
+    path = store.save(profile(), tmp_path / "p.json")
+    before = path.read_text()
+    doc = profile(sms=9)
+    change(doc)
+    with pytest.raises(store.ProfileError, match=why):
+        store.save(doc, path)
+    assert path.read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]  # no temporary file left
+
+
+def test_load_refuses_a_profile_for_another_device(tmp_path):
+    other = kvswap.DeviceInfo(platform="cpu", name="other", identity="cpu-other", compute_units=1)
+    path = store.save(profile(other), tmp_path / "p.json")
+    with pytest.raises(store.ProfileError, match="is for device 'cpu-other'"):
+        store.load(path, CPU)
+
+
+def test_lookup_order_env_then_user_dir_then_shipped(tmp_path, monkeypatch, shipped):
+    env = store.save(profile(sms=3), tmp_path / "env.json")
+    user = store.save(profile(sms=5), store.default_path(CPU))
+    ship = store.save(profile(sms=7), shipped / store.profile_name(CPU.identity))
+    assert user.is_relative_to(os.environ["XDG_DATA_HOME"])  # the user data dir (conftest's per-test XDG)
+    monkeypatch.setenv(store.PROFILE_ENV, str(env))
+    assert store.find(CPU).kernel_sms["h2d"] == 3
+    monkeypatch.delenv(store.PROFILE_ENV)
+    assert store.find(CPU).kernel_sms["h2d"] == 5
+    user.unlink()
+    assert store.find(CPU).kernel_sms["h2d"] == 7
+    ship.unlink()
+    assert store.find(CPU) is None
+
+
+def test_resolver_and_explain_name_the_profile_used(monkeypatch, shipped):
+    path = store.save(profile(), store.default_path(CPU))
+    fn = kvswap.resolve("h2d", device="cpu")
+    assert fn.plan.calibration["source"] == f"profile {path}" and fn.plan.calibration["calibrated"]
+    assert f"calibration: profile {path} (measured)" in fn.explain()
+
+
+def bad_files(tmp_path):
+    corrupt = tmp_path / "corrupt.json"
+    corrupt.write_text('{"schema": "kvswap.profile/1", "identity": ')
+    foreign = store.save(profile(kvswap.DeviceInfo(platform="cpu", name="x", identity="cpu-elsewhere",
+                                                   compute_units=1)), tmp_path / "foreign.json")
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(dict(profile(), schema="kvswap.profile/0")))
+    return {corrupt: "cannot be read as JSON", foreign: "is for device 'cpu-elsewhere'",
+            old: "schema is 'kvswap.profile/0'", tmp_path / "missing.json": "cannot be read as JSON"}
+
+
+def test_bad_env_profiles_are_skipped_with_a_warning_naming_the_file(tmp_path, monkeypatch, shipped):
+    user = store.save(profile(sms=5), store.default_path(CPU))
+    for path, why in bad_files(tmp_path).items():
+        monkeypatch.setenv(store.PROFILE_ENV, str(path))
+        with pytest.warns(ProfileWarning) as caught:
+            cal = store.find(CPU)
+        assert cal.source == f"profile {user}"  # the next place in the lookup order
+        (w,) = caught
+        assert str(path) in str(w.message) and why in str(w.message)
+
+
+def test_a_corrupt_user_profile_falls_through_to_the_shipped_one(tmp_path, shipped):
+    ship = store.save(profile(sms=7), shipped / store.profile_name(CPU.identity))
+    user = store.default_path(CPU)
+    user.parent.mkdir(parents=True)
+    user.write_text("not json at all")
+    with pytest.warns(ProfileWarning, match=f"skipped calibration profile {user}: cannot be read"):
+        cal = store.find(CPU)
+    assert cal.source == f"profile {ship}"
+
+
+def test_a_foreign_profile_under_this_devices_name_is_skipped_by_the_resolver(shipped):
+    other = kvswap.DeviceInfo(platform="cpu", name="x", identity="cpu-elsewhere", compute_units=1)
+    path = store.save(profile(other), store.default_path(CPU))  # the wrong device's profile, this name
+    with pytest.warns(ProfileWarning, match=f"{path}: is for device 'cpu-elsewhere'"):
+        fn = kvswap.resolve("d2h", device="cpu")
+    assert "profile" not in fn.plan.calibration["source"]  # the backend defaults instead
+
+
+def test_user_dir_without_platformdirs_follows_xdg(monkeypatch):
+    with_pd = store.user_dir()
+    monkeypatch.setitem(sys.modules, "platformdirs", None)  # import now raises ImportError
+    assert store.user_dir() == Path(os.environ["XDG_DATA_HOME"]) / "kvswap" / "profiles" == with_pd
+
+
+def test_override_hides_profiles_and_nests(shipped):
+    store.save(profile(sms=5), store.default_path(CPU))
+    fake = store.to_calibration(profile(sms=11), "stand-in")
+    with store.override(None):
+        assert store.find(CPU) is None
+        with store.override(fake):
+            assert store.find(CPU).kernel_sms["h2d"] == 11
+        assert store.find(CPU) is None
+    assert store.find(CPU).kernel_sms["h2d"] == 5

@@ -1,0 +1,161 @@
+"""The calibration sweep end to end on the CPU: real copies, routes bound through resolve(),
+broken routes skipped, and the profile it yields read back by the resolver."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvswap
+from kvswap import DeviceInfo, Policy
+from kvswap.calibration import fit, store
+from kvswap.calibration.records import BATCH, CEILING, SIZE
+from kvswap.calibration.sweep import Settings, Sweep, grid_sizes, settings_for
+from kvswap.plugins import create_plugin_host
+from kvswap.platform import cpu_device
+from kvswap.resolver import EDGES
+
+from calibration_fakes import KiB, Ledger, LedgerTimer, ModelPlatform
+
+MiB = 1 << 20
+SIZES = (2 * KiB, 4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB)
+
+
+def tiny(**over) -> Settings:
+    base = dict(block_sizes=SIZES, sm_counts=(1, 2, 4, 8, 16), batch_sizes=(1, 4, 64), batch_sweep_blocks=2,
+                size_sweep_bytes=16 * MiB, max_batch=4096, pool_bytes=16 * MiB, ceiling_bytes=MiB,
+                repeats=2, warmup=0)
+    base.update(over)
+    return Settings(**base)
+
+
+def model_sweep(broken: bool = False, **over):
+    ledger = Ledger()
+    plat = ModelPlatform(ledger, broken=broken)
+    host = create_plugin_host(entry_points=[], extra=[("model", plat)])
+    sweep = Sweep("modelplat:0", tiny(**over), ["h2d", "d2h"], host=host)
+    sweep.timer = LedgerTimer(ledger)
+    return sweep.run(), plat, host
+
+
+def test_sweep_binds_each_sm_count_and_fits_the_model():
+    result, plat, host = model_sweep()
+    assert result.failures == []
+    # every kernel binding went through resolve() with exactly the SM count measured
+    assert sorted(set(plat.bound_sms)) == [1, 2, 4, 8, 16]
+    for d in ("h2d", "d2h"):
+        size = {(m.impl, m.num_sms, m.block_bytes) for m in result.measurements if m.direction == d and m.stage == SIZE}
+        assert size == {("model.batch", None, b) for b in SIZES} | {
+            ("model.kernel", k, b) for k in (1, 2, 4, 8, 16) for b in SIZES}
+        assert [m.stage for m in result.measurements if m.direction == d].count(CEILING) == 1
+        dec = fit.fit_direction(result.measurements, d)
+        # kernel_gbps caps at 50 GB/s; below 16 KiB it needs 8 SMs (6.5 each) to get there
+        assert dec["kernel_sms"] == 8
+        # KERNEL_LAUNCH_S=5 us: at 2 KiB the kernel pays from n*2048*(1/3e9-1/50e9) > 5us (n > 7),
+        # at 64 KiB from n > 34; of the measured 1, 4, 64 the threshold is 64
+        assert dec["kernel_min_batch"] == 64
+        batch_blocks = {m.block_bytes for m in result.measurements if m.direction == d and m.stage == BATCH}
+        assert batch_blocks == {2 * KiB, 64 * KiB}  # first and last size where the kernel is the route
+        assert [r["impl"] for r in dec["by_size"]] == ["model.kernel"] * 4 + ["model.batch"]
+        # between 64 KiB (45 GB/s) and 256 KiB (52) the batch curve passes the kernel's 49.3 GB/s
+        # at ~152 KiB; the resolver's class [128, 192) KiB is ranked at ~157 KiB: batch from 128 KiB
+        assert dec["crossover_bytes"] == 128 * KiB
+
+
+def test_profile_from_a_sweep_is_what_the_resolver_decides_by():
+    result, plat, host = model_sweep()
+    dev = result.device
+    doc = store.make_document(dev, measurements=[m.to_dict() for m in result.measurements],
+                              **fit.profile_fields(result.measurements, [], ["h2d", "d2h"]))
+    path = store.save(doc, store.default_path(dev))
+    for d in ("h2d", "d2h"):
+        fn = kvswap.resolve(d, device="modelplat:0", host=host)
+        assert fn.plan.calibration["source"] == f"profile {path}"
+        assert str(path) in fn.explain()
+        assert fn.plan.params["model.kernel"]["num_sms"] == 8
+        decided = doc["decisions"][d]["routes"]
+        for lo in EDGES:  # every block-size class: the resolver's route is the fit's route
+            plan_route = next(r for r in fn.plan.routes if r.min_bytes <= lo and (r.max_bytes is None or lo <= r.max_bytes))
+            fit_route = next(r for r in decided if r["min_bytes"] <= lo and (r["max_bytes"] is None or lo <= r["max_bytes"]))
+            assert plan_route.impl == fit_route["impl"], lo
+            if plan_route.impl == "model.kernel":
+                assert (plan_route.small_batch_impl, plan_route.min_batch) == ("model.batch", 64)
+        addr = np.arange(1, 65, dtype=np.int64) * (1 << 20)
+        sizes = np.full(64, 4 * KiB, dtype=np.int64)
+        assert [n for n, _ in fn.assign(addr[:4], addr[:4] + 8 * KiB, sizes[:4])] == ["model.batch"]
+        assert [n for n, _ in fn.assign(addr, addr + 8 * KiB, sizes)] == ["model.kernel"]
+
+
+def test_routes_that_raise_or_copy_nothing_are_reported_and_skipped():
+    result, plat, host = model_sweep(broken=True)
+    failed = {(f.impl, f.num_sms): f.error for f in result.failures}
+    assert "device fell off the bus" in failed[("model.raises", None)]
+    assert {k for k in failed if k[0] == "model.nothing"} == {("model.nothing", k) for k in (1, 2, 4, 8, 16)}
+    assert all(e.startswith("WrongResult") for k, e in failed.items() if k[0] == "model.nothing")
+    measured = {m.impl for m in result.measurements}
+    assert "model.raises" not in measured and "model.nothing" not in measured
+    # a route that refuses large blocks is measured where it accepts them, and is no failure
+    small = {m.block_bytes for m in result.measurements if m.impl == "model.small" and m.stage == SIZE}
+    assert small == {2 * KiB, 4 * KiB}
+    assert "model.small" not in {f.impl for f in result.failures}
+    assert fit.fit_direction(result.measurements, "h2d")["kernel_sms"] == 8  # the rest still decides
+
+
+def test_no_sm_budget_measures_no_kernel():
+    result, plat, host = model_sweep(sm_counts=())
+    assert {m.impl for m in result.measurements if m.stage == SIZE} == {"model.batch"}
+    assert any("no SM budget" in n for n in result.notes)
+    dec = fit.fit_direction(result.measurements, "h2d")
+    assert dec["kernel_sms"] is None and dec["kernel_min_batch"] is None
+    assert [r["impl"] for r in dec["routes"]] == ["model.batch"]
+
+
+def test_sweep_on_the_cpu_measures_real_copies_of_every_available_route():
+    """The host reference, and triton.kernel where Triton's interpreter serves the CPU
+    (TRITON_INTERPRET=1, as in this suite): real copies, checked, timed by the wall clock."""
+    usable = {c.name: c.kind for c in kvswap.resolve("h2d").plan.candidates if c.available}
+    s = tiny(block_sizes=(4 * KiB, 64 * KiB), sm_counts=(1, 2), size_sweep_bytes=MiB // 2, max_batch=8,
+             pool_bytes=4 * MiB, repeats=1, warmup=0, interference=True)
+    result = Sweep("cpu", s, ["h2d", "d2h"]).run()
+    assert result.host_only and result.failures == []
+    got = {(m.direction, m.stage, m.impl, m.num_sms, m.block_bytes) for m in result.measurements if m.stage != BATCH}
+    want = {(d, CEILING, "contiguous", None, MiB) for d in ("h2d", "d2h")}
+    for name, kind in usable.items():
+        for sms in ((1, 2) if kind == "kernel" else (None,)):
+            want |= {(d, SIZE, name, sms, b) for d in ("h2d", "d2h") for b in (4 * KiB, 64 * KiB)}
+    assert got == want
+    assert all(m.seconds > 0 and m.gbps > 0 for m in result.measurements)
+    assert any("interference not measured" in n and "GPU" in n for n in result.notes)
+    assert result.interference == []
+
+
+def test_default_settings():
+    cpu = cpu_device()
+    quick, full = settings_for(cpu, quick=True), settings_for(cpu)
+    assert quick.block_sizes == tuple(KiB << i for i in range(10))  # powers of two, 1-512 KiB
+    assert len(full.block_sizes) == 19 and 3 * KiB // 2 in full.block_sizes and full.block_sizes[-1] == 512 * KiB
+    assert grid_sizes(KiB, 4 * KiB) == (KiB, 3 * KiB // 2, 2 * KiB, 3 * KiB, 4 * KiB)
+    gpu = DeviceInfo(platform="cuda", name="H200", identity="cuda-h200", compute_units=132, index=0)
+    g = settings_for(gpu)
+    assert g.sm_counts[-1] == 132 and max(g.batch_sizes) >= 10000 and g.pool_bytes >= 1 << 30
+    assert settings_for(gpu, max_sms=10).sm_counts == (1, 2, 4, 6, 8, 10)
+    assert settings_for(gpu, max_sms=0).sm_counts == ()
+    assert settings_for(gpu, quick=True).repeats < g.repeats
+
+
+def test_measurement_override_binds_exact_sm_counts_and_then_restores_lookup(tmp_path, monkeypatch):
+    from kvswap.calibration.sweep import measurement_calibration
+
+    ledger = Ledger()
+    plat = ModelPlatform(ledger)
+    host = create_plugin_host(entry_points=[], extra=[("model", plat)])
+    dev = kvswap.resolve("h2d", device="modelplat:0", host=host).plan.device
+    with store.override(measurement_calibration(dev, 12)):
+        fn = kvswap.resolve("h2d", device="modelplat:0", host=host, policy=Policy(force="model.kernel"))
+    assert fn.plan.params["model.kernel"]["num_sms"] == 12
+    assert not fn.plan.notes or "not calibrated" not in " ".join(fn.plan.notes)
+    after = kvswap.resolve("h2d", device="modelplat:0", host=host, policy=Policy(force="model.kernel"))
+    assert after.plan.params["model.kernel"]["num_sms"] == 8  # the built-in fallback's, again
+    with pytest.raises(RuntimeError):
+        with store.override(measurement_calibration(dev, 3)):
+            raise RuntimeError("boom")
+    assert store._overrides == []

@@ -1,0 +1,214 @@
+"""The conformance kit fails broken backends and passes a correct one.
+
+Throwaway backends live in a fake distribution (a ``.dist-info`` with a ``kvswap.backends``
+entry point beside the module, on ``sys.path``), so the kit finds them exactly as it finds
+a vendor's installed package. Each broken one gets one thing wrong; the kit is run against
+it in-process through ``pytester`` and must fail, naming the tests that caught it. Every
+broken write stays inside the guard bytes around a block or inside the test's own buffers,
+so running them in this process is safe.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from fakes import forget_modules, make_distribution
+
+pytest_plugins = ["pytester"]
+
+MODULE = "kvswap_kit_fixtures"
+
+BACKENDS = '''
+import ctypes
+
+import numpy as np
+
+from kvswap import CopyImpl, hookimpl
+
+memmove = ctypes.memmove
+
+
+def good(src, dst, sizes, stream):
+    for s, d, n in zip(src.tolist(), dst.tolist(), sizes.tolist()):
+        memmove(d, s, n)
+
+
+def corrupt_byte(src, dst, sizes, stream):
+    good(src, dst, sizes, stream)
+    i = len(sizes) // 2
+    byte = ctypes.c_ubyte.from_address(int(dst[i]) + int(sizes[i]) // 2)
+    byte.value ^= 0x01
+
+
+def overrun(src, dst, sizes, stream):  # one byte past the end of every block
+    good(src, dst, sizes + 1, stream)
+
+
+def underrun(src, dst, sizes, stream):  # one byte before the start of every block
+    good(src - 1, dst - 1, sizes + 1, stream)
+
+
+def round_down_8(src, dst, sizes, stream):  # a DMA engine that needs 8-byte alignment
+    good(src & ~7, dst & ~7, np.maximum(sizes & ~7, 8), stream)
+
+
+def smallest_size_only(src, dst, sizes, stream):  # as if every block had one size
+    good(src, dst, np.full_like(sizes, sizes.min()), stream)
+
+
+def first_thousand(src, dst, sizes, stream):
+    good(src[:1000], dst[:1000], sizes[:1000], stream)
+
+
+def truncate_64k(src, dst, sizes, stream):
+    good(src, dst, np.minimum(sizes, 65536), stream)
+
+
+class IgnoresItsAlignment(CopyImpl):
+    """Declares 16-byte alignment, then refuses nothing."""
+
+    def refused(self, src, dst, sizes):
+        return np.zeros(len(sizes), dtype=bool)
+
+
+def impl(name, fn, cls=CopyImpl, **kw):
+    return cls(f"kit.{name}", "batch", ("cpu",), ("h2d", "d2h"), lambda ctx: fn, **kw)
+
+
+CONSTRAINED = dict(alignment=8, min_block_bytes=16, max_block_bytes=256 * 1024)
+IMPLS = [
+    impl("good", good, **CONSTRAINED),
+    CopyImpl("kit.good_h2d_only", "batch", ("cpu",), ("h2d",), lambda ctx: good),
+    impl("corrupt_byte", corrupt_byte),
+    impl("overrun", overrun),
+    impl("underrun", underrun),
+    impl("undeclared_alignment", round_down_8),
+    impl("ignores_alignment", round_down_8, cls=IgnoresItsAlignment, alignment=16),
+    impl("mixed_sizes_liar", smallest_size_only),
+    impl("drops_descriptors", first_thousand),
+    impl("undeclared_max", truncate_64k),
+    impl("bad_availability", good, availability=lambda device: True),
+]
+WRONG_PLATFORM = impl("wrong_platform", good)
+
+
+@hookimpl
+def kvswap_register_copy_impls(platform, register):
+    if platform == "cpu":
+        for i in IMPLS:
+            register(i)
+    if platform in ("cpu", "cuda"):
+        register(WRONG_PLATFORM)
+'''
+
+
+@pytest.fixture
+def kit_backends(tmp_path, monkeypatch):
+    """The throwaway backends, installed as a fake distribution on sys.path."""
+    forget_modules(MODULE)
+    root = make_distribution(tmp_path / "site", "kvswap-kit-fixtures", {"kitfixtures": MODULE},
+                             {MODULE: BACKENDS})
+    monkeypatch.syspath_prepend(str(root))
+    yield root
+    forget_modules(MODULE)
+
+
+def run_kit(pytester: pytest.Pytester, impl: str, *extra: str) -> pytest.RunResult:
+    from kvswap.plugins import reset_plugin_host
+
+    reset_plugin_host()  # the kit loads plugins afresh, as a new process would
+    try:
+        return pytester.runpytest("-p", "kvswap.testing", "--kvswap-impl", impl, "-p", "no:cacheprovider", *extra)
+    finally:
+        reset_plugin_host()
+
+
+def test_correct_backend_with_constraints_is_certified(kit_backends, pytester):
+    result = run_kit(pytester, "kit.good", "-v")
+    assert result.ret == 0
+    outcomes = result.parseoutcomes()
+    assert "failed" not in outcomes and outcomes["passed"] >= 40
+    # Its declared constraints were exercised: each violation refused with no byte changed.
+    for direction in ("h2d", "d2h"):
+        for label in ("src-misaligned", "dst-misaligned", "size-misaligned", "below-min", "above-max"):
+            result.stdout.fnmatch_lines(
+                [f"*test_swapfn_refuses_what_the_impl_declares_it_cannot_copy?{direction}-{label}? PASSED*"])
+
+
+def test_a_one_direction_backend_is_certified_for_that_direction(kit_backends, pytester):
+    result = run_kit(pytester, "kit.good_h2d_only", "-v")
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(["*test_resolve_refuses_directions_not_advertised PASSED*",
+                                 "*test_copies_thousands_of_blocks?h2d-default? PASSED*"])
+    result.stdout.no_fnmatch_line("*d2h-*")
+
+
+BROKEN = [
+    # (impl, tests that must fail, what the failure message must say)
+    ("kit.corrupt_byte", ["test_copies_each_size", "test_swapfn_copies_one_block"], "1 byte(s) of the destination differ"),
+    ("kit.overrun", ["test_copies_each_size", "test_copies_one_block"], "outside every block"),
+    ("kit.underrun", ["test_copies_each_size", "test_copies_one_block"], "outside every block"),
+    ("kit.undeclared_alignment", ["test_copies_each_size?h2d-default-3B?"], "of the destination differ"),
+    ("kit.ignores_alignment", ["test_refusal_is_what_the_declaration_says",
+                               "test_swapfn_refuses_what_the_impl_declares_it_cannot_copy?h2d-src-misaligned?"],
+     "refused() disagrees with its declared constraints"),
+    ("kit.mixed_sizes_liar", ["test_copies_mixed_sizes_in_one_call", "test_swapfn_copies_mixed_sizes"],
+     "of the destination differ"),
+    ("kit.drops_descriptors", ["test_copies_thousands_of_blocks", "test_swapfn_copies_thousands_from_torch_tensors"],
+     "of descriptor 1"),
+    ("kit.undeclared_max", ["test_copies_each_size?h2d-default-262144B?"], "of the destination differ"),
+    ("kit.bad_availability", ["test_availability_answers_none_or_a_reason"], "must return None or a reason"),
+    ("kit.wrong_platform", ["test_registered_only_for_platforms_it_serves"], "registered when kvswap asks for ['cuda']"),
+]
+
+
+@pytest.mark.parametrize("impl,failing,message", BROKEN, ids=[b[0] for b in BROKEN])
+def test_broken_backend_fails_the_kit(kit_backends, pytester, impl, failing, message):
+    result = run_kit(pytester, impl, "-rf")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    for name in failing:
+        result.stdout.fnmatch_lines([f"FAILED kvswap/testing/conformance.py::{name}*"])
+    assert message in result.stdout.str()
+
+
+def test_unknown_impl_is_a_usage_error_that_lists_the_registered_ones(kit_backends, pytester):
+    result = run_kit(pytester, "kit.nonexistent")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--kvswap-impl='kit.nonexistent' is not a registered implementation for "
+                                 "platform 'cpu'*registered for cpu: host.reference, kit.bad_availability*"])
+
+
+def test_impl_of_another_platform_names_where_it_is_registered(kit_backends, pytester):
+    result = run_kit(pytester, "kit.wrong_platform", "--kvswap-device", "cpu", "-q")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED  # registered for cpu too: it runs, and is caught
+    source = BACKENDS.replace('if platform in ("cpu", "cuda")', 'if platform == "cuda"')
+    (kit_backends / f"{MODULE}.py").write_text(textwrap.dedent(source))
+    forget_modules(MODULE)
+    result = run_kit(pytester, "kit.wrong_platform")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*it is registered for cuda: pass --kvswap-device for such a device*"])
+
+
+def test_kit_runs_its_own_suite_in_any_directory_and_never_loads_unasked(tmp_path):
+    """A real process in an empty directory: the kit needs no test files of the caller;
+    a plain pytest run there does not know the kit's options (no ``pytest11`` entry point)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSWAP_")}
+    (tmp_path / "test_callers_own.py").write_text("def test_callers_own():\n    assert False\n")
+    kit = subprocess.run([sys.executable, "-m", "pytest", "-p", "kvswap.testing", "--kvswap-impl",
+                          "host.reference", "-q", "-p", "no:cacheprovider"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert kit.returncode == 0, kit.stdout + kit.stderr
+    assert "test_callers_own" not in kit.stdout and " passed" in kit.stdout
+    plain = subprocess.run([sys.executable, "-m", "pytest", "--kvswap-impl", "host.reference",
+                            "-p", "no:cacheprovider"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert plain.returncode == pytest.ExitCode.USAGE_ERROR
+    assert "unrecognized arguments: --kvswap-impl" in plain.stderr
+    import importlib.metadata
+
+    loaded_by_default = [ep.value for ep in importlib.metadata.entry_points(group="pytest11")]
+    assert not any(v.startswith("kvswap") for v in loaded_by_default)

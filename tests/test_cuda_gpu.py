@@ -1,0 +1,260 @@
+"""``cuda.batch`` on a real CUDA GPU: every byte of every block, both directions, both paths.
+
+Blocks are scattered in random order with random gaps through pools of random bytes on
+each side; the destination pool starts as random poison, and after each copy the whole
+pool is compared with what it must hold, so bytes outside the blocks are checked too.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import types
+
+import numpy as np
+import pytest
+
+import kvswap
+from kvswap import Direction, DriverError, Policy
+
+pytestmark = pytest.mark.gpu
+KiB, MiB = 1024, 1 << 20
+BOTH = (Direction.H2D, Direction.D2H)
+
+
+def layout(rng: np.random.Generator, sizes: np.ndarray, max_gap: int = 4096) -> tuple[np.ndarray, int]:
+    """Offsets of non-overlapping blocks placed in random order with random gaps (so
+    addresses are odd as often as not), and the pool size that holds them."""
+    n = len(sizes)
+    order = rng.permutation(n)
+    gaps = rng.integers(1, max_gap + 1, n)
+    ends = np.cumsum(sizes[order] + gaps)
+    offsets = np.empty(n, dtype=np.int64)
+    offsets[order] = ends - sizes[order]
+    return offsets, int(ends[-1] + max_gap) if n else max_gap
+
+
+class Pools:
+    """A random source pool and a poisoned destination pool, one pinned on the host and one
+    on the GPU, with scattered blocks between them."""
+
+    def __init__(self, direction: Direction, sizes, seed: int) -> None:
+        import torch
+
+        rng = np.random.default_rng(seed)
+        self.sizes = np.asarray(sizes, dtype=np.int64)
+        self.src_off, src_bytes = layout(rng, self.sizes)
+        self.dst_off, dst_bytes = layout(rng, self.sizes)
+        host_bytes, gpu_bytes = (src_bytes, dst_bytes) if direction.src_is_host else (dst_bytes, src_bytes)
+        self.host = torch.from_numpy(rng.integers(0, 256, host_bytes, dtype=np.uint8)).pin_memory()
+        self.gpu = torch.from_numpy(rng.integers(0, 256, gpu_bytes, dtype=np.uint8)).cuda()
+        self.src_t, self.dst_t = (self.host, self.gpu) if direction.src_is_host else (self.gpu, self.host)
+        torch.cuda.synchronize()
+        self.src_bytes = self.src_t.cpu().numpy().copy()
+        self.before = self.dst_t.cpu().numpy().copy()
+        self.src = self.src_off + self.src_t.data_ptr()
+        self.dst = self.dst_off + self.dst_t.data_ptr()
+
+    def expected(self) -> np.ndarray:
+        out = self.before.copy()
+        for s, d, n in zip(self.src_off.tolist(), self.dst_off.tolist(), self.sizes.tolist()):
+            out[d:d + n] = self.src_bytes[s:s + n]
+        return out
+
+    def check(self, stream=None) -> None:
+        import torch
+
+        (stream or torch.cuda).synchronize()
+        got = self.dst_t.cpu().numpy()
+        bad = np.flatnonzero(got != self.expected())
+        assert not len(bad), f"{len(bad)} wrong bytes of {len(got)}, first at offset {bad[0]}"
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    import torch
+
+    from kvswap.backends.cuda import batch, device, driver
+
+    info = device.describe(None)
+    assert info is not None and info.platform == "cuda", "the CUDA backend does not claim this GPU"
+    torch.cuda.init()
+    return types.SimpleNamespace(torch=torch, batch=batch, driver=driver.get(), info=info)
+
+
+def bound(cuda, direction):
+    return cuda.batch.bind(cuda.driver, direction, cuda.info.index)
+
+
+@pytest.fixture()
+def side(cuda):
+    return cuda.torch.cuda.Stream()
+
+
+def test_the_device_is_described(cuda):
+    info = cuda.info
+    assert info.compute_units > 0 and info.arch.startswith("sm_")
+    assert info.identity.startswith("cuda-") and str(info.compute_units) in info.identity
+    assert "CUDA" in info.driver_version and info.pci_bus_id != "unknown"
+    assert cuda.batch.availability(info) is None
+
+
+@pytest.mark.parametrize("direction", BOTH, ids=str)
+@pytest.mark.parametrize("size", [8, 13, 64, 100, 4096, 4100, 65536, 65537, 262143, MiB])
+def test_block_sizes(cuda, side, direction, size):
+    fn = bound(cuda, direction)
+    pools = Pools(direction, [size] * 16, seed=size)
+    fn(pools.src, pools.dst, pools.sizes, side)
+    assert fn.last_path == "batch"
+    pools.check(side)
+
+
+@pytest.mark.parametrize("direction", BOTH, ids=str)
+@pytest.mark.parametrize("n", [0, 1, 16, 10_000])
+def test_batch_lengths(cuda, side, direction, n):
+    fn = bound(cuda, direction)
+    pools = Pools(direction, np.full(n, 4 * KiB), seed=n + 1)
+    fn(pools.src, pools.dst, pools.sizes, side)
+    pools.check(side)
+
+
+@pytest.mark.parametrize("direction", BOTH, ids=str)
+def test_one_mib_single_and_tiny_blocks_many(cuda, side, direction):
+    fn = bound(cuda, direction)
+    for sizes, seed in (([MiB], 11), (np.full(10_000, 8), 12), (np.full(3000, 13), 13)):
+        pools = Pools(direction, sizes, seed=seed)
+        fn(pools.src, pools.dst, pools.sizes, side)
+        pools.check(side)
+
+
+@pytest.mark.parametrize("direction", BOTH, ids=str)
+def test_mixed_sizes_in_one_batch(cuda, side, direction):
+    rng = np.random.default_rng(21)
+    sizes = np.concatenate([rng.choice([8, 13, 100, 4096, 4100, 65537, MiB], 300), rng.integers(1, 200_000, 700)])
+    fn = bound(cuda, direction)
+    pools = Pools(direction, rng.permutation(sizes), seed=22)
+    fn(pools.src, pools.dst, pools.sizes, side)
+    assert fn.last_path == "batch"
+    pools.check(side)
+
+
+@pytest.mark.parametrize("direction", BOTH, ids=str)
+def test_streams_choose_the_path(cuda, direction):
+    torch = cuda.torch
+    fn = bound(cuda, direction)
+    s = torch.cuda.Stream()
+    cases = [
+        (s, "batch"),
+        (int(s.cuda_stream), "batch"),   # a raw handle
+        (0, "per-copy"),                 # the legacy default stream, by handle
+        (None, "per-copy"),              # the current stream, torch's default: legacy
+    ]
+    for i, (stream, path) in enumerate(cases):
+        pools = Pools(direction, np.random.default_rng(i).integers(1, 70_000, 500), seed=30 + i)
+        fn(pools.src, pools.dst, pools.sizes, stream)
+        assert fn.last_path == path, f"stream {stream!r}"
+        pools.check()
+    pools = Pools(direction, np.full(200, 16 * KiB), seed=40)
+    with torch.cuda.stream(s):  # None inside a stream context: that stream, batch path
+        fn(pools.src, pools.dst, pools.sizes, None)
+    assert fn.last_path == "batch"
+    pools.check(s)
+
+
+@pytest.mark.parametrize("direction", BOTH, ids=str)
+def test_the_per_copy_path_on_a_non_default_stream(cuda, side, direction):
+    d, index = cuda.driver, cuda.info.index
+    fn = cuda.batch.BatchCopy(direction, index, abi=None, batch_fn=None, memcpy_fn=d.memcpy_async(),
+                              error=d.error, context=d.context_guard(index), why="the test withholds the batch entry")
+    assert fn.note.startswith("per-copy path")
+    pools = Pools(direction, np.random.default_rng(50).integers(1, 100_000, 400), seed=51)
+    fn(pools.src, pools.dst, pools.sizes, side)
+    assert fn.last_path == "per-copy"
+    pools.check(side)
+
+
+def test_d2h_reads_the_source_in_stream_order(cuda, side):
+    """Device data written on the stream just before the copy is what arrives (STREAM order)."""
+    torch = cuda.torch
+    fn = bound(cuda, Direction.D2H)
+    pools = Pools(Direction.D2H, np.full(2000, 16 * KiB), seed=60)
+    fresh = torch.randint(0, 256, pools.gpu.shape, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        for _ in range(4):  # give the copy something to overtake if it could
+            pools.gpu.copy_(fresh.flip(0))
+        pools.gpu.copy_(fresh)
+    fn(pools.src, pools.dst, pools.sizes, side)
+    pools.src_bytes = fresh.cpu().numpy()
+    pools.check(side)
+
+
+def test_h2d_writes_after_earlier_work_on_the_stream(cuda, side):
+    """ANY relaxes only source reads: a fill of the destination queued first lands first."""
+    torch = cuda.torch
+    fn = bound(cuda, Direction.H2D)
+    pools = Pools(Direction.H2D, np.full(2000, 8 * KiB), seed=70)
+    with torch.cuda.stream(side):
+        pools.gpu.fill_(0x5A)
+    fn(pools.src, pools.dst, pools.sizes, side)
+    pools.before = np.full_like(pools.before, 0x5A)
+    pools.check(side)
+
+
+@pytest.mark.parametrize("direction", BOTH, ids=str)
+def test_resolve_forced_to_cuda_batch(cuda, side, direction):
+    fn = kvswap.resolve(direction, device=f"cuda:{cuda.info.index}", policy=Policy(force="cuda.batch"))
+    assert fn.plan.device.identity == cuda.info.identity and fn.impls == ("cuda.batch",)
+    assert fn.requires_pinned and "cuda.batch: batch path" in fn.explain()
+    pools = Pools(direction, np.random.default_rng(80).integers(1, 300_000, 300), seed=81)
+    fn(pools.src, pools.dst, pools.sizes, stream=side)
+    pools.check(side)
+
+
+# An invalid device range runs in a child process: should the driver not refuse it up
+# front, a faulting copy would poison this process's CUDA context for the other tests.
+_INVALID = textwrap.dedent("""
+    import ctypes, json, sys
+    import numpy as np, torch
+    from kvswap import Direction, DriverError
+    from kvswap.backends.cuda import batch, driver
+    torch.cuda.init()
+    torch.empty(1, device="cuda")  # the primary context, as torch makes it
+    d = driver.get()
+    alloc = d.proc("cuMemAlloc", 3020, ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t))
+    base = ctypes.c_uint64()
+    d.check("cuMemAlloc", alloc(ctypes.byref(base), 2 << 20))
+    host = torch.empty(1 << 20, dtype=torch.uint8).pin_memory()
+    src = base.value + np.arange(8, dtype=np.int64) * 4096
+    dst = host.data_ptr() + np.arange(8, dtype=np.int64) * 65536
+    sizes = np.full(8, 4096, dtype=np.int64)
+    src[5], sizes[5] = base.value + (2 << 20) - 4096, 16384  # runs 12 KiB past the allocation
+    fn = batch.bind(d, Direction.D2H, 0)
+    stream = torch.cuda.Stream() if sys.argv[1] == "batch" else 0
+    out = {"abi": fn.abi.requested if fn.abi else None}
+    try:
+        fn(src, dst, sizes, stream)
+        torch.cuda.synchronize()
+        out["error"] = None
+    except DriverError as e:
+        out.update(error=e.name, code=e.code, index=e.index, call=e.call, message=str(e))
+    except Exception as e:
+        out.update(error=type(e).__name__, message=str(e))
+    out["path"] = fn.last_path
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.parametrize("path", ["batch", "per-copy"])
+def test_an_invalid_device_range_is_a_driver_error_with_its_name(path):
+    run = subprocess.run([sys.executable, "-c", _INVALID, path], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, f"child died ({run.returncode}): {run.stderr[-2000:]}"
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["error"] and out["error"].startswith("CUDA_ERROR_"), out
+    assert out["code"] > 0 and out["error"] in out["message"], out
+    if path == "per-copy":
+        assert (out["call"], out["index"]) == ("cuMemcpyAsync", 5), out
+    else:
+        assert out["call"] == "cuMemcpyBatchAsync", out
+        assert out["index"] == (5 if out["abi"] == 12080 else None), out

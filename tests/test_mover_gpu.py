@@ -1,0 +1,132 @@
+"""BlockMover on a GPU: every layout, both directions, on the default, kernel and batch routes.
+
+Host tensors are pinned; every check compares whole allocations (guards included) with a
+reference computed by torch indexing on host copies, on random data.
+"""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+import kvswap
+from kvswap import BlockMover, Policy
+from kvswap.mover_errors import TensorPlacementError, UnpinnedMemoryError
+from mover_layouts import Pool, expected_after, layouts, random_bytes
+
+pytestmark = pytest.mark.gpu
+
+LAYOUTS = layouts(bs=16, heads=2, head_dim=64, layers=4)
+ROUTES = [None, "triton.kernel", "cuda.batch"]
+# torch.cuda._sleep spins this many GPU clock cycles: ~0.5-1 s at 1-2 GHz, far longer than
+# the host needs to queue the work that follows it.
+SPIN = 1_000_000_000
+
+
+def _pair(name: str, direction: str, seed: int, src_blocks: int = 96, dst_blocks: int = 128,
+          pinned: bool = True) -> tuple[Pool, Pool]:
+    gen = torch.Generator().manual_seed(seed)
+    h2d = direction == "h2d"
+    src = Pool(LAYOUTS[name], src_blocks, gen, device="cpu" if h2d else "cuda", pinned=pinned and h2d)
+    dst = Pool(LAYOUTS[name], dst_blocks, gen, device="cuda" if h2d else "cpu", pinned=pinned and not h2d)
+    return src, dst
+
+
+def _ids(rng: np.random.Generator, n: int, src: Pool, dst: Pool) -> tuple[np.ndarray, np.ndarray]:
+    return (rng.choice(src.num_blocks, n, replace=False).astype(np.int64),
+            rng.choice(dst.num_blocks, n, replace=False).astype(np.int64))
+
+
+@pytest.mark.parametrize("route", ROUTES, ids=lambda r: r or "default")
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layouts_both_directions_on_each_route(name, direction, route):
+    rng = np.random.default_rng(zlib.crc32(f"{name}/{direction}/{route}".encode()))
+    src, dst = _pair(name, direction, seed=1)
+    before, src_before = dst.snapshot(), src.snapshot()
+    jobs = [_ids(rng, n, src, dst) for n in (1, 7, 33, 64)]
+    jobs.append((np.arange(20, 36), np.arange(90, 106)))   # a run that coalesces
+    policy = Policy(force=route) if route else None
+    with BlockMover(src.tensors, dst.tensors, direction, block_dim=src.layout.block_dim, policy=policy) as mover:
+        if route:
+            assert mover.swap_fn.impls == (route,)
+        assert mover.pool.pinned and mover.stream is not None
+        ids = [mover.submit(sid, did) for sid, did in jobs]
+        mover.wait()
+        results = mover.poll()
+    assert [r.job_id for r in results] == ids
+    for r, (sid, _) in zip(results, jobs):
+        assert r.ok and r.bytes == len(sid) * mover.block_bytes and r.seconds >= 0, r
+    assert sum(r.seconds for r in results) > 0             # timed by device events
+    assert results[-1].descriptors < len(jobs[-1][0]) * mover.chunks_per_block
+    assert dst.matches(expected_after(dst, before, src_before, src, jobs))
+    assert src.matches(src_before)
+
+
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+def test_copy_runs_after_work_already_queued_on_the_compute_stream(direction):
+    """The compute stream rewrites the device-side blocks behind a long spin; the copy,
+    submitted at once, must see (d2h) or land after (h2d) the rewrite."""
+    gen = torch.Generator().manual_seed(3)
+    src, dst = _pair("flash", direction, seed=2)
+    device_side = dst if direction == "h2d" else src
+    mover = BlockMover(src.tensors, dst.tensors, direction, block_dim=1)
+    sid, did = _ids(np.random.default_rng(4), 48, src, dst)
+    fresh = [random_bytes(f.numel(), gen).to("cuda") for f in device_side.flats]
+    host_before = dst.snapshot() if direction == "d2h" else None
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SPIN)
+    for f, new in zip(device_side.flats, fresh):
+        f.copy_(new)                                       # queued behind the spin
+    job = mover.submit(sid, did)
+    mover.wait(job)
+    fresh_host = [new.cpu() for new in fresh]
+    if direction == "h2d":
+        before, src_now = fresh_host, src.snapshot()
+    else:
+        before, src_now = host_before, fresh_host
+    assert dst.matches(expected_after(dst, before, src_now, src, [(sid, did)]))
+    mover.close()
+
+
+def test_jobs_in_flight_keep_pinned_buffers_until_their_events_complete():
+    rng = np.random.default_rng(5)
+    src, dst = _pair("mla", "h2d", seed=6)
+    before, src_before = dst.snapshot(), src.snapshot()
+    mover = BlockMover(src.tensors, dst.tensors, "h2d")
+    with torch.cuda.stream(mover.stream):
+        torch.cuda._sleep(SPIN)                            # holds the transfer stream
+    jobs = [_ids(rng, int(rng.integers(1, 9)), src, dst) for _ in range(64)]
+    ids = [mover.submit(sid, did) for sid, did in jobs]
+    assert mover.poll() == []
+    assert (mover.in_flight, mover.pool.in_use, mover.pool.allocated) == (64, 64, 64)
+    assert all(job.buffer.owner.is_pinned() for job in mover._inflight)
+    mover.wait()
+    results = mover.poll()
+    assert [r.job_id for r in results] == ids and all(r.ok for r in results)
+    assert (mover.pool.in_use, mover.pool.allocated) == (0, 64)
+    more = [_ids(rng, 4, src, dst) for _ in range(8)]
+    for sid, did in more:
+        mover.submit(sid, did)
+    mover.close()
+    assert mover.pool.allocated == 64                      # handed back, then reused
+    assert dst.matches(expected_after(dst, before, src_before, src, jobs + more))
+
+
+def test_pageable_host_tensors_refused_for_the_kernel_route():
+    assert kvswap.resolve("h2d", device="cuda", policy=Policy(force="triton.kernel")).requires_pinned
+    src, dst = _pair("flash", "h2d", seed=7, pinned=False)
+    before = dst.snapshot()
+    with pytest.raises(UnpinnedMemoryError, match="src_tensors\\[0\\] is pageable host memory"):
+        BlockMover(src.tensors, dst.tensors, "h2d", block_dim=1, policy=Policy(force="triton.kernel"))
+    assert dst.matches(before)
+
+
+def test_device_tensors_on_the_host_side_are_refused():
+    src, dst = _pair("mla", "d2h", seed=8)
+    before = src.snapshot()
+    with pytest.raises(TensorPlacementError, match="src_tensors\\[0\\] is on cuda:0, but for direction h2d"):
+        BlockMover(src.tensors, dst.tensors, "h2d")
+    assert src.matches(before)

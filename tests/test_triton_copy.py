@@ -1,0 +1,309 @@
+"""triton.kernel without a GPU: the real kernel in Triton's interpreter over host buffers,
+plus its registration, availability and launch shapes.
+
+The kernel tests run where ``TRITON_INTERPRET=1`` (conftest sets it on machines without a
+GPU); on a GPU machine the same cases run on the device in ``test_triton_gpu.py``.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import kvswap
+from kvswap import BindContext, DeviceInfo, Direction, Policy, plugins
+from kvswap.backends import triton_generic as tg
+from kvswap.backends.triton_generic.launch import KernelCopy, TilePlan, interpreting
+from kvswap.platform import cpu_device
+from kvswap.testing.memory import Layout, make_transfer, scattered
+
+KiB = 1024
+needs_interpreter = pytest.mark.skipif(
+    not (tg.HAS_TRITON and interpreting()),
+    reason="runs the kernel in Triton's CPU interpreter (TRITON_INTERPRET=1, set by conftest without a GPU); "
+    "test_triton_gpu.py runs these cases on a GPU",
+)
+
+
+def log_sizes(rng: np.random.Generator, n: int, lo: int, hi: int) -> np.ndarray:
+    """``n`` sizes spread evenly over orders of magnitude in ``[lo, hi]``."""
+    return np.exp(rng.uniform(np.log(lo), np.log(hi + 1), n)).astype(np.int64).clip(lo, hi)
+
+
+def mixed_layout(rng: np.random.Generator, sizes: np.ndarray) -> Layout:
+    """Scattered blocks, each start 16-byte aligned, 8-byte aligned or at any byte."""
+    base = scattered(rng, sizes, 16)
+    shift = rng.choice(np.array([0, 8, 1, 3, 5, 7, 9, 12, 15]), len(sizes))
+    return Layout(base.offsets + shift, base.nbytes)
+
+
+def run_case(seed: int, sizes: np.ndarray, alignment: int, num_sms: int = 4, mixed: bool = False,
+             direction: Direction = Direction.H2D):
+    rng = np.random.default_rng(seed)
+    sizes = np.asarray(sizes, dtype=np.int64)
+    layouts = (mixed_layout(rng, sizes), mixed_layout(rng, sizes)) if mixed else (None, None)
+    t = make_transfer(rng, seed, direction, "cpu", alignment, sizes, *layouts)
+    launch = tg.copy(*t.descriptors, num_sms=num_sms)
+    t.check(f"triton.kernel (interpreter), seed {seed}, alignment {alignment}, mixed={mixed}")
+    return launch
+
+
+# -- the kernel in the interpreter --------------------------------------------------------
+
+@needs_interpreter
+@pytest.mark.parametrize("alignment", [16, 8, 1])
+@pytest.mark.parametrize("n", [1, 17, 2000])
+def test_random_descriptors_copied_exactly(n: int, alignment: int) -> None:
+    rng = np.random.default_rng(1000 * n + alignment)
+    # Big batches keep to small blocks so the interpreter stays quick.
+    hi = 256 * KiB if n <= 17 else 512
+    sizes = log_sizes(rng, n, 1, hi)
+    if alignment > 1:
+        # Aligned addresses with sizes that are and are not multiples of the alignment.
+        whole = rng.random(n) < 0.5
+        sizes[whole] = np.maximum(sizes[whole] // alignment * alignment, alignment)
+    launch = run_case(n * 7 + alignment, sizes, alignment)
+    assert 1 <= launch.grid <= 4
+
+
+@needs_interpreter
+def test_empty_batch_launches_nothing() -> None:
+    rng = np.random.default_rng(5)
+    t = make_transfer(rng, 5, Direction.H2D, "cpu", 16, np.array([64], dtype=np.int64))
+    empty = np.zeros(0, dtype=np.int64)
+    launch = tg.copy(empty, empty, empty, num_sms=4)
+    assert launch.grid == 0 and launch.n == 0
+    t.check_untouched("an empty batch")
+
+
+@needs_interpreter
+def test_mixed_sizes_and_alignments_in_one_batch() -> None:
+    rng = np.random.default_rng(11)
+    edge = np.array([1, 2, 7, 8, 9, 15, 16, 17, 24, 4095, 4096, 4100, 8192 + 8, 65536, 256 * KiB], dtype=np.int64)
+    sizes = rng.permutation(np.concatenate([edge, log_sizes(rng, 49, 1, 64 * KiB)]))
+    launch = run_case(11, sizes, 1, num_sms=3, mixed=True)
+    assert launch.grid <= 3
+
+
+@needs_interpreter
+def test_source_and_destination_misaligned_differently() -> None:
+    rng = np.random.default_rng(12)
+    sizes = log_sizes(rng, 40, 100, 20 * KiB)
+    src = scattered(rng, sizes, 16)
+    dst = scattered(rng, sizes, 16)
+    # Source aligned, destination not, and the reverse, in one batch.
+    half = np.arange(len(sizes)) % 2 == 0
+    src = Layout(src.offsets + np.where(half, 0, 3), src.nbytes)
+    dst = Layout(dst.offsets + np.where(half, 5, 0), dst.nbytes)
+    t = make_transfer(rng, 12, Direction.D2H, "cpu", 1, sizes, src, dst)
+    tg.copy(*t.descriptors, num_sms=2)
+    t.check("src/dst misaligned differently")
+
+
+@needs_interpreter
+def test_few_large_blocks_shared_by_all_programs() -> None:
+    sizes = np.array([256 * KiB, 200 * KiB + 3], dtype=np.int64)
+    launch = run_case(21, sizes, 8, num_sms=8)
+    # Two descriptors, eight programs: the tile is split so every program gets steps.
+    assert launch.tile.splits > 1
+    assert launch.grid == 8
+
+
+@needs_interpreter
+def test_16_and_8_byte_aligned_tiles_in_one_batch() -> None:
+    # Consecutive descriptors alternate: a tile is 16-byte aligned throughout only by
+    # chance; the kernel must pick the word path per tile and still copy every byte.
+    rng = np.random.default_rng(31)
+    sizes = np.full(64, 4 * KiB, dtype=np.int64)
+    sizes[::3] += 8
+    src = scattered(rng, sizes, 16)
+    dst = scattered(rng, sizes, 16)
+    dst = Layout(dst.offsets + np.where(np.arange(64) % 5 == 0, 8, 0), dst.nbytes)
+    t = make_transfer(rng, 31, Direction.H2D, "cpu", 8, sizes, src, dst)
+    tg.copy(*t.descriptors, num_sms=4)
+    t.check("16- and 8-byte aligned tiles")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("shape", [
+    {"wide": False, "prefetch": False},
+    {"tile_elems": 256, "row_max": 64, "warps": 2},
+])
+def test_other_launch_shapes(shape: dict) -> None:
+    # The paths a calibration may choose instead of the defaults copy exactly too.
+    fn = tg.bind(BindContext(Direction.H2D, cpu_device(), {"num_sms": 3, **shape}))
+    rng = np.random.default_rng(81)
+    sizes = rng.permutation(np.concatenate([log_sizes(rng, 60, 1, 4 * KiB), [12 * KiB, 20 * KiB + 5]]))
+    t = make_transfer(rng, 81, Direction.H2D, "cpu", 1, sizes, mixed_layout(rng, sizes), mixed_layout(rng, sizes))
+    launch = fn(*t.descriptors, None)
+    assert launch.grid <= 3
+    t.check(f"launch shape {shape}")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+def test_resolve_forced_on_cpu_uses_the_kernel(direction: str) -> None:
+    fn = kvswap.resolve(direction, device="cpu", policy=Policy(force="triton.kernel"))
+    assert fn.impls == ("triton.kernel",)
+    assert fn.requires_pinned
+    assert "triton.kernel" in fn.explain()
+    rng = np.random.default_rng(41)
+    sizes = log_sizes(rng, 30, 1, 32 * KiB)
+    t = make_transfer(rng, 41, Direction.parse(direction), "cpu", 1, sizes,
+                      mixed_layout(rng, sizes), mixed_layout(rng, sizes))
+    fn(*t.descriptors)
+    t.check(f"resolve({direction!r}, force='triton.kernel') on the CPU")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("direction", [Direction.H2D, Direction.D2H])
+def test_host_side_addresses_are_translated(direction: Direction) -> None:
+    # A fake platform whose kernel sees host memory at another address (as ROCm can):
+    # the caller passes host addresses shifted by SHIFT, the translator undoes it, and
+    # only the host side of the direction goes through it.
+    shift = 1 << 40
+    seen = []
+
+    def translate(addrs: np.ndarray) -> np.ndarray:
+        seen.append(addrs.copy())
+        return addrs - shift
+
+    fn = tg.bind(BindContext(direction, cpu_device(), {"num_sms": 2}, translate))
+    rng = np.random.default_rng(51)
+    sizes = log_sizes(rng, 9, 1, 8 * KiB)
+    t = make_transfer(rng, 51, direction, "cpu", 1, sizes)
+    src, dst, n = t.descriptors
+    if direction is Direction.H2D:
+        src = src + shift
+    else:
+        dst = dst + shift
+    fn(src, dst, n, None)
+    t.check(f"translated host addresses ({direction})")
+    assert len(seen) == 1 and np.array_equal(seen[0], src if direction is Direction.H2D else dst)
+
+
+@needs_interpreter
+def test_bad_input_is_refused_before_any_byte_moves() -> None:
+    rng = np.random.default_rng(61)
+    sizes = np.array([100, 200, 300], dtype=np.int64)
+    t = make_transfer(rng, 61, Direction.H2D, "cpu", 1, sizes)
+    src, dst, n = t.descriptors
+    overlapping = dst.copy()
+    overlapping[2] = overlapping[1] + 50
+    with pytest.raises(kvswap.InvalidTransferError, match="overlap"):
+        tg.copy(src, overlapping, n, num_sms=2)
+    with pytest.raises(kvswap.InvalidTransferError, match="equal length"):
+        tg.copy(src, dst[:2], n, num_sms=2)
+    with pytest.raises(kvswap.InvalidTransferError, match="sizes"):
+        tg.copy(src, dst, np.array([100, 0, 300]), num_sms=2)
+    with pytest.raises(kvswap.ConfigurationError, match="num_sms"):
+        tg.copy(src, dst, n, num_sms=0)
+    with pytest.raises(kvswap.ConfigurationError, match="TRITON_INTERPRET"):
+        tg.copy(src, dst, n, num_sms=2, device="cuda:0")
+    t.check_untouched("refused batches")
+
+
+# -- launch shapes, registration, availability (no kernel runs) ---------------------------
+
+def test_grid_never_exceeds_the_sm_budget() -> None:
+    rng = np.random.default_rng(71)
+    plan = TilePlan()
+    for _ in range(300):
+        num_sms = int(rng.integers(1, 140))
+        n = int(rng.integers(1, 50_000))
+        mean = int(rng.integers(1, 1 << 20))
+        tile = plan.pick(n, mean * n, num_sms)
+        work = -(-n // tile.jobs) * tile.splits
+        assert min(num_sms, work) <= num_sms
+        assert tile.jobs * tile.words <= plan.tile_elems
+        assert tile.splits == 1 or -(-n // tile.jobs) < num_sms
+        assert tile.words & (tile.words - 1) == 0 and tile.jobs & (tile.jobs - 1) == 0
+
+
+def test_tile_shape_follows_block_size() -> None:
+    plan = TilePlan()
+    small = plan.pick(10_000, 10_000 * 4 * KiB, 4)
+    large = plan.pick(10_000, 10_000 * 128 * KiB, 4)
+    assert (small.jobs, small.words) == (8, 512)  # eight whole 4 KiB blocks per step
+    assert large.words == plan.row_max and large.jobs * large.words == plan.tile_elems
+
+
+def test_tile_plan_rejects_bad_params() -> None:
+    with pytest.raises(kvswap.ConfigurationError, match="power of two"):
+        TilePlan(tile_elems=3000)
+    with pytest.raises(kvswap.ConfigurationError, match="row_max"):
+        TilePlan(tile_elems=1024, row_max=2048)
+    with pytest.raises(kvswap.ConfigurationError, match="num_sms"):
+        KernelCopy(0, None)
+
+
+def test_bind_takes_params_from_the_context() -> None:
+    ctx = BindContext(Direction.H2D, cpu_device(), {"num_sms": 6, "warps": 4, "row_max": 256})
+    fn = tg.bind(ctx)
+    assert fn.num_sms == 6
+    assert (fn.tiles.warps, fn.tiles.row_max) == (4, 256)
+    assert "6 SMs" in fn.note
+
+
+def _gpu_device(**details) -> DeviceInfo:
+    return DeviceInfo(platform="cuda", name="Fake GPU", identity="cuda-fake", compute_units=132,
+                      index=0, details=details)
+
+
+def test_registered_platforms_follow_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    impl = tg.copy_impl()
+    assert impl.platforms == ("cuda", "rocm", "cpu")
+    assert impl.kind == "kernel" and impl.requires_pinned and impl.alignment == 1
+    assert set(impl.directions) == {Direction.H2D, Direction.D2H}
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert tg.copy_impl().platforms == ("cuda", "rocm")
+    got = []
+    tg.kvswap_register_copy_impls(platform="cpu", register=got.append)
+    assert got == []
+    tg.kvswap_register_copy_impls(platform="rocm", register=got.append)
+    assert [i.name for i in got] == ["triton.kernel"]
+
+
+def test_availability_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    reason = tg.availability(cpu_device())
+    assert reason and "TRITON_INTERPRET=1" in reason
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert tg.availability(cpu_device()) is None
+    reason = tg.availability(_gpu_device())
+    assert reason and "TRITON_INTERPRET" in reason
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    if tg.HAS_TRITON:
+        assert tg.availability(_gpu_device()) is None
+    reason = tg.availability(_gpu_device(can_map_host_memory=False))
+    assert reason and "cannot address host memory" in reason
+    monkeypatch.setattr(tg, "HAS_TRITON", False)
+    reason = tg.availability(_gpu_device())
+    assert reason and "not installed" in reason
+    with pytest.raises(kvswap.ConfigurationError, match="not installed"):
+        tg.copy([1], [2], [1], num_sms=1)
+
+
+def test_cpu_without_interpreter_lists_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    fn = kvswap.resolve("h2d", device="cpu")
+    cand = {c.name: c for c in fn.plan.candidates}
+    assert cand["triton.kernel"].available == tg.HAS_TRITON
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    plugins.reset_plugin_host()
+    with pytest.raises(kvswap.ResolutionError, match="triton.kernel"):
+        kvswap.resolve("h2d", device="cpu", policy=Policy(force="triton.kernel"))
+
+
+def test_import_is_light() -> None:
+    code = (
+        "import sys, kvswap.backends.triton_generic as t; "
+        "assert 'triton' not in sys.modules, 'triton imported'; "
+        "assert 'torch' not in sys.modules, 'torch imported'; print(t.NAME)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "triton.kernel"

@@ -1,0 +1,153 @@
+"""triton.kernel on a GPU: both directions between pinned host memory and device memory,
+the resolve() path, the SM budget, streams, and staging buffers under pressure.
+
+Every case is ``gpu``-marked: skipped with a reason on machines without a GPU, where
+``test_triton_copy.py`` runs the same kernel in Triton's interpreter.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvswap
+from kvswap import BindContext, Direction, Policy
+from kvswap.backends import triton_generic as tg
+from kvswap.testing.memory import Layout, make_transfer, scattered
+
+pytestmark = pytest.mark.gpu
+KiB = 1024
+DIRECTIONS = [Direction.H2D, Direction.D2H]
+
+
+def log_sizes(rng: np.random.Generator, n: int, lo: int, hi: int) -> np.ndarray:
+    return np.exp(rng.uniform(np.log(lo), np.log(hi + 1), n)).astype(np.int64).clip(lo, hi)
+
+
+def mixed_layout(rng: np.random.Generator, sizes: np.ndarray) -> Layout:
+    base = scattered(rng, sizes, 16)
+    shift = rng.choice(np.array([0, 8, 1, 3, 5, 7, 9, 12, 15]), len(sizes))
+    return Layout(base.offsets + shift, base.nbytes)
+
+
+@pytest.fixture
+def gpu():
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    if tg.interpreting():
+        pytest.skip("TRITON_INTERPRET=1 is set: Triton would not run on the GPU")
+    from kvswap.platform import detect
+    from kvswap.plugins import plugin_host
+
+    return detect(plugin_host(), "cuda:0")
+
+
+def torch_device(info) -> str:
+    return f"cuda:{info.index or 0}"
+
+
+@pytest.mark.parametrize("alignment", [16, 8, 1])
+@pytest.mark.parametrize("n", [1, 17, 2000])
+@pytest.mark.parametrize("direction", DIRECTIONS, ids=str)
+def test_random_descriptors_copied_exactly(gpu, direction: Direction, n: int, alignment: int) -> None:
+    seed = 1000 * n + 10 * alignment + (direction is Direction.D2H)
+    rng = np.random.default_rng(seed)
+    sizes = log_sizes(rng, n, 1, 256 * KiB if n <= 17 else 64 * KiB)
+    if alignment > 1:
+        whole = rng.random(n) < 0.5
+        sizes[whole] = np.maximum(sizes[whole] // alignment * alignment, alignment)
+    t = make_transfer(rng, seed, direction, torch_device(gpu), alignment, sizes)
+    launch = tg.copy(*t.descriptors, num_sms=4, device=torch_device(gpu))
+    assert 1 <= launch.grid <= 4
+    t.check(f"triton.kernel {direction}, n={n}, alignment {alignment}")
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS, ids=str)
+def test_mixed_sizes_and_alignments(gpu, direction: Direction) -> None:
+    rng = np.random.default_rng(7 + (direction is Direction.D2H))
+    edge = np.array([1, 2, 7, 8, 9, 15, 16, 17, 24, 4095, 4096, 4100, 8200, 65536, 256 * KiB], dtype=np.int64)
+    sizes = rng.permutation(np.concatenate([edge, log_sizes(rng, 985, 1, 128 * KiB)]))
+    t = make_transfer(rng, 7, direction, torch_device(gpu), 1, sizes,
+                      mixed_layout(rng, sizes), mixed_layout(rng, sizes))
+    tg.copy(*t.descriptors, num_sms=8, device=torch_device(gpu))
+    t.check(f"mixed sizes and alignments, {direction}")
+
+
+@pytest.mark.parametrize("block", [4 * KiB, 64 * KiB])
+@pytest.mark.parametrize("direction", DIRECTIONS, ids=str)
+def test_full_batch_of_uniform_blocks(gpu, direction: Direction, block: int) -> None:
+    rng = np.random.default_rng(block)
+    n = 10_000 if block == 4 * KiB else 2_000
+    sizes = np.full(n, block, dtype=np.int64)
+    t = make_transfer(rng, block, direction, torch_device(gpu), 64, sizes)
+    tg.copy(*t.descriptors, num_sms=4, device=torch_device(gpu))
+    t.check(f"{n} x {block} B, {direction}")
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS, ids=str)
+def test_resolve_forced_kernel(gpu, direction: Direction) -> None:
+    fn = kvswap.resolve(direction, device=torch_device(gpu), policy=Policy(force="triton.kernel", max_sms=4))
+    assert fn.impls == ("triton.kernel",)
+    assert fn.plan.params["triton.kernel"]["num_sms"] <= 4
+    rng = np.random.default_rng(3)
+    sizes = log_sizes(rng, 300, 1, 64 * KiB)
+    t = make_transfer(rng, 3, direction, torch_device(gpu), 1, sizes,
+                      mixed_layout(rng, sizes), mixed_layout(rng, sizes))
+    fn(*t.descriptors)
+    t.check(f"resolve({direction}, force='triton.kernel')")
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS, ids=str)
+def test_sm_budget_bounds_the_grid(gpu, direction: Direction) -> None:
+    rng = np.random.default_rng(9)
+    sizes_by_case = {
+        "one block": np.array([300 * KiB], dtype=np.int64),
+        "few large": np.full(3, 256 * KiB, dtype=np.int64),
+        "many small": np.full(5000, 4 * KiB, dtype=np.int64),
+        "many mixed": log_sizes(rng, 3000, 1, 32 * KiB),
+    }
+    for budget in (1, 2, 4, 8, 12, gpu.compute_units):
+        fn = tg.bind(BindContext(direction, gpu, {"num_sms": budget}))
+        assert fn.num_sms == budget
+        for case, sizes in sizes_by_case.items():
+            t = make_transfer(rng, budget, direction, torch_device(gpu), 1, sizes)
+            launch = fn(*t.descriptors, None)
+            assert launch is fn.last_launch
+            work = -(-len(sizes) // launch.tile.jobs) * launch.tile.splits
+            assert launch.grid == min(budget, work) <= budget, (budget, case, launch)
+            t.check(f"budget {budget}, {case}, {direction}")
+        # Enough work (hundreds of tiles) fills the whole budget.
+        assert fn.last_launch.grid == budget
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS, ids=str)
+def test_staging_buffers_survive_a_busy_stream(gpu, direction: Direction) -> None:
+    """40 launches enqueued while the stream is held up by a long kernel: each staging
+    buffer must stay untouched until its own kernel ran, or blocks land in wrong places."""
+    import torch
+
+    dev = torch_device(gpu)
+    rng = np.random.default_rng(13)
+    calls, per_call = 40, 50
+    sizes = log_sizes(rng, calls * per_call, 1, 16 * KiB)
+    t = make_transfer(rng, 13, direction, dev, 1, sizes, mixed_layout(rng, sizes), mixed_layout(rng, sizes))
+    src, dst, n = t.descriptors
+    fn = tg.bind(BindContext(direction, gpu, {"num_sms": 4}))
+    stream = torch.cuda.Stream(device=dev)
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(200_000_000)  # roughly 0.1 s of GPU time before any copy runs
+    for i in range(calls):
+        sl = slice(i * per_call, (i + 1) * per_call)
+        # Alternate the ways a stream may be passed: a torch stream and a raw handle.
+        handle = stream if i % 2 else stream.cuda_stream
+        fn(src[sl], dst[sl], n[sl], handle)
+    stream.synchronize()
+    t.check(f"40 launches queued behind a busy stream, {direction}")
+
+
+def test_available_on_this_gpu(gpu) -> None:
+    assert tg.availability(gpu) is None
+    fn = kvswap.resolve("h2d", device=torch_device(gpu), policy=Policy(force="triton.kernel"))
+    cand = {c.name: c for c in fn.plan.candidates}
+    assert cand["triton.kernel"].available

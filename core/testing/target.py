@@ -53,7 +53,8 @@ class Target:
     @property
     def torch_device(self) -> str:
         """``"cpu"`` for a host-only device (both sides of a transfer are host memory)."""
-        return self.device.torch_device
+        spec = self.device.torch_device
+        return "cpu" if spec.split(":")[0] == "cpu" else spec
 
     def describe(self) -> str:
         i, d = self.impl, self.device

@@ -12,6 +12,8 @@ from kvswap.cli import add_device, directions, non_negative
 from kvswap.errors import ConfigurationError
 from kvswap.types import Direction
 
+from .fit import TOLERANCE
+
 HELP = "measure this device and write its calibration profile (and a plot)"
 DESCRIPTION = (
     "Measure, on the present device and in one run: the contiguous copy ceiling per direction, "
@@ -23,6 +25,16 @@ DESCRIPTION = (
 )
 
 
+def fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= v < 0.5:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a fraction in [0, 0.5), e.g. 0.03")
+    return v
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_device(p)
     p.add_argument("--quick", action="store_true",
@@ -32,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "calibration in force")
     p.add_argument("--max-sms", type=non_negative, metavar="N",
                    help="measure kernels on at most N SMs (0: measure no kernel route)")
+    p.add_argument("--knee-tolerance", type=fraction, default=TOLERANCE, metavar="F",
+                   help=f"the SM knee is the fewest SMs within this fraction of the kernel's best "
+                   f"(default {TOLERANCE})")
     p.add_argument("--interference", action="store_true",
                    help="also measure how much each route slows a bf16 GEMM running beside it (GPU only)")
     p.add_argument("--out", type=Path, metavar="FILE",
@@ -67,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
     dirs = _check(args)
     host = plugin_host()
     dev = detect(host, args.device)
-    settings = settings_for(dev, quick=args.quick, max_sms=args.max_sms, interference=args.interference)
+    settings = settings_for(dev, quick=args.quick, max_sms=args.max_sms, interference=args.interference,
+                            knee_tolerance=args.knee_tolerance)
     prior = find_calibration(host, dev)  # what is in force now: carried over for what this run skips
     path = Path(args.out) if args.out is not None else store.default_path(dev)
 
@@ -113,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         failures=[f.to_dict() for f in result.failures],
         interference=[r.to_dict() for r in result.interference],
         notes=result.notes,
-        **fit.profile_fields(result.measurements, result.interference, dirs, prior),
+        **fit.profile_fields(result.measurements, result.interference, dirs, prior, args.knee_tolerance),
     )
     store.save(doc, path)
     plot_path = Path(args.plot) if args.plot is not None else path.with_suffix(".png")

@@ -41,7 +41,7 @@ def measure_interference(sweep: Sweep, direction: Direction, bounds: Sequence[Bo
     batch = pools.batch(direction, BLOCK, n)
     contenders: list[tuple[str, str, Optional[int], Any]] = [
         ("contiguous", "ceiling", None, pools.contiguous(direction, batch.nbytes))
-    ] + [(b.impl, b.kind, b.num_sms, sweep._call(b, batch)) for b in bounds if b.accepts(BLOCK)]
+    ] + [(b.impl, b.kind, b.num_sms, sweep.call_of(b, batch)) for b in bounds if b.accepts(BLOCK)]
     sweep.progress.add(len(contenders))
 
     index = timer.index

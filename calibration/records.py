@@ -70,6 +70,8 @@ class Interference:
 
     ``slowdown`` is the fraction of GEMM throughput lost (0.2: 20% fewer FLOP/s);
     ``covered`` is False when the copies ended before the GEMMs did (an underestimate).
+    ``copy_gbps_beside`` is the copies' rate over their whole run, which outlasts the GEMM
+    window, so it lies between the rate beside the GEMMs and the rate alone.
     """
 
     direction: str

@@ -36,7 +36,10 @@ def describe_decision(d: str, dec: dict[str, Any]) -> list[str]:
             f"  SM knee: {dec['kernel_sms']} SMs (fewest within {dec['knee_tolerance']:.0%} of the kernel's best; "
             f"it peaks at {dec['kernel_peak_sms']} SMs)"
         )
-    if dec.get("kernel_min_batch"):
+    if dec.get("min_batch_by_size"):
+        pairs = ", ".join(f"{human_bytes(b)}: {n}" for b, n in dec["min_batch_by_size"])
+        lines.append(f"  kernel only for batches of at least (by block size) {pairs}; smaller ones take the batch route")
+    elif dec.get("kernel_min_batch"):
         lines.append(f"  kernel from batches of {dec['kernel_min_batch']} descriptors; smaller batches take the batch route")
     if dec.get("crossover_bytes"):
         lines.append(f"  crossover: batch route from {human_bytes(dec['crossover_bytes'])} blocks")
@@ -79,12 +82,22 @@ def calibration_report(doc: dict[str, Any]) -> str:
     out.append("decisions:")
     for d, dec in doc.get("decisions", {}).items():
         out += ["  " + line for line in describe_decision(d, dec)]
+    by_dir: dict[str, list[str]] = {}
+    for r in doc.get("interference", []):
+        label = r["impl"] + (f"@{r['num_sms']}" if r.get("num_sms") else "")
+        by_dir.setdefault(r["direction"], []).append(f"{label} {r['slowdown']:.0%}" + ("" if r["covered"] else " (partial)"))
+    for d, items in by_dir.items():
+        out.append(f"  {d}: GEMM slowdown beside each route ({doc['interference'][0]['block_bytes'] // 1024} KiB "
+                   f"blocks): {', '.join(items)}")
     if doc.get("slowdown"):
         pairs = ", ".join(f"{k} {v:.0%}" for k, v in sorted(doc["slowdown"].items()))
         out.append(f"  compute slowdown beside a GEMM: {pairs} ({doc.get('slowdown_source', '')})")
-    for f in doc.get("failures", []):
-        sms = f" on {f['num_sms']} SMs" if f.get("num_sms") else ""
-        out.append(f"  skipped {f['direction']} {f['impl']}{sms}: {f['error']}")
+    grouped: dict[tuple[str, str, str], list[int]] = {}
+    for f in doc.get("failures", []):  # one line per route and cause, however many SM counts
+        grouped.setdefault((f["direction"], f["impl"], f["error"]), []).extend([f["num_sms"]] if f.get("num_sms") else [])
+    for (d, impl, error), sms in grouped.items():
+        on = f" on {', '.join(map(str, sms))} SMs" if sms else ""
+        out.append(f"  skipped {d} {impl}{on}: {error}")
     return "\n".join(out)
 
 
@@ -109,10 +122,9 @@ def bench_report(result: dict[str, Any]) -> str:
         out.append(f"{d}: GB/s (contiguous ceiling {_gb(result['ceiling_gbps'].get(d))} GB/s)")
         out += ["  " + line for line in _grid(header, table)]
         s = result["summary"].get(d, {})
-        worst_peer = s.get("min_resolved_over_peer")
-        out.append(
-            f"  worst resolved/best-candidate (regret): {s.get('min_resolved_over_best', 0):.3f}; "
-            f"worst resolved/peer: {'n/a' if worst_peer is None else f'{worst_peer:.3f}'}"
-        )
+        worst = {k: "n/a" if s.get(k) is None else f"{s[k]:.3f}"
+                 for k in ("min_resolved_over_best", "min_resolved_over_peer")}
+        out.append(f"  worst resolved/best-candidate (regret): {worst['min_resolved_over_best']}; "
+                   f"worst resolved/peer: {worst['min_resolved_over_peer']}")
         out.append("")
     return "\n".join(out)

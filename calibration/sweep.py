@@ -48,7 +48,7 @@ class Settings:
     block_sizes: tuple[int, ...]
     sm_counts: tuple[int, ...]
     batch_sizes: tuple[int, ...]
-    batch_sweep_blocks: int
+    batch_sweep_blocks: Optional[int]  # how many of the kernel's block sizes; None: all
     size_sweep_bytes: int
     max_batch: int
     pool_bytes: int
@@ -57,6 +57,7 @@ class Settings:
     warmup: int
     interference: bool = False
     interference_all_sms: bool = False
+    knee_tolerance: float = fit.TOLERANCE
     seed: int = 0
 
     def to_dict(self) -> dict[str, Any]:
@@ -74,7 +75,7 @@ def _sm_counts(base: Sequence[int], device: DeviceInfo, max_sms: Optional[int]) 
 
 
 def settings_for(device: DeviceInfo, quick: bool = False, max_sms: Optional[int] = None,
-                 interference: bool = False) -> Settings:
+                 interference: bool = False, knee_tolerance: float = fit.TOLERANCE) -> Settings:
     """Defaults: ``quick`` about a minute on a GPU, the full grid under ten; on a CPU-only
     machine small pools and batches, since the host reference copies one block at a time."""
     if on_host(device):
@@ -82,7 +83,7 @@ def settings_for(device: DeviceInfo, quick: bool = False, max_sms: Optional[int]
             block_sizes=grid_sizes(midpoints=not quick),
             sm_counts=_sm_counts((1, 2, 4, 8), device, max_sms),
             batch_sizes=(1, 4, 16, 64, 256) if quick else (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024),
-            batch_sweep_blocks=2 if quick else 3,
+            batch_sweep_blocks=4 if quick else None,
             size_sweep_bytes=(4 if quick else 32) * MiB,
             max_batch=256 if quick else 2048,
             pool_bytes=(16 if quick else 64) * MiB,
@@ -90,13 +91,16 @@ def settings_for(device: DeviceInfo, quick: bool = False, max_sms: Optional[int]
             repeats=3 if quick else 5,
             warmup=1,
             interference=interference,
+            knee_tolerance=knee_tolerance,
         )
     return Settings(
         block_sizes=grid_sizes(midpoints=not quick),
-        sm_counts=_sm_counts((2, 4, 8, 16, 32) if quick else (1, 2, 4, 6, 8, 12, 16, 24, 32, 48), device, max_sms),
+        # 1 SM is left out: a kernel that slow would spend most of the run's time and is
+        # never the knee of a kernel worth having (FACTS.md: 45 GB/s on 2 SMs at 4 KiB).
+        sm_counts=_sm_counts((2, 4, 8, 16, 32) if quick else (2, 4, 6, 8, 12, 16, 24, 32, 48), device, max_sms),
         batch_sizes=(1, 4, 16, 64, 256, 1024, 4096) if quick
         else (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 10000),
-        batch_sweep_blocks=2 if quick else 4,
+        batch_sweep_blocks=4 if quick else None,
         size_sweep_bytes=(64 if quick else 256) * MiB,
         max_batch=10000,
         pool_bytes=(512 if quick else 1024) * MiB,
@@ -105,6 +109,7 @@ def settings_for(device: DeviceInfo, quick: bool = False, max_sms: Optional[int]
         warmup=2 if quick else 3,
         interference=interference,
         interference_all_sms=not quick,
+        knee_tolerance=knee_tolerance,
     )
 
 
@@ -183,6 +188,9 @@ def measurement_calibration(device: DeviceInfo, num_sms: Optional[int]) -> Calib
 
 
 class Sweep:
+    """One calibration run on one device: :meth:`prepare` binds the routes, :meth:`run`
+    measures them stage by stage into :attr:`result`."""
+
     def __init__(self, device: Any, settings: Settings, directions: Sequence[Any], *,
                  host: Optional[PluginHost] = None, progress: Optional[Progress] = None) -> None:
         self.spec = device
@@ -232,7 +240,7 @@ class Sweep:
         self.result.failures.append(Failure(str(direction), impl, sms, block, f"{type(e).__name__}: {e}"))
 
     # -- measuring -----------------------------------------------------------------------
-    def _call(self, bound: Bound, batch: Batch) -> Callable[[Any], None]:
+    def call_of(self, bound: Bound, batch: Batch) -> Callable[[Any], None]:
         fn, src, dst, sizes = bound.fn, batch.src, batch.dst, batch.sizes
         return lambda stream: fn(src, dst, sizes, stream=stream)
 
@@ -240,7 +248,7 @@ class Sweep:
         """Copy once into poisoned destinations and compare; a failure retires the route."""
         assert self.pools is not None
         try:
-            self.pools.verify(self.timer, self._call(bound, batch), batch)
+            self.pools.verify(self.timer, self.call_of(bound, batch), batch)
         except Exception as e:
             self._fail(batch.direction, bound.impl, bound.num_sms, batch.block_bytes, e)
             return False
@@ -255,12 +263,12 @@ class Sweep:
             return []
         s = self.settings
         try:
-            times = self.timer.measure([self._call(b, batch) for b in live], s.repeats, s.warmup)
+            times = self.timer.measure([self.call_of(b, batch) for b in live], s.repeats, s.warmup)
         except Exception:
             times = []  # one of them failed mid-run: time them one by one to find which
             for b in list(live):
                 try:
-                    times.append(self.timer.measure([self._call(b, batch)], s.repeats, s.warmup)[0])
+                    times.append(self.timer.measure([self.call_of(b, batch)], s.repeats, s.warmup)[0])
                 except Exception as e:
                     self._fail(batch.direction, b.impl, b.num_sms, batch.block_bytes, e)
                     live.remove(b)
@@ -292,14 +300,14 @@ class Sweep:
         block sizes where the kernel is the route."""
         assert self.pools is not None
         d = str(direction)
-        decision = fit.fit_direction(self.result.measurements, d)
+        decision = fit.fit_direction(self.result.measurements, d, self.settings.knee_tolerance)
         table = fit.size_table(self.result.measurements, d)
         kernel_at = [r for r in decision["by_size"] if r["kind"] == "kernel"]
         if not kernel_at:
             return
-        k = self.settings.batch_sweep_blocks
+        k = self.settings.batch_sweep_blocks or len(kernel_at)
         picks = [kernel_at[round(i * (len(kernel_at) - 1) / max(k - 1, 1))] for i in range(min(k, len(kernel_at)))]
-        picks = list({r["block_bytes"]: r for r in picks}.values())
+        picks = list({r["block_bytes"]: r for r in picks}.values())  # evenly spread, ends included
         plan = []
         for r in picks:
             b = r["block_bytes"]
@@ -320,7 +328,7 @@ class Sweep:
         from .interference import measure_interference
 
         assert self.pools is not None
-        decision = fit.fit_direction(self.result.measurements, str(direction))
+        decision = fit.fit_direction(self.result.measurements, str(direction), self.settings.knee_tolerance)
         knee = decision.get("kernel_sms")
         chosen = [
             b for b in bounds

@@ -98,13 +98,13 @@ def _routes(
             impl=best.name,
             at_bytes=rep,
             predicted=tuple((impl.name, None if g is None else round(g, 2)) for impl, g in ranked),
-            min_batch=cal.min_batch(direction) if small else 0,
+            min_batch=cal.min_batch(direction, block_bytes=rep) if small else 0,
             small_batch_impl=small.name if small else None,
             fallbacks=tuple(impl.name for impl, _ in ranked[1:]),
         )
         prev = routes[-1] if routes else None
-        same = prev and (prev.impl, prev.small_batch_impl, prev.fallbacks, prev.max_bytes) == (
-            route.impl, route.small_batch_impl, route.fallbacks, lo - 1
+        same = prev and (prev.impl, prev.small_batch_impl, prev.min_batch, prev.fallbacks, prev.max_bytes) == (
+            route.impl, route.small_batch_impl, route.min_batch, route.fallbacks, lo - 1
         )
         if same:
             keep = route if given and prev.at_bytes not in sizes else prev

@@ -67,6 +67,10 @@ class Calibration:
     :param curves: predicted bandwidth per route.
     :param kernel_sms: per direction, the SM knee: fewest SMs within a few % of the peak.
     :param kernel_min_batch: per direction, the smallest batch from which a kernel wins.
+    :param min_batch_by_size: per direction, ``(block_bytes, min_batch)`` pairs where the
+        threshold was measured per block size (it grows with the block: a kernel's fixed
+        launch cost is repaid sooner where its per-block advantage is larger); between them
+        interpolated over log sizes, held flat past either end. Overrides ``kernel_min_batch``.
     :param slowdown: fraction of compute throughput lost while a route runs, keyed by impl
         name or by kind (``"batch"``, ``"kernel"``); used by ``prefer="low_interference"``.
     :param ceiling_gbps: per direction, the contiguous copy ceiling when measured.
@@ -79,6 +83,7 @@ class Calibration:
     curves: tuple[Curve, ...] = ()
     kernel_sms: Mapping[str, int] = field(default_factory=dict)
     kernel_min_batch: Mapping[str, int] = field(default_factory=dict)
+    min_batch_by_size: Mapping[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
     slowdown: Mapping[str, float] = field(default_factory=dict)
     ceiling_gbps: Mapping[str, float] = field(default_factory=dict)
     calibrated: bool = True
@@ -100,6 +105,16 @@ class Calibration:
             if any(not isinstance(v, (int, float)) or v < 0 for v in value.values()):
                 raise bad(f"{name} values must be numbers >= 0")
             object.__setattr__(self, name, value)
+        by_size = {}
+        for k, pairs in dict(self.min_batch_by_size).items():
+            try:
+                pts = tuple(sorted((int(b), int(n)) for b, n in pairs))
+            except (TypeError, ValueError):
+                pts = ()
+            if not pts or any(b < 1 or n < 1 for b, n in pts) or len({b for b, _ in pts}) != len(pts):
+                raise bad("min_batch_by_size values must be (block_bytes >= 1, batch >= 1) pairs, one per size")
+            by_size[str(Direction.parse(k))] = pts
+        object.__setattr__(self, "min_batch_by_size", by_size)
         if any(not 0 <= v < 1 for v in self.slowdown.values()):
             raise bad("slowdown values are fractions in [0, 1)")
 
@@ -131,8 +146,20 @@ class Calibration:
     def sms(self, direction: Direction, default: int = 8) -> int:
         return int(self.kernel_sms.get(str(direction), default))
 
-    def min_batch(self, direction: Direction, default: int = 16) -> int:
-        return int(self.kernel_min_batch.get(str(direction), default))
+    def min_batch(self, direction: Direction, default: int = 16, block_bytes: Optional[int] = None) -> int:
+        pts = self.min_batch_by_size.get(str(direction))
+        if not pts or block_bytes is None:
+            return int(self.kernel_min_batch.get(str(direction), default))
+        if block_bytes <= pts[0][0] or len(pts) == 1:
+            return pts[0][1]
+        if block_bytes >= pts[-1][0]:
+            return pts[-1][1]
+        x = math.log(block_bytes)
+        for (b0, n0), (b1, n1) in zip(pts, pts[1:]):
+            if block_bytes <= b1:
+                t = (x - math.log(b0)) / (math.log(b1) - math.log(b0))
+                return max(1, round(math.exp(math.log(n0) + t * (math.log(n1) - math.log(n0)))))
+        raise AssertionError("unreachable")
 
     def slowdown_of(self, impl: str, kind: str) -> float:
         return float(self.slowdown.get(impl, self.slowdown.get(kind, 0.0)))

@@ -67,13 +67,16 @@ class LedgerTimer:
 
 class ModelPlatform:
     """Plugin: detects ``modelplat:0`` and registers ``model.batch`` and ``model.kernel``
-    (plus, on request, routes that raise, copy nothing, or refuse large blocks)."""
+    (or other ``names``; plus, on request, routes that raise, copy nothing, or refuse
+    large blocks)."""
 
     IDENTITY = "modelplat-model-device-16cu"
 
-    def __init__(self, ledger: Ledger, broken: bool = False) -> None:
+    def __init__(self, ledger: Ledger, broken: bool = False,
+                 names: tuple[str, str] = ("model.batch", "model.kernel")) -> None:
         self.ledger = ledger
         self.broken = broken
+        self.batch_name, self.kernel_name = names
         self.bound_sms: list[int] = []
 
     @hookimpl
@@ -97,8 +100,8 @@ class ModelPlatform:
     def kvswap_register_copy_impls(self, platform: str, register: Callable[[CopyImpl], None]) -> None:
         if platform != "modelplat":
             return
-        register(CopyImpl("model.batch", "batch", ("modelplat",), BOTH, lambda ctx: self._route(batch_cost, None)))
-        register(CopyImpl("model.kernel", "kernel", ("modelplat",), BOTH, self._kernel))
+        register(CopyImpl(self.batch_name, "batch", ("modelplat",), BOTH, lambda ctx: self._route(batch_cost, None)))
+        register(CopyImpl(self.kernel_name, "kernel", ("modelplat",), BOTH, self._kernel))
         if not self.broken:
             return
 

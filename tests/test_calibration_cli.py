@@ -8,9 +8,13 @@ import sys
 
 import pytest
 
+from kvswap import plugins
 from kvswap.calibration import store
+from kvswap.calibration import sweep as sweep_module
 from kvswap.cli import main
 from kvswap.platform import cpu_device
+
+from calibration_fakes import Ledger, LedgerTimer, ModelPlatform
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -62,6 +66,25 @@ def test_calibrate_replaces_a_corrupt_profile_and_names_it(capsys):
     assert store.read(path, cpu_device())["directions"] == ["h2d"]
 
 
+def test_calibrate_a_device_with_a_kernel_route_then_explain(capsys, monkeypatch):
+    """A modelled device (real host copies, modelled costs; see calibration_fakes): the table,
+    the decisions and the plot include the kernel per SM count, and the resolver binds the knee."""
+    ledger = Ledger()
+    plugins.reset_plugin_host(plugins.create_plugin_host(entry_points=[], extra=[("model", ModelPlatform(ledger))]))
+    monkeypatch.setattr(sweep_module, "make_timer", lambda device: LedgerTimer(ledger))
+    assert main(["calibrate", "--quick", "--device", "modelplat:0"]) == 0
+    out = capsys.readouterr().out
+    assert "model.kernel@8" in out and "SM knee: 8 SMs" in out and "kernel only for batches of at least" in out
+    path = store.user_dir() / f"{ModelPlatform.IDENTITY}.json"
+    doc = json.loads(path.read_text())
+    assert doc["decisions"]["h2d"]["kernel_sms"] == 8
+    assert {c["num_sms"] for c in doc["curves"] if c["impl"] == "model.kernel"} == {1, 2, 4, 8, 16}
+    assert path.with_suffix(".png").read_bytes()[:8] == PNG_MAGIC
+    assert main(["explain", "--direction", "h2d", "--device", "modelplat:0"]) == 0
+    out = capsys.readouterr().out
+    assert f"calibration: profile {path} (measured)" in out and "bound with num_sms=8" in out
+
+
 def test_bench_writes_json_with_ratios(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert main(["bench", "--json", str(out), "--block-bytes", "4096,65536", "--batches", "1,16",
@@ -85,6 +108,7 @@ def test_bench_writes_json_with_ratios(tmp_path, capsys):
     (["calibrate", "--directions", "sideways"], "direction='sideways'"),
     (["calibrate", "--directions", ","], "at least one"),
     (["calibrate", "--max-sms", "-1"], "must be >= 0"),
+    (["calibrate", "--knee-tolerance", "0.7"], "fraction in [0, 0.5)"),
     (["calibrate", "--plot", "curves.jpg"], "must name a .png"),
     (["calibrate", "--out", "{tmp}"], "is a directory"),
     (["calibrate", "--device", "not a device"], "is not valid"),

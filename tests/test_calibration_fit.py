@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from kvswap import DeviceInfo
+import numpy as np
+
+import kvswap
+from kvswap import Calibration, DeviceInfo, InvalidImplError
 from kvswap.calibration import fit, store
+from kvswap.plugins import create_plugin_host
 from kvswap.calibration.records import BATCH, CEILING, SIZE, Interference, Measurement
 from kvswap.thresholds import FALLBACK
+
+from calibration_fakes import Ledger, ModelPlatform
 
 KiB = 1024
 SMS = (1, 2, 4, 8, 16)
@@ -59,8 +65,8 @@ def test_knee_with_no_tolerance_is_the_peak():
 
 def test_routes_rank_the_kernel_at_its_knee_not_at_its_peak():
     sizes = (4 * KiB, 16 * KiB, 24 * KiB, 32 * KiB)
-    batch = dict(zip(sizes, (4.0, 6.0, 39.0, 45.0)))
-    at8 = dict(zip(sizes, (48.0, 49.0, 38.5, 40.0)))  # >= 95% of the 16-SM peak everywhere
+    batch = dict(zip(sizes, (4.0, 6.0, 39.5, 45.0)))
+    at8 = dict(zip(sizes, (49.0, 49.5, 39.0, 40.5)))  # >= 97% of the 16-SM peak everywhere
     at16 = dict(zip(sizes, (50.0, 50.0, 40.0, 41.5)))
 
     def kernel(b, k):
@@ -68,7 +74,7 @@ def test_routes_rank_the_kernel_at_its_knee_not_at_its_peak():
 
     dec = fit.fit_direction(grid("h2d", batch, kernel), "h2d")
     assert dec["kernel_sms"] == 8
-    # at 24 KiB the kernel wins at 16 SMs (40 > 39) but not at the 8 it will be bound with
+    # at 24 KiB the kernel wins at 16 SMs (40 > 39.5) but not at the 8 it will be bound with
     assert [r["impl"] for r in dec["by_size"]] == ["x.kernel", "x.kernel", "x.batch", "x.batch"]
     # the resolver's class [16, 24) KiB (ranked at ~19.6 KiB) still interpolates to the kernel
     assert dec["crossover_bytes"] == 24 * KiB
@@ -116,6 +122,48 @@ def test_min_batch_weighs_every_block_size():
     ns = (1, 4, 8, 16, 32, 64, 128)
     pts = linear(4 * KiB, ns, 6.0, 0.2, 1.0) + linear(64 * KiB, ns, 50.0, 0.2, 1.0)
     assert fit.min_batch(pts) == 32
+
+
+def test_min_batch_is_fitted_per_block_size():
+    ns = (1, 2, 4, 8, 16, 32, 64, 128)
+    batch = []
+    for b, launch in ((4 * KiB, 5.0), (64 * KiB, 50.0)):  # kernel wins from n > 6.25, resp. n > 62.5
+        for n, tk, tb in ((n, launch + 0.2 * n, 1.0 * n) for n in ns):
+            batch += [Measurement("h2d", BATCH, "x.kernel", "kernel", 8, b, n, tk, 5),
+                      Measurement("h2d", BATCH, "x.batch", "batch", None, b, n, tb, 5)]
+    size = grid("h2d", {4 * KiB: 4.0, 64 * KiB: 45.0}, per_sm({4 * KiB: 6.5, 64 * KiB: 26.0}))
+    dec = fit.fit_direction(size + batch, "h2d")
+    assert dec["min_batch_by_size"] == [[4 * KiB, 8], [64 * KiB, 64]]
+    assert dec["kernel_min_batch"] in (8, 16, 32, 64)  # one compromise over both
+
+
+def test_calibration_interpolates_min_batch_between_measured_sizes():
+    cal = Calibration(source="t", platform="*", kernel_min_batch={"h2d": 16},
+                      min_batch_by_size={"h2d": [[65536, 64], [4096, 8]]})
+    assert cal.min_batch_by_size["h2d"] == ((4096, 8), (65536, 64))
+    got = [cal.min_batch("h2d", block_bytes=b) for b in (1024, 4096, 16384, 65536, 1 << 20)]
+    assert got == [8, 8, 23, 64, 64]  # 16 KiB: halfway in log size, 8 * 8 ** 0.5 = 22.6
+    assert cal.min_batch("h2d") == 16 and cal.min_batch("d2h", block_bytes=4096) == 16
+    for bad in ([[4096, 0]], [[4096, 8], [4096, 9]], [], [["x", 8]]):
+        with pytest.raises(InvalidImplError, match="min_batch_by_size"):
+            Calibration(source="t", platform="*", min_batch_by_size={"h2d": bad})
+
+
+def test_the_resolver_takes_the_min_batch_of_each_block_size(tmp_path):
+    host = create_plugin_host(entry_points=[], extra=[("model", ModelPlatform(Ledger()))])
+    dev = kvswap.resolve("h2d", device="modelplat:0", host=host).plan.device
+    curves = [{"impl": "model.kernel", "direction": "h2d", "num_sms": 8, "points": [[4096, 50.0], [65536, 50.0]]},
+              {"impl": "model.batch", "direction": "h2d", "num_sms": None, "points": [[4096, 4.0], [65536, 45.0]]}]
+    decisions = {"h2d": {"kernel_sms": 8, "kernel_min_batch": 16, "min_batch_by_size": [[4096, 8], [65536, 64]]}}
+    store.save(store.make_document(dev, curves=curves, decisions=decisions), store.default_path(dev))
+    fn = kvswap.resolve("h2d", device="modelplat:0", host=host, block_bytes=[4096, 65536])
+    by_size = {r.at_bytes: (r.impl, r.small_batch_impl, r.min_batch) for r in fn.plan.routes}
+    assert by_size[4096] == ("model.kernel", "model.batch", 8)
+    assert by_size[65536] == ("model.kernel", "model.batch", 64)
+    src = (1 << 24) + np.arange(32, dtype=np.int64) * 65536  # assign() only routes: nothing is copied
+    for size, n, want in ((4096, 8, "model.kernel"), (4096, 7, "model.batch"), (65536, 32, "model.batch")):
+        sizes = np.full(n, size, dtype=np.int64)
+        assert [name for name, _ in fn.assign(src[:n], src[:n] + (1 << 22), sizes)] == [want]
 
 
 def test_batch_points_pair_the_fastest_kernel_and_batch_per_point():

@@ -5,6 +5,8 @@ positive, copies the right bytes, and yields a profile the resolver reads.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 import kvswap
@@ -66,8 +68,8 @@ def test_sweep_with_interference_yields_a_profile_the_resolver_reads(tmp_path):
 
 
 def test_bench_small_grid_has_ratios_and_the_peer():
-    s = bench_settings(False, [4 * KiB, 64 * KiB], [1, 64], repeats=3)
-    s = type(s)(**{**s.__dict__, "pool_bytes": 64 * MiB, "ceiling_bytes": 32 * MiB})
+    s = replace(bench_settings(False, [4 * KiB, 64 * KiB], [1, 64], repeats=3), pool_bytes=64 * MiB,
+                ceiling_bytes=32 * MiB)
     out = run_bench(None, s, ["h2d", "d2h"])
     assert out["failures"] == [] and len(out["rows"]) == 8
     for row in out["rows"]:

@@ -137,7 +137,7 @@ def test_default_settings():
     gpu = DeviceInfo(platform="cuda", name="H200", identity="cuda-h200", compute_units=132, index=0)
     g = settings_for(gpu)
     assert g.sm_counts[-1] == 132 and max(g.batch_sizes) >= 10000 and g.pool_bytes >= 1 << 30
-    assert settings_for(gpu, max_sms=10).sm_counts == (1, 2, 4, 6, 8, 10)
+    assert settings_for(gpu, max_sms=10).sm_counts == (2, 4, 6, 8, 10)
     assert settings_for(gpu, max_sms=0).sm_counts == ()
     assert settings_for(gpu, quick=True).repeats < g.repeats
 

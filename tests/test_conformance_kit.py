@@ -10,6 +10,7 @@ so running them in this process is safe.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -168,7 +169,7 @@ BROKEN = [
 
 @pytest.mark.parametrize("impl,failing,message", BROKEN, ids=[b[0] for b in BROKEN])
 def test_broken_backend_fails_the_kit(kit_backends, pytester, impl, failing, message):
-    result = run_kit(pytester, impl, "-rf")
+    result = run_kit(pytester, impl, "-rf", "--tb=native")
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     for name in failing:
         result.stdout.fnmatch_lines([f"FAILED kvswap/testing/conformance.py::{name}*"])
@@ -203,6 +204,11 @@ def test_kit_runs_its_own_suite_in_any_directory_and_never_loads_unasked(tmp_pat
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert kit.returncode == 0, kit.stdout + kit.stderr
     assert "test_callers_own" not in kit.stdout and " passed" in kit.stdout
+    with_paths = subprocess.run([sys.executable, "-m", "pytest", "-p", "kvswap.testing", "--kvswap-impl",
+                                 "host.reference", "test_callers_own.py", "-p", "no:cacheprovider"],
+                                cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert with_paths.returncode == pytest.ExitCode.USAGE_ERROR
+    assert "runs the kit's own suite; drop the paths" in with_paths.stderr
     plain = subprocess.run([sys.executable, "-m", "pytest", "--kvswap-impl", "host.reference",
                             "-p", "no:cacheprovider"],
                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
@@ -212,3 +218,12 @@ def test_kit_runs_its_own_suite_in_any_directory_and_never_loads_unasked(tmp_pat
 
     loaded_by_default = [ep.value for ep in importlib.metadata.entry_points(group="pytest11")]
     assert not any(v.startswith("kvswap") for v in loaded_by_default)
+
+
+def test_a_failure_replays_with_the_seed_it_printed(kit_backends, pytester):
+    args = ("-k", "test_copies_one_block and h2d", "--tb=line")
+    first = run_kit(pytester, "kit.corrupt_byte", *args)
+    (seed,) = set(re.findall(r"seed (\d+)\]", first.stdout.str()))
+    again = run_kit(pytester, "kit.corrupt_byte", "--kvswap-seed", seed, *args)
+    where = r"the first is (.*?) \["
+    assert re.findall(where, again.stdout.str()) == re.findall(where, first.stdout.str()) != []

@@ -15,7 +15,7 @@ import pytest
 import kvswap
 from kvswap import BindContext, DeviceInfo, Direction, Policy, plugins
 from kvswap.backends import triton_generic as tg
-from kvswap.backends.triton_generic.launch import KernelCopy, TilePlan, interpreting
+from kvswap.backends.triton_generic.launch import KernelCopy, TilePlan, batch_alignment, interpreting
 from kvswap.platform import cpu_device
 from kvswap.testing.memory import Layout, make_transfer, scattered
 
@@ -66,6 +66,26 @@ def test_random_descriptors_copied_exactly(n: int, alignment: int) -> None:
         sizes[whole] = np.maximum(sizes[whole] // alignment * alignment, alignment)
     launch = run_case(n * 7 + alignment, sizes, alignment)
     assert 1 <= launch.grid <= 4
+
+
+@needs_interpreter
+@pytest.mark.parametrize("alignment", [16, 8, 1])
+def test_each_kernel_variant(alignment: int) -> None:
+    # Addresses and sizes all multiples of ``alignment``: the launcher picks the 16-byte
+    # vector, 8-byte word or any-alignment variant, and each copies exactly.
+    rng = np.random.default_rng(90 + alignment)
+    sizes = log_sizes(rng, 40, 1, 64 * KiB) // alignment * alignment + alignment
+    launch = run_case(90 + alignment, sizes, alignment, num_sms=5)
+    assert launch.tile.align == alignment
+
+
+def test_batch_alignment() -> None:
+    assert batch_alignment(np.array([32, 48, 4096], dtype=np.int64)) == 16
+    assert batch_alignment(np.array([32, 40, 4096], dtype=np.int64)) == 8
+    assert batch_alignment(np.array([32, 40, 4095], dtype=np.int64)) == 1
+    assert TilePlan(align_max=8).pick(10, 10 * 4096, 4, 16).align == 8
+    general = TilePlan(tile_elems=16384, warps=32).pick(10_000, 10_000 * 4096, 4, 1)
+    assert general.align == 1 and general.jobs * general.words <= 4096 and general.warps <= 8
 
 
 @needs_interpreter
@@ -128,8 +148,10 @@ def test_16_and_8_byte_aligned_tiles_in_one_batch() -> None:
 
 @needs_interpreter
 @pytest.mark.parametrize("shape", [
-    {"wide": False, "prefetch": False},
+    {"align_max": 8, "prefetch": True},
+    {"align_max": 1, "tile_elems": 8192, "warps": 16},
     {"tile_elems": 256, "row_max": 64, "warps": 2},
+    {"cache": ".cg", "warps": 16},
 ])
 def test_other_launch_shapes(shape: dict) -> None:
     # The paths a calibration may choose instead of the defaults copy exactly too.
@@ -223,7 +245,7 @@ def test_grid_never_exceeds_the_sm_budget() -> None:
 
 
 def test_tile_shape_follows_block_size() -> None:
-    plan = TilePlan()
+    plan = TilePlan(tile_elems=4096, row_max=1024)
     small = plan.pick(10_000, 10_000 * 4 * KiB, 4)
     large = plan.pick(10_000, 10_000 * 128 * KiB, 4)
     assert (small.jobs, small.words) == (8, 512)  # eight whole 4 KiB blocks per step
@@ -235,6 +257,10 @@ def test_tile_plan_rejects_bad_params() -> None:
         TilePlan(tile_elems=3000)
     with pytest.raises(kvswap.ConfigurationError, match="row_max"):
         TilePlan(tile_elems=1024, row_max=2048)
+    with pytest.raises(kvswap.ConfigurationError, match="align_max"):
+        TilePlan(align_max=4)
+    with pytest.raises(kvswap.ConfigurationError, match="cache"):
+        TilePlan(cache=".cs")
     with pytest.raises(kvswap.ConfigurationError, match="num_sms"):
         KernelCopy(0, None)
 
@@ -244,6 +270,9 @@ def test_bind_takes_params_from_the_context() -> None:
     fn = tg.bind(ctx)
     assert fn.num_sms == 6
     assert (fn.tiles.warps, fn.tiles.row_max) == (4, 256)
+    assert fn.tiles.tile_elems == tg.DEFAULT_PLANS["h2d"].tile_elems  # the rest from the defaults
+    d2h = tg.bind(BindContext(Direction.D2H, cpu_device(), {"num_sms": 2}))
+    assert d2h.tiles == tg.DEFAULT_PLANS["d2h"]
     assert "6 SMs" in fn.note
 
 

@@ -63,6 +63,18 @@ def test_random_descriptors_copied_exactly(gpu, direction: Direction, n: int, al
     t.check(f"triton.kernel {direction}, n={n}, alignment {alignment}")
 
 
+@pytest.mark.parametrize("alignment", [16, 8, 1])
+@pytest.mark.parametrize("direction", DIRECTIONS, ids=str)
+def test_each_kernel_variant(gpu, direction: Direction, alignment: int) -> None:
+    # Everything a multiple of ``alignment``: 16-byte vectors, 8-byte words, any alignment.
+    rng = np.random.default_rng(50 + alignment)
+    sizes = log_sizes(rng, 700, 1, 128 * KiB) // alignment * alignment + alignment
+    t = make_transfer(rng, 50 + alignment, direction, torch_device(gpu), alignment, sizes)
+    launch = tg.copy(*t.descriptors, num_sms=6, device=torch_device(gpu))
+    assert launch.tile.align == alignment
+    t.check(f"variant align={alignment}, {direction}")
+
+
 @pytest.mark.parametrize("direction", DIRECTIONS, ids=str)
 def test_mixed_sizes_and_alignments(gpu, direction: Direction) -> None:
     rng = np.random.default_rng(7 + (direction is Direction.D2H))

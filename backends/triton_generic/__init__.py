@@ -24,7 +24,7 @@ from kvswap.errors import ConfigurationError, InvalidTransferError
 from kvswap.impl import BindContext, CopyImpl
 from kvswap.types import DeviceInfo, Direction
 
-from .launch import KernelCopy, Launch, Tile, TilePlan, interpreting
+from .launch import DEFAULT_PLANS, KernelCopy, Launch, Tile, TilePlan, interpreting
 
 NAME = "triton.kernel"
 # Whether Triton is installed, found without importing it.
@@ -69,13 +69,17 @@ def _device_index(device: DeviceInfo) -> Optional[int]:
 
 
 def bind(ctx: BindContext) -> KernelCopy:
-    """The factory: bind the SM budget and tile shapes once, at resolve time."""
+    """The factory: bind the SM budget and launch shapes once, at resolve time.
+
+    ``ctx.params`` may override the direction's default shape (``tile_elems``,
+    ``row_max``, ``warps``, ``align_max``, ``prefetch``), e.g. from a calibration.
+    """
     num_sms = ctx.params.get("num_sms", 8)
     host_src = ctx.direction is Direction.H2D
     return KernelCopy(
         num_sms=int(num_sms),
         device_index=_device_index(ctx.device),
-        tiles=TilePlan.from_params(ctx.params),
+        tiles=TilePlan.from_params(ctx.params, DEFAULT_PLANS[str(ctx.direction)]),
         translate_src=ctx.translate_host if host_src else None,
         translate_dst=None if host_src else ctx.translate_host,
     )

@@ -6,7 +6,7 @@ Load it on request; it is never loaded into other projects' test runs::
 
 Given ``--kvswap-impl``, the run collects only the kit's own suite
 (:mod:`kvswap.testing.conformance`), from any directory and without the caller's test
-files; positional paths are ignored. A name that no loaded plugin registers for the
+files (paths given with it are a usage error). A name that no loaded plugin registers for the
 device's platform is a usage error (exit status 4). Without ``--kvswap-impl`` the plugin
 does nothing.
 """
@@ -49,6 +49,8 @@ def pytest_configure(config: pytest.Config) -> None:
         if device:
             raise pytest.UsageError("--kvswap-device needs --kvswap-impl NAME")
         return
+    if config.args_source == pytest.Config.ArgsSource.ARGS:
+        raise pytest.UsageError(f"--kvswap-impl runs the kit's own suite; drop the paths {config.args}")
     try:
         config.stash[_TARGET] = find_target(name, device)
     except KitUsageError as e:

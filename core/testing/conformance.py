@@ -19,8 +19,8 @@ from kvswap import BindContext, Direction, InvalidTransferError, Policy, Resolut
 from kvswap.inventory import KNOWN_PLATFORMS
 from kvswap.resolver import _translator, collect_impls
 from kvswap.testing import Target, get_target
-from kvswap.testing.memory import Transfer, adjacent_runs, make_transfer, scattered
-from kvswap.testing.target import REFUSAL_CAP, THOUSANDS, Violation
+from kvswap.testing.memory import Transfer, adjacent_runs, make_transfer
+from kvswap.testing.target import REFUSAL_CAP, Violation
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -63,15 +63,11 @@ def _usable(kit: Target) -> None:
         pytest.skip(f"{kit.impl.name} is unavailable on {kit.device.name}: {kit.unavailable}")
 
 
-def _policy(kit: Target, max_sms: Optional[int]) -> Policy:
-    return Policy(force=kit.impl.name, max_sms=max_sms)
-
-
 @pytest.fixture
 def swap(kit: Target, direction: Direction, max_sms: Optional[int]) -> kvswap.SwapFn:
     """The SwapFn an engine gets when it forces this impl."""
     _usable(kit)
-    return kvswap.resolve(direction, device=kit.device_spec, policy=_policy(kit, max_sms))
+    return kvswap.resolve(direction, device=kit.device_spec, policy=Policy(force=kit.impl.name, max_sms=max_sms))
 
 
 @pytest.fixture
@@ -170,9 +166,9 @@ def test_copies_one_block(kit, bound, rng, seed, direction):
 
 
 def test_copies_thousands_of_blocks(kit, bound, rng, seed, direction):
-    t = _transfer(kit, rng, seed, direction, np.full(THOUSANDS, kit.small_size()))
+    t = _transfer(kit, rng, seed, direction, np.full(kit.thousands(), kit.small_size()))
     _direct(bound, t)
-    t.check(f"{kit.impl.name} {direction}, {THOUSANDS} blocks")
+    t.check(f"{kit.impl.name} {direction}, {kit.thousands()} blocks")
 
 
 def test_copies_mixed_sizes_in_one_call(kit, bound, rng, seed, direction):
@@ -225,9 +221,9 @@ def test_swapfn_copies_one_block(kit, swap, rng, seed, direction):
 def test_swapfn_copies_thousands_from_torch_tensors(kit, swap, rng, seed, direction):
     import torch
 
-    t = _transfer(kit, rng, seed, direction, np.full(THOUSANDS, kit.small_size()))
+    t = _transfer(kit, rng, seed, direction, np.full(kit.thousands(), kit.small_size()))
     swap(*(torch.from_numpy(a) for a in t.descriptors))  # vLLM's swap_blocks_batch shape
-    t.check(f"SwapFn forcing {kit.impl.name} {direction}, {THOUSANDS} blocks")
+    t.check(f"SwapFn forcing {kit.impl.name} {direction}, {kit.thousands()} blocks")
 
 
 def test_swapfn_copies_mixed_sizes(kit, swap, rng, seed, direction):
@@ -263,8 +259,14 @@ def test_swapfn_refuses_what_the_impl_declares_it_cannot_copy(kit, rng, seed, di
     src, dst, n = t.descriptors
     src[k] += v.src_shift
     dst[k] += v.dst_shift
-    with pytest.raises(InvalidTransferError):
+    try:
         swap(src, dst, n)
+    except InvalidTransferError:
+        pass
+    else:
+        pytest.fail(f"{kit.impl.name} {direction}: a batch holding a {v.label} descriptor (size {v.size}) "
+                    f"was accepted, not refused with InvalidTransferError; its constraints declare "
+                    f"{kit.impl.constraints()}")
     t.check_untouched(f"{kit.impl.name} {direction}, batch with a {v.label} descriptor")
     if v.src_shift == v.dst_shift == 0:
         with pytest.raises(ResolutionError):
@@ -287,7 +289,7 @@ def test_swapfn_copies_on_the_given_stream(kit, swap, rng, seed, direction, stre
     swap(*t.descriptors, stream=stream if stream_kind == "torch-stream" else int(stream.cuda_stream))
     stream.synchronize()
     with torch.cuda.stream(stream):
-        got = t.dst.tensor.to("cpu").numpy()
+        got = t.dst.tensor.to("cpu").numpy().copy()  # a snapshot, also of pinned host memory
     torch.cuda.synchronize(dev)
     want = t.expected()
     assert np.array_equal(got, want), (

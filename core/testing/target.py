@@ -25,6 +25,7 @@ BUDGET = {"host": 512 * KiB, "accelerator": 16 * MiB}
 # that much memory); the violation is then reported as skipped.
 REFUSAL_CAP = 16 * MiB
 THOUSANDS = 3000  # not a power of two: grid and tile tails must be handled
+THOUSANDS_BUDGET = 64 * MiB  # fewer blocks when the smallest accepted one is large
 
 
 class KitUsageError(Exception):
@@ -71,8 +72,9 @@ class Target:
         """Block sizes across the declared range: both ends where they can be allocated,
         odd sizes when no alignment is declared, and the powers of two engines use."""
         impl, a, cap = self.impl, self.impl.alignment, CAP[self.memory]
-        top = cap if impl.max_block_bytes is None else min(impl.max_block_bytes, cap)
         lo = int(round_up(impl.min_block_bytes, a))
+        # An impl whose smallest block exceeds the cap is still tested, at its smallest.
+        top = max(cap if impl.max_block_bytes is None else min(impl.max_block_bytes, cap), lo)
         wanted = [lo, lo + a, 1, 3, 8, 100, 1001, 4 * KiB, 4 * KiB + 8, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, cap, top]
         picked = {int(round_up(v, a)) for v in wanted}
         picked.add(top // a * a)
@@ -85,6 +87,10 @@ class Target:
         """The smallest accepted size of at least 64 bytes (the thousands-of-blocks case)."""
         sizes = self.sizes()
         return next((s for s in sizes if s >= 64), sizes[-1])
+
+    def thousands(self) -> int:
+        """How many blocks of :meth:`small_size` the many-descriptors cases copy."""
+        return max(2, min(THOUSANDS, THOUSANDS_BUDGET // self.small_size()))
 
     def violations(self) -> list[Violation]:
         """A descriptor breaking each constraint the impl declares."""
@@ -128,6 +134,8 @@ def find_target(name: str, device: Optional[str]) -> Target:
         elsewhere = _registered_elsewhere(host, name, dev.platform)
         if elsewhere:
             msg += f"; it is registered for {', '.join(elsewhere)}: pass --kvswap-device for such a device"
+        else:
+            msg += "; if it serves another platform, pass --kvswap-device with a device of that platform"
         msg += f"; registered for {dev.platform}: {', '.join(sorted(i.name for _, i in registered)) or 'none'}"
         idle = [f"{r.name} ({r.status}: {r.reason})" for r in host.records.values() if r.status != "loaded"]
         if idle:

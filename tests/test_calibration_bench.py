@@ -1,0 +1,62 @@
+"""``kvswap bench`` logic on a modelled device whose routes carry the peer policy's names:
+the peer's choice per point, the ratios, and the resolved route after calibration."""
+from __future__ import annotations
+
+import pytest
+
+from kvswap import plugins
+from kvswap.calibration import bench as bench_module
+from kvswap.calibration import sweep as sweep_module
+from kvswap.calibration.bench import BenchSettings, peer_route, run_bench
+from kvswap.cli import main
+
+from calibration_fakes import KiB, Ledger, LedgerTimer, ModelPlatform, batch_gbps, kernel_gbps
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("direction, block, batch, route", [
+    ("h2d", 4 * KiB, 16, ("triton.kernel", 12)),
+    ("h2d", 28 * KiB - 1, 10000, ("triton.kernel", 12)),
+    ("h2d", 28 * KiB, 10000, ("cuda.batch", None)),  # "under 28 KiB"
+    ("h2d", 4 * KiB, 15, ("cuda.batch", None)),  # "at least 16 descriptors"
+    ("d2h", 4 * KiB, 10000, ("cuda.batch", None)),  # d2h: always batch DMA
+])
+def test_peer_policy_is_vllms_original_rule(direction, block, batch, route):
+    assert peer_route(direction, block, batch) == route
+
+
+@pytest.fixture
+def peer_named_device(monkeypatch):
+    ledger = Ledger()
+    plat = ModelPlatform(ledger, names=("cuda.batch", "triton.kernel"))
+    plugins.reset_plugin_host(plugins.create_plugin_host(entry_points=[], extra=[("model", plat)]))
+    monkeypatch.setattr(sweep_module, "make_timer", lambda device: LedgerTimer(ledger))
+    monkeypatch.setattr(bench_module, "make_timer", lambda device: LedgerTimer(ledger))
+    return plat
+
+
+def test_bench_after_calibration_never_loses_to_the_peer(peer_named_device, capsys):
+    assert main(["calibrate", "--quick", "--device", "modelplat:0"]) == 0
+    capsys.readouterr()
+    s = BenchSettings(block_sizes=(4 * KiB, 64 * KiB, 256 * KiB), batch_sizes=(1, 16, 64), pool_bytes=32 * MiB,
+                      ceiling_bytes=MiB, repeats=2, warmup=0)
+    out = run_bench("modelplat:0", s, ["h2d", "d2h"])
+    assert out["failures"] == [] and len(out["rows"]) == 18
+    assert out["calibration"]["h2d"]["source"].startswith("profile ")
+    for r in out["rows"]:
+        d, b, n = r["direction"], r["block_bytes"], r["batch"]
+        impl, sms = peer_route(d, b, n)
+        assert r["peer"]["route"] == impl + (f"@{sms}" if sms else "")
+        assert set(r["candidates"]) == {"cuda.batch", "triton.kernel"}
+        assert r["candidates"]["triton.kernel"]["num_sms"] == 8  # bound as resolve() binds it: the knee
+        best = r["candidates"][r["best"]]["gbps"]
+        assert r["resolved_over_best"] == pytest.approx(r["resolved"]["gbps"] / best, rel=1e-3)
+        # modelled costs are exact: the calibrated route is the best candidate and never below the peer
+        assert r["resolved_over_best"] == pytest.approx(1.0, abs=1e-3)
+        assert r["resolved_over_peer"] >= 1.0 - 1e-3
+    small = next(r for r in out["rows"] if (r["direction"], r["block_bytes"], r["batch"]) == ("d2h", 4 * KiB, 64))
+    # d2h 4 KiB x 64: the peer's batch DMA at 4 GB/s against the kernel at its knee
+    assert small["resolved"]["route"] == "triton.kernel@8"
+    assert small["resolved_over_peer"] > kernel_gbps(4 * KiB, 8) / batch_gbps(4 * KiB) / 2
+    assert out["summary"]["d2h"]["min_resolved_over_peer"] >= 1.0 - 1e-3

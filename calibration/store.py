@@ -36,13 +36,8 @@ SHIPPED = Path(__file__).resolve().parent / "profiles"
 
 def user_dir() -> Path:
     """Where ``kvswap calibrate`` writes profiles by default (platformdirs' user data dir)."""
-    try:
-        import platformdirs
-    except ImportError:
-        # A machine without platformdirs must still resolve: this is what platformdirs
-        # answers on Linux, the only platform with accelerators kvswap serves today.
-        base = os.environ.get("XDG_DATA_HOME", "").strip() or os.path.expanduser("~/.local/share")
-        return Path(base) / "kvswap" / "profiles"
+    import platformdirs
+
     return Path(platformdirs.user_data_dir("kvswap", appauthor=False)) / "profiles"
 
 

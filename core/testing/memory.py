@@ -78,8 +78,6 @@ class Buffer:
         skip = (-self._storage.data_ptr()) % pad
         self.tensor = self._storage[skip: skip + nbytes]
         self.base = self._storage.data_ptr() + skip
-        self.nbytes = nbytes
-        self.on_device = torch_device != "cpu"
 
     def fill(self, data: np.ndarray) -> None:
         import torch

@@ -44,6 +44,11 @@ class Violation:
 
 @dataclass(frozen=True)
 class Target:
+    """The implementation under test, the plugin that registered it, and the device.
+
+    :ivar unavailable: the impl's own reason it cannot run on ``device``, or None.
+    """
+
     impl: CopyImpl
     plugin: str
     device: DeviceInfo
@@ -66,6 +71,7 @@ class Target:
 
     @property
     def memory(self) -> str:
+        """``"host"`` (both sides host memory) or ``"accelerator"``: sets the size budgets."""
         return "host" if self.torch_device == "cpu" else "accelerator"
 
     def sizes(self) -> list[int]:

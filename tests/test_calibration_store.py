@@ -137,10 +137,13 @@ def test_a_foreign_profile_under_this_devices_name_is_skipped_by_the_resolver(sh
     assert "profile" not in fn.plan.calibration["source"]  # the backend defaults instead
 
 
-def test_user_dir_without_platformdirs_follows_xdg(monkeypatch):
-    with_pd = store.user_dir()
+def test_user_dir_follows_xdg_and_without_platformdirs_is_skipped_with_a_warning(monkeypatch, shipped):
+    assert store.user_dir() == Path(os.environ["XDG_DATA_HOME"]) / "kvswap" / "profiles"
+    store.save(profile(sms=5), store.default_path(CPU))
+    assert store.find(CPU).kernel_sms["h2d"] == 5
     monkeypatch.setitem(sys.modules, "platformdirs", None)  # import now raises ImportError
-    assert store.user_dir() == Path(os.environ["XDG_DATA_HOME"]) / "kvswap" / "profiles" == with_pd
+    with pytest.warns(ProfileWarning, match="platformdirs is not installed"):
+        assert store.find(CPU) is None  # the user dir is not searched; nothing shipped for CPU
 
 
 def test_override_hides_profiles_and_nests(shipped):

@@ -153,6 +153,10 @@ def run(args: argparse.Namespace) -> int:
         found = store.find(dev)
     used = found.source.removeprefix("profile ") if found is not None else None
     if used is None or Path(used).resolve() != path.resolve():
+        try:
+            also = f", or copy it to {store.default_path(dev)}"
+        except ImportError:  # a --no-deps install without platformdirs has no user directory
+            also = ""
         print(f"note: the resolver does not read this file for {dev.identity} (it reads {used or 'no profile'}); "
-              f"set {store.PROFILE_ENV}={path} to use it, or copy it to {store.default_path(dev)}")
+              f"set {store.PROFILE_ENV}={path} to use it{also}")
     return 0

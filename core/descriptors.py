@@ -37,25 +37,40 @@ def as_int64(values: Any, what: str) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 
+def _int64(values: Any, what: str) -> np.ndarray:
+    # The common case (what BlockMover and engines pass) costs one type check, no copy.
+    if type(values) is np.ndarray and values.dtype == np.int64 and values.ndim == 1 and values.flags.c_contiguous:
+        return values
+    return as_int64(values, what)
+
+
 def normalize(src: Any, dst: Any, sizes: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Check a batch and return it as three int64 arrays.
 
     Raises :class:`InvalidTransferError` for unequal lengths, sizes < 1 or null addresses.
     """
-    s, d, n = as_int64(src, "src_ptrs"), as_int64(dst, "dst_ptrs"), as_int64(sizes, "sizes")
+    return checked(src, dst, sizes)[:3]
+
+
+def checked(src: Any, dst: Any, sizes: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
+    """:func:`normalize`, plus the smallest and largest size (0, 0 for an empty batch),
+    which routing needs anyway: each reduction is done once."""
+    s, d, n = _int64(src, "src_ptrs"), _int64(dst, "dst_ptrs"), _int64(sizes, "sizes")
     if not (len(s) == len(d) == len(n)):
         raise InvalidTransferError(
             f"src_ptrs, dst_ptrs and sizes must have equal length, got {len(s)}, {len(d)}, {len(n)}"
         )
-    if len(n):
-        if n.min() < 1:
-            i = int(np.argmin(n))
-            raise InvalidTransferError(f"sizes[{i}]={int(n[i])}: every size must be >= 1 byte")
-        for arr, what in ((s, "src_ptrs"), (d, "dst_ptrs")):
-            if arr.min() <= 0:
-                i = int(np.argmin(arr))
-                raise InvalidTransferError(f"{what}[{i}]={int(arr[i])} is not a valid address")
-    return s, d, n
+    if not len(n):
+        return s, d, n, 0, 0
+    smallest, largest = int(n.min()), int(n.max())
+    if smallest < 1:
+        i = int(np.argmin(n))
+        raise InvalidTransferError(f"sizes[{i}]={int(n[i])}: every size must be >= 1 byte")
+    if min(s.min(), d.min()) <= 0:
+        arr, what = (s, "src_ptrs") if s.min() <= 0 else (d, "dst_ptrs")
+        i = int(np.argmin(arr))
+        raise InvalidTransferError(f"{what}[{i}]={int(arr[i])} is not a valid address")
+    return s, d, n, smallest, largest
 
 
 def misaligned(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, alignment: int) -> np.ndarray:

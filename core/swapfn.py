@@ -1,11 +1,12 @@
 """SwapFn: the callable ``resolve()`` returns; per call it only routes and launches."""
 from __future__ import annotations
 
+from bisect import bisect_right
 from typing import Any, Optional
 
 import numpy as np
 
-from .descriptors import normalize
+from .descriptors import checked
 from .errors import InvalidTransferError
 from .impl import CopyImpl, TransferFn
 from .plan import Plan, Route
@@ -28,6 +29,12 @@ class SwapFn:
         self._bound = bound
         self._routes = plan.routes
         self._lows = np.array([r.min_bytes for r in plan.routes], dtype=np.int64)
+        self._low_list = [r.min_bytes for r in plan.routes]
+        # Impls with no constraint to check per call: the hot path hands them the batch as is.
+        self._plain = {
+            name for name, i in impls.items()
+            if i.alignment == 1 and i.min_block_bytes == 1 and i.max_block_bytes is None and i.mixed_sizes
+        }
 
     @property
     def requires_pinned(self) -> bool:
@@ -48,9 +55,24 @@ class SwapFn:
         return f"<kvswap.SwapFn {self.plan.direction} on {self.plan.device.platform}: {routes}>"
 
     def __call__(self, src_ptrs: Any, dst_ptrs: Any, sizes: Any, *, stream: Any = None) -> None:
-        src, dst, n = normalize(src_ptrs, dst_ptrs, sizes)
-        if not len(n):
+        src, dst, n, smallest, largest = checked(src_ptrs, dst_ptrs, sizes)
+        count = len(n)
+        if not count:
             return
+        routes = self._routes
+        if len(routes) == 1:
+            route = routes[0]
+        else:
+            lows = self._low_list
+            r = bisect_right(lows, smallest) - 1
+            route = routes[r] if r == bisect_right(lows, largest) - 1 else None
+        if route is not None:  # one size class: the common case, no per-descriptor work here
+            name = route.impl
+            if route.small_batch_impl and count < route.min_batch:
+                name = route.small_batch_impl
+            if name in self._plain:
+                self._bound[name](src, dst, n, stream)
+                return
         work = self.assign(src, dst, n)
         for name, sel in work:
             if sel is None:

@@ -74,7 +74,7 @@ def _bash_env(scratch: Path) -> dict[str, str]:
     site = scratch / "site"
     env.update(
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
-        PYTHONPATH=str(site),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])),
         PIP_TARGET=str(site),
         PIP_NO_DEPS="1",
         PIP_NO_INDEX="1",

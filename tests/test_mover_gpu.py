@@ -96,9 +96,10 @@ def test_jobs_in_flight_keep_pinned_buffers_until_their_events_complete():
     src, dst = _pair("mla", "h2d", seed=6)
     mover = BlockMover(src.tensors, dst.tensors, "h2d")
     jobs = [_ids(rng, int(rng.integers(1, 9)), src, dst) for _ in range(64)]
-    # Compile and load every route and launch shape first, so the spin below outlasts the
-    # 64 submits; the snapshot is taken after these warm-up copies.
-    for job in {len(sid): (sid, did) for sid, did in jobs}.values():
+    # Compile and load every route and launch shape these jobs use first (a new Triton
+    # shape compiles on first use, ~1 s), so the spin below outlasts the 64 submits; the
+    # snapshot is taken after these warm-up copies.
+    for job in jobs:
         mover.submit(*job)
     mover.wait()
     mover.poll()

@@ -7,6 +7,7 @@ spreads clock and thermal drift over all of them instead of biasing the last one
 """
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from typing import Any, Callable, Sequence
@@ -25,6 +26,20 @@ def on_host(device: DeviceInfo) -> bool:
     return device.torch_device.split(":")[0] == "cpu"
 
 
+class _Shuffled:
+    """A fresh order of the calls for every round (seeded, so runs repeat): what ran just
+    before a call changes its time (warm caches, a busy GPU), and a fixed order would give
+    that advantage to the same contender every round."""
+
+    def __init__(self, count: int) -> None:
+        self._rng = random.Random(0)
+        self._indices = list(range(count))
+
+    def next(self) -> list[int]:
+        self._rng.shuffle(self._indices)
+        return list(self._indices)
+
+
 class HostTimer:
     """Wall-clock time of synchronous host copies."""
 
@@ -38,8 +53,10 @@ class HostTimer:
                 call(None)
         out: list[list[float]] = [[] for _ in calls]
         clock = time.perf_counter
+        order = _Shuffled(len(calls))
         for _ in range(repeats):
-            for i, call in enumerate(calls):
+            for i in order.next():
+                call = calls[i]
                 t0 = clock()
                 call(None)
                 out[i].append(max(clock() - t0, 1e-9))
@@ -88,8 +105,10 @@ class DeviceTimer:
                     for call in calls:
                         call(self.stream)
                 self.stream.synchronize()
+                order = _Shuffled(len(calls))
                 for _ in range(repeats):
-                    for i, call in enumerate(calls):
+                    for i in order.next():
+                        call = calls[i]
                         start = torch.cuda.Event(enable_timing=True)
                         end = torch.cuda.Event(enable_timing=True)
                         self.stream.synchronize()

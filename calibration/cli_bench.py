@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from kvswap.cli import add_device, block_list, directions
+from kvswap.cli import add_device, block_list, directions, positive
 from kvswap.errors import ConfigurationError
 from kvswap.types import Direction
 
@@ -20,16 +20,6 @@ DESCRIPTION = (
     "(regret) and resolved/peer, and writes them as JSON with --json. On a machine without an "
     "accelerator it measures the host reference's host memory copies."
 )
-
-
-def positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
-    return v
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -14,15 +14,20 @@ hookspec = pluggy.HookspecMarker(PROJECT)
 __version__ = "0.1.0"
 
 from .errors import (  # noqa: E402
+    BlockIdError,
+    BlockLayoutError,
     ConfigurationError,
     DriverError,
     InvalidImplError,
     InvalidTransferError,
     KvSwapError,
     KvSwapWarning,
+    MoverClosedError,
     PluginWarning,
     ProfileWarning,
     ResolutionError,
+    TensorPlacementError,
+    UnpinnedMemoryError,
 )
 from .impl import BindContext, CopyImpl  # noqa: E402
 from .thresholds import Calibration, Curve  # noqa: E402
@@ -34,6 +39,8 @@ from .mover import BlockMover, TransferResult  # noqa: E402
 
 __all__ = [
     "BindContext",
+    "BlockIdError",
+    "BlockLayoutError",
     "BlockMover",
     "Calibration",
     "ConfigurationError",
@@ -46,6 +53,7 @@ __all__ = [
     "InvalidTransferError",
     "KvSwapError",
     "KvSwapWarning",
+    "MoverClosedError",
     "Plan",
     "PluginWarning",
     "Policy",
@@ -53,7 +61,9 @@ __all__ = [
     "ResolutionError",
     "Route",
     "SwapFn",
+    "TensorPlacementError",
     "TransferResult",
+    "UnpinnedMemoryError",
     "hookimpl",
     "resolve",
 ]

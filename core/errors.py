@@ -22,6 +22,28 @@ class InvalidTransferError(KvSwapError, ValueError):
     """A transfer refused before any byte moved (bad descriptors, ids, tensors)."""
 
 
+# BlockMover's refusals, each an InvalidTransferError (so a ValueError).
+
+class BlockLayoutError(InvalidTransferError):
+    """A tensor's blocks cannot be cut into contiguous chunks, or src and dst chunks differ."""
+
+
+class TensorPlacementError(InvalidTransferError):
+    """A tensor is on the wrong device for the direction, or the tensors disagree."""
+
+
+class UnpinnedMemoryError(TensorPlacementError):
+    """A host tensor is pageable where the chosen route reads or writes it from the device."""
+
+
+class BlockIdError(InvalidTransferError):
+    """Block ids that are out of range, negative, not integers, unequal in number or repeated."""
+
+
+class MoverClosedError(InvalidTransferError):
+    """A submit after :meth:`~kvswap.BlockMover.close`."""
+
+
 class ResolutionError(KvSwapError, RuntimeError):
     """No implementation can serve the request, or a forced one cannot be honoured."""
 

@@ -17,7 +17,7 @@ import numpy as np
 from .completion import CudaCompletion, HostCompletion
 from .descriptors import as_int64, coalesce
 from .errors import ConfigurationError, InvalidTransferError
-from .mover_errors import BlockIdError, BlockLayoutError, MoverClosedError, TensorPlacementError, UnpinnedMemoryError
+from .errors import BlockIdError, BlockLayoutError, MoverClosedError, TensorPlacementError, UnpinnedMemoryError
 from .pinned_pool import DescriptorBuffer, DescriptorPool
 from .regions import BlockDim, DescriptorTemplate, pair_regions
 from .resolver import resolve

@@ -14,7 +14,7 @@ from typing import Any, Sequence, Union
 import numpy as np
 
 from .descriptors import coalesce, first_overlap
-from .mover_errors import BlockLayoutError
+from .errors import BlockLayoutError
 
 BlockDim = Union[int, tuple[int, int]]
 

@@ -13,7 +13,7 @@ import torch
 
 import kvswap
 from kvswap import BlockMover, CopyImpl, Direction, InvalidTransferError, Policy, TransferResult, hookimpl
-from kvswap.mover_errors import (
+from kvswap.errors import (
     BlockIdError,
     BlockLayoutError,
     MoverClosedError,

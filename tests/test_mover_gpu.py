@@ -13,7 +13,7 @@ import torch
 
 import kvswap
 from kvswap import BlockMover, Policy
-from kvswap.mover_errors import TensorPlacementError, UnpinnedMemoryError
+from kvswap.errors import TensorPlacementError, UnpinnedMemoryError
 from mover_layouts import Pool, expected_after, layouts, random_bytes
 
 pytestmark = pytest.mark.gpu

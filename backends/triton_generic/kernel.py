@@ -42,7 +42,10 @@ def _load_descriptors(desc, n, tile, JOBS: tl.constexpr):
     return s, d, z
 
 
-@triton.jit
+# ``n`` and ``splits`` are left unspecialised (Triton would otherwise compile separate
+# variants for 1 and for multiples of 16), so one compiled variant per launch shape serves
+# every batch and can be launched directly (compiled.py).
+@triton.jit(do_not_specialize=["n", "splits"])
 def copy_kernel(desc, n, splits, JOBS: tl.constexpr, WORDS: tl.constexpr, ALIGN: tl.constexpr,
                 PREFETCH: tl.constexpr, CACHE: tl.constexpr):
     """Copy ``n`` descriptors packed in ``desc``; see the module docstring.

@@ -1,12 +1,17 @@
-"""Bind the kernel's launch parameters once; per call, upload the batch and launch.
+"""Bind the kernel's launch parameters once; per call, stage the batch and launch.
 
 A :class:`KernelCopy` is what ``triton.kernel``'s factory returns and what the public
 :func:`kvswap.backends.triton_generic.copy` uses. Per call it packs the descriptors into
-one pinned int64 staging buffer, uploads it with one asynchronous copy on the transfer
-stream, launches the kernel on the same stream, and records an event that keeps the
-staging buffer out of reuse until the kernel that reads it has finished. Without a device
-(``TRITON_INTERPRET=1`` on a CPU) the same kernel runs in Triton's interpreter over host
-addresses, synchronously.
+one pinned int64 staging buffer (staging.py). A small batch (each program handles at most
+``TilePlan.host_tiles`` tiles) is read by the kernel straight from that pinned buffer; a
+larger one is first uploaded with one asynchronous copy into the buffer's device twin, so
+the copy loop reads its descriptors from device memory. The kernel variant, compiled once
+per launch shape, is launched directly on the raw stream handle (compiled.py), and an
+event recorded after it keeps both buffers out of reuse until it has finished. Host cost
+per call is what decides small batches, so the hot path avoids Triton's JIT dispatch,
+torch's stream/device context managers (unless the device must change) and any per-call
+allocation. Without a device (``TRITON_INTERPRET=1`` on a CPU) the same kernel runs in
+Triton's interpreter over host addresses, synchronously.
 """
 from __future__ import annotations
 
@@ -33,7 +38,9 @@ WARPS = 8
 GENERAL_TILE, GENERAL_WARPS = 4096, 8
 ALIGNS = (16, 8, 1)
 CACHES = ("", ".cg")
-POOL_LIMIT = 32  # staging buffers kept; past this, wait for the oldest to be free
+# Read the descriptors from pinned host memory when each program handles at most this
+# many tiles: one PCIe round trip per tile instead of an upload before the kernel.
+HOST_TILES = 2
 
 
 def _pow2_at_least(x: int) -> int:
@@ -74,6 +81,9 @@ class TilePlan:
         that handles any alignment).
     :param prefetch: load the next tile's descriptors during this tile's copy.
     :param cache: cache modifier of the data loads: ``""`` (default) or ``".cg"`` (L2 only).
+    :param host_tiles: the kernel reads the descriptors straight from pinned host memory
+        when each program handles at most this many tiles; past it they are uploaded to
+        device memory first (0: always upload).
     """
 
     tile_elems: int = TILE_ELEMS
@@ -82,6 +92,7 @@ class TilePlan:
     align_max: int = 16
     prefetch: bool = False
     cache: str = ""
+    host_tiles: int = HOST_TILES
 
     def __post_init__(self) -> None:
         for name in ("tile_elems", "row_max", "warps"):
@@ -97,13 +108,16 @@ class TilePlan:
             raise ConfigurationError(f"triton.kernel align_max={self.align_max!r}; choose one of {ALIGNS}")
         if self.cache not in CACHES:
             raise ConfigurationError(f"triton.kernel cache={self.cache!r}; choose one of {CACHES}")
+        h = self.host_tiles
+        if not isinstance(h, int) or isinstance(h, bool) or h < 0:
+            raise ConfigurationError(f"triton.kernel host_tiles={h!r} must be an int >= 0")
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any], base: Optional[TilePlan] = None) -> TilePlan:
         """``base`` (default: the defaults) with the launch-shape keys found in ``params``."""
         import dataclasses
 
-        keys = ("tile_elems", "row_max", "warps", "align_max", "prefetch", "cache")
+        keys = ("tile_elems", "row_max", "warps", "align_max", "prefetch", "cache", "host_tiles")
         return dataclasses.replace(base or cls(), **{k: params[k] for k in keys if k in params})
 
     def pick(self, n: int, total_bytes: int, num_sms: int, align: int = 16) -> Tile:
@@ -134,36 +148,14 @@ DEFAULT_PLANS: dict[str, TilePlan] = {"h2d": TilePlan(), "d2h": TilePlan(warps=1
 
 @dataclass(frozen=True)
 class Launch:
-    """What one call launched: ``grid`` programs (never more than the SM budget)."""
+    """What one call launched: ``grid`` programs (never more than the SM budget), and
+    where the kernel read the descriptors: ``"host"`` (the pinned staging buffer),
+    ``"device"`` (uploaded first) or ``""`` (interpreter, or nothing launched)."""
 
     n: int
     grid: int
     tile: Optional[Tile]
-
-
-class _StagingPool:
-    """Pinned int64 staging buffers, each reused only after its last kernel finished."""
-
-    def __init__(self) -> None:
-        self._free: list[tuple[Any, np.ndarray, Any]] = []
-
-    def take(self, count: int) -> tuple[Any, np.ndarray, Any]:
-        import torch
-
-        for i, entry in enumerate(self._free):
-            if entry[1].size >= count and entry[2].query():
-                return self._free.pop(i)
-        if len(self._free) >= POOL_LIMIT:
-            # Every kept buffer is busy or too small: the oldest is reused once free.
-            entry = self._free.pop(0)
-            entry[2].synchronize()
-            if entry[1].size >= count:
-                return entry
-        buf = torch.empty(max(_pow2_at_least(count), 3 * 1024), dtype=torch.int64, pin_memory=True)
-        return buf, buf.numpy(), torch.cuda.Event()
-
-    def give(self, entry: tuple[Any, np.ndarray, Any]) -> None:
-        self._free.append(entry)
+    descriptors: str = ""
 
 
 class KernelCopy:
@@ -193,16 +185,34 @@ class KernelCopy:
         self.tiles = tiles
         self._translate_src = translate_src
         self._translate_dst = translate_dst
-        self._pool = _StagingPool() if device_index is not None else None
+        self._pool: Any = None
+        self._streams: Any = None
+        self.variants: Any = None  # compiled.Variants of the device (GPU only)
+        if device_index is not None:
+            from .compiled import variants
+            from .staging import StagingPool, Streams
+
+            # The staging buffers are host memory a kernel reads: map them like host data.
+            self._pool = StagingPool(device_index, translate_src or translate_dst)
+            self._streams = Streams(device_index)
+            self.variants = variants(device_index)
         self.last_launch: Optional[Launch] = None
         self.note = (f"{num_sms} SMs; tile {tiles.tile_elems} x 8 B, rows <= {tiles.row_max}, "
                      f"{tiles.warps} warps, vectors <= {tiles.align_max} B")
 
+    def prepare(self, block_bytes: Any = (), align: int = 16) -> list[Tile]:
+        """Compile now (not on a first transfer) the variants for batches of blocks of
+        each size in ``block_bytes`` whose addresses are multiples of ``align``. A no-op
+        in the interpreter. Returns the tiles prepared."""
+        tiles = [self.tiles.pick(1024, 1024 * int(b), self.num_sms, align) for b in block_bytes]
+        if self.variants is not None:
+            for tile in tiles:
+                self.variants.get(tile)
+        return tiles
+
     def __call__(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream: Any = None) -> Launch:
         """Copy validated int64 descriptor arrays; enqueued on ``stream`` (GPU) or done
         on return (interpreter)."""
-        from .kernel import copy_kernel
-
         n = len(sizes)
         if n == 0:
             self.last_launch = Launch(0, 0, None)
@@ -211,59 +221,76 @@ class KernelCopy:
             src = np.asarray(self._translate_src(src), dtype=np.int64)
         if self._translate_dst is not None:
             dst = np.asarray(self._translate_dst(dst), dtype=np.int64)
-        if self.device_index is None:
+        if self._pool is None:
             packed = np.concatenate((src, dst, sizes))
-            entry = None
+            tile = self.tiles.pick(n, int(sizes.sum()), self.num_sms, batch_alignment(packed))
+            launch = Launch(n, min(self.num_sms, -(-n // tile.jobs) * tile.splits), tile)
+            self._interpret(packed, launch)
         else:
             entry = self._pool.take(3 * n)
-            packed = entry[1][:3 * n]
+            packed = entry.view[:3 * n]
             packed[:n] = src
             packed[n:2 * n] = dst
             packed[2 * n:] = sizes
-        tile = self.tiles.pick(n, int(sizes.sum()), self.num_sms, batch_alignment(packed))
-        grid = min(self.num_sms, -(-n // tile.jobs) * tile.splits)
-        launch = Launch(n, grid, tile)
-        if entry is None:
-            self._interpret(copy_kernel, packed, launch)
-        else:
-            self._enqueue(copy_kernel, entry, launch, stream)
+            tile = self.tiles.pick(n, int(sizes.sum()), self.num_sms, batch_alignment(packed))
+            work = -(-n // tile.jobs) * tile.splits
+            grid = min(self.num_sms, work)
+            where = "host" if work <= grid * self.tiles.host_tiles else "device"
+            launch = Launch(n, grid, tile, where)
+            self._enqueue(entry, launch, stream)
         self.last_launch = launch
         return launch
 
-    @staticmethod
-    def _args(tile: Tile) -> dict[str, Any]:
-        return dict(JOBS=tile.jobs, WORDS=tile.words, ALIGN=tile.align, PREFETCH=tile.prefetch,
-                    CACHE=tile.cache, num_warps=tile.warps)
-
-    def _interpret(self, kernel: Any, packed: np.ndarray, launch: Launch) -> None:
+    def _interpret(self, packed: np.ndarray, launch: Launch) -> None:
         import torch
 
-        desc = torch.from_numpy(packed)
-        kernel[(launch.grid,)](desc, launch.n, launch.tile.splits, **self._args(launch.tile))
+        from .compiled import constexprs
+        from .kernel import copy_kernel
 
-    def _enqueue(self, kernel: Any, entry: tuple[Any, np.ndarray, Any], launch: Launch, stream: Any) -> None:
+        tile = launch.tile
+        copy_kernel[(launch.grid,)](torch.from_numpy(packed), launch.n, tile.splits, **constexprs(tile),
+                                    num_warps=tile.warps)
+
+    def _enqueue(self, entry: Any, launch: Launch, stream: Any) -> None:
         import torch
 
-        from kvswap.streams import torch_stream
-
-        n, idx = launch.n, self.device_index
-        buf, _, done = entry
         try:
-            s = torch_stream(stream, idx)
+            s = self._streams.get(stream)
         except BaseException:
             self._pool.give(entry)
             raise
-        with torch.cuda.device(idx), torch.cuda.stream(s):
-            try:
-                # Allocated on ``s`` and used only there: the caching allocator may hand
-                # it out again only to work ordered after this kernel.
-                desc = torch.empty(3 * n, dtype=torch.int64, device=f"cuda:{idx}")
-                desc.copy_(buf[:3 * n], non_blocking=True)
-                kernel[(launch.grid,)](desc, n, launch.tile.splits, **self._args(launch.tile))
-            finally:
-                # Also on failure: the upload may already be in flight.
-                done.record(s)
-                self._pool.give(entry)
+        if torch.cuda.current_device() == self.device_index:
+            self._launch(entry, launch, s)
+        else:
+            # Triton launches in the current context: make the bound device current.
+            with torch.cuda.device(self.device_index):
+                self._launch(entry, launch, s)
+
+    def _launch(self, entry: Any, launch: Launch, s: Any) -> None:
+        import torch
+
+        from .compiled import constexprs
+
+        n, tile, m = launch.n, launch.tile, 3 * launch.n
+        try:
+            variant = self.variants.get(tile)  # compiles on a shape's first use
+            if launch.descriptors == "host":
+                desc, ptr = entry.host, entry.host_ptr
+            else:
+                desc, ptr = self._pool.device_buffer(entry), entry.dev_ptr
+                with torch.cuda.stream(s):
+                    desc[:m].copy_(entry.host[:m], non_blocking=True)
+            if variant.direct:
+                self.variants.launch(variant, tile, launch.grid, ptr, n, tile.splits, s.cuda_stream)
+            else:
+                from .kernel import copy_kernel
+
+                with torch.cuda.stream(s):
+                    copy_kernel[(launch.grid,)](desc, n, tile.splits, **constexprs(tile), num_warps=tile.warps)
+        finally:
+            # Also on failure: the upload may already be in flight.
+            entry.done.record(s)
+            self._pool.give(entry)
 
 
 def interpreting() -> bool:

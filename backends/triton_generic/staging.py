@@ -1,0 +1,133 @@
+"""Where a GPU launch keeps its descriptors, and the stream it enqueues on.
+
+A :class:`Staging` is one pinned int64 buffer the launcher packs a batch into, with the
+event recorded after the kernel that reads it and, made on first need, a device buffer of
+the same size for batches whose descriptors are uploaded first. The event guards both:
+neither is written again before the kernel that read it has finished. Buffers are kept
+across calls (allocating pinned or device memory and events per call costs several µs).
+
+Imported only from the launch path; torch loads in the methods.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+POOL_LIMIT = 32  # staging buffers kept; past this, wait for the oldest to be free
+MIN_ELEMS = 3 * 1024  # the smallest buffer: batches up to 1024 descriptors
+# How many kept buffers one take() asks about before making a new one: every query is a
+# driver call, and on one stream the oldest buffer frees first anyway.
+PROBES = 3
+
+
+def _pow2_at_least(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+class Staging:
+    """One staging buffer: ``host`` (pinned tensor), ``view`` (its numpy view),
+    ``host_ptr`` (the address a kernel reads it at), ``done`` (event), ``dev`` (device
+    tensor or None until needed) and ``dev_ptr``."""
+
+    __slots__ = ("host", "view", "host_ptr", "done", "dev", "dev_ptr")
+
+    def __init__(self, host: Any, host_ptr: int, done: Any) -> None:
+        self.host = host
+        self.view: np.ndarray = host.numpy()
+        self.host_ptr = host_ptr
+        self.done = done
+        self.dev: Any = None
+        self.dev_ptr = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.view.size
+
+
+class StagingPool:
+    """Staging buffers of one device, each reused only once its last kernel finished.
+
+    :param device_index: the GPU the events and device buffers belong to.
+    :param translate: maps host addresses to ones a kernel may use (ROCm can map pinned
+        memory elsewhere); applied once per buffer. None: identity.
+    """
+
+    def __init__(self, device_index: int, translate: Optional[Callable[[np.ndarray], np.ndarray]] = None) -> None:
+        self.device_index = device_index
+        self._translate = translate
+        # Oldest first: buffers go back in the order their kernels were enqueued.
+        self._free: deque[Staging] = deque()
+
+    def __len__(self) -> int:
+        return len(self._free)
+
+    def take(self, count: int) -> Staging:
+        """A free buffer of at least ``count`` elements (made, or waited for, if none is)."""
+        free = self._free
+        for _ in range(min(PROBES, len(free))):
+            entry = free[0]
+            if not entry.done.query():
+                # Busy: look behind it next time too (another stream's buffers may be free).
+                free.rotate(-1)
+                continue
+            free.popleft()
+            if entry.capacity >= count:
+                return entry
+            # Free but too small: let it go; a larger one replaces it.
+        if len(free) >= POOL_LIMIT:
+            entry = free.popleft()
+            entry.done.synchronize()
+            if entry.capacity >= count:
+                return entry
+        return self._new(count)
+
+    def give(self, entry: Staging) -> None:
+        """Return ``entry`` once its kernel (and event) are enqueued."""
+        self._free.append(entry)
+
+    def device_buffer(self, entry: Staging) -> Any:
+        """``entry``'s device buffer, made on first need (same size, same event)."""
+        if entry.dev is None:
+            import torch
+
+            entry.dev = torch.empty(entry.capacity, dtype=torch.int64, device=f"cuda:{self.device_index}")
+            entry.dev_ptr = entry.dev.data_ptr()
+        return entry.dev
+
+    def _new(self, count: int) -> Staging:
+        import torch
+
+        host = torch.empty(max(_pow2_at_least(count), MIN_ELEMS), dtype=torch.int64, pin_memory=True)
+        ptr = host.data_ptr()
+        if self._translate is not None:
+            ptr = int(np.asarray(self._translate(np.array([ptr], dtype=np.int64)))[0])
+        return Staging(host, ptr, torch.cuda.Event())
+
+
+class Streams:
+    """Turns the ``stream`` argument into a torch stream, keeping the wrappers of raw
+    handles (making an ``ExternalStream`` per call costs µs) — see kvswap.streams."""
+
+    KEEP = 64  # raw handles remembered
+
+    def __init__(self, device_index: int) -> None:
+        self.device_index = device_index
+        self._external: dict[int, Any] = {}
+
+    def get(self, stream: Any) -> Any:
+        import torch
+
+        if stream is None:
+            return torch.cuda.current_stream(self.device_index)
+        if isinstance(stream, int) and not isinstance(stream, bool):
+            s = self._external.get(stream)
+            if s is None:
+                if len(self._external) >= self.KEEP:
+                    self._external.clear()
+                s = self._external[stream] = torch.cuda.ExternalStream(stream, device=self.device_index)
+            return s
+        from kvswap.streams import torch_stream
+
+        return torch_stream(stream, self.device_index)

@@ -13,19 +13,19 @@ H2D, D2H = Direction.H2D, Direction.D2H
 BATCH, KERNEL = "cuda.batch", "triton.kernel"
 
 # --- NVIDIA H200, PCIe Gen5 x16 -------------------------------------------------------
-# Measured by kvswap's own benchmarks on the lent GPU machine (driver 580.159.04 / CUDA
-# 13.0, torch 2.11+cu130, triton 3.6), N=10000 scattered blocks in >= 1 GiB pools, median
-# of 10, CUDA events: tests/bench/bench_cuda_batch.py and tests/bench/bench_triton.py
-# (2026-11-21). Our batch copy passes one attribute for the whole batch and measured 1.4-6x
-# the small-block batch column of FACTS.md on the same driver (h2d 16 KiB: 38.3 GB/s
-# against 6.6); FACTS.md's ceiling (55.5/55.4) and per-copy rate (5.3) did reproduce.
+# Measured on the lent GPU machine (driver 580.159.04 / CUDA 13.0, torch 2.11+cu130,
+# triton 3.6), N=10000 scattered blocks in >= 1 GiB pools, CUDA events, each transfer
+# timed from an idle stream. Batch copy: FACTS.md's columns (h2d ANY order, d2h STREAM),
+# which `kvswap calibrate` reproduced (h2d 4 KiB 3.1, 16 KiB 6.2, 24 KiB 6.4, 32 KiB 31.9).
+# Timed back to back instead, the batch call looks 1.4-6x faster at small blocks, because
+# the previous copy hides its host work: an engine's one transfer per step does not.
 H200_SOURCE = (
-    "cuda defaults: NVIDIA H200 on PCIe Gen5 x16, measured by kvswap's benchmarks on the lent "
-    "GPU machine (driver 580.159.04 / CUDA 13.0, N=10000 scattered blocks, 2026-11-21)"
+    "cuda defaults: NVIDIA H200 on PCIe Gen5 x16, measured on the lent GPU machine "
+    "(driver 580.159.04 / CUDA 13.0; N=10000 scattered blocks; FACTS.md and kvswap's benchmarks, 2026-11-21)"
 )
 _H200_BATCH = {
-    H2D: ((4, 11.6), (8, 22.9), (16, 38.3), (32, 53.5), (64, 55.4), (128, 55.4), (256, 55.4)),
-    D2H: ((4, 13.7), (8, 27.3), (16, 28.6), (32, 46.5), (64, 51.0), (128, 51.5), (256, 54.2)),
+    H2D: ((4, 4.1), (8, 5.4), (16, 6.6), (24, 6.4), (32, 36.3), (64, 44.5), (128, 48.8)),
+    D2H: ((4, 9.6), (8, 17.5), (16, 23.5), (32, 34.5), (64, 42.5)),
 }
 # triton.kernel (multi-block tiles) at 2, 4 and 8 SMs.
 _H200_KERNEL = {
@@ -53,9 +53,9 @@ H200 = Calibration(
     curves=_curves(_H200_BATCH, BATCH) + _curves(_H200_KERNEL, KERNEL),
     # The kernel is within 3% of its best on 4 SMs in both directions (table above).
     kernel_sms={H2D: 4, D2H: 4},
-    # A kernel launch costs ~50 us of host time against ~10-15 us for the batch call
+    # A kernel launch costs more host time than one batch call
     # (tests/bench/bench_swapfn_overhead.py), so short batches stay on the copy engine;
-    # `kvswap calibrate` fits this per block size (32-1024 on the same machine).
+    # `kvswap calibrate` fits this per block size (16-1024 on the same machine).
     kernel_min_batch={H2D: 64, D2H: 64},
     # Beside a bf16 GEMM, 16 KiB blocks (`kvswap calibrate --interference`, same machine):
     # batch copy 0-1%, the kernel on 4 SMs 23% (h2d) and 58% (d2h).

@@ -32,7 +32,7 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 GPU_PLATFORMS = ("cuda", "rocm")
 _TRITON_BACKEND = {"cuda": "nvidia", "rocm": "amd"}
 
-__all__ = ["HAS_TRITON", "NAME", "KernelCopy", "Launch", "Tile", "TilePlan", "copy", "copy_impl"]
+__all__ = ["HAS_TRITON", "NAME", "PRECOMPILE_BLOCKS", "KernelCopy", "Launch", "Tile", "TilePlan", "copy", "copy_impl"]
 
 
 def availability(device: DeviceInfo) -> Optional[str]:
@@ -68,21 +68,32 @@ def _device_index(device: DeviceInfo) -> Optional[int]:
     return torch.cuda.current_device()
 
 
+# Block sizes whose kernel variants bind() compiles (16-byte aligned), so an engine's first
+# transfers do not stop for a compile (~1 s each without Triton's on-disk cache, tens of
+# ms with it). With the default shapes: 4 KiB blocks and everything from 8 KiB up; other
+# sizes and alignments compile on first use.
+PRECOMPILE_BLOCKS = (4096, 16384)
+
+
 def bind(ctx: BindContext) -> KernelCopy:
-    """The factory: bind the SM budget and launch shapes once, at resolve time.
+    """The factory: bind the SM budget and launch shapes once, at resolve time, and on a
+    GPU compile the kernel variants for ``PRECOMPILE_BLOCKS``.
 
     ``ctx.params`` may override the direction's default shape (``tile_elems``,
-    ``row_max``, ``warps``, ``align_max``, ``prefetch``), e.g. from a calibration.
+    ``row_max``, ``warps``, ``align_max``, ``prefetch``, ``cache``, ``host_tiles``), e.g.
+    from a calibration, and ``precompile`` (block sizes in bytes; empty: none).
     """
     num_sms = ctx.params.get("num_sms", 8)
     host_src = ctx.direction is Direction.H2D
-    return KernelCopy(
+    fn = KernelCopy(
         num_sms=int(num_sms),
         device_index=_device_index(ctx.device),
         tiles=TilePlan.from_params(ctx.params, DEFAULT_PLANS[str(ctx.direction)]),
         translate_src=ctx.translate_host if host_src else None,
         translate_dst=None if host_src else ctx.translate_host,
     )
+    fn.prepare(ctx.params.get("precompile", PRECOMPILE_BLOCKS))
+    return fn
 
 
 def copy_impl() -> CopyImpl:

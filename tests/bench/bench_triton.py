@@ -79,6 +79,9 @@ class Bench:
             pairs = []
             for _ in range(self.reps):
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                # From an idle stream: the host work of the call counts, as it does for an
+                # engine's one transfer per step (back to back, earlier copies hide it).
+                s.synchronize()
                 a.record(s)
                 call()
                 b.record(s)

@@ -1,0 +1,273 @@
+"""Bind the kernel's launch parameters once; per call, upload the batch and launch.
+
+A :class:`KernelCopy` is what ``triton.kernel``'s factory returns and what the public
+:func:`kvswap.backends.triton_generic.copy` uses. Per call it packs the descriptors into
+one pinned int64 staging buffer, uploads it with one asynchronous copy on the transfer
+stream, launches the kernel on the same stream, and records an event that keeps the
+staging buffer out of reuse until the kernel that reads it has finished. Without a device
+(``TRITON_INTERPRET=1`` on a CPU) the same kernel runs in Triton's interpreter over host
+addresses, synchronously.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+import numpy as np
+
+from kvswap.errors import ConfigurationError
+
+# Defaults for a step of one program: TILE_ELEMS 8-byte elements (64 KiB) across WARPS
+# warps. Small blocks need several whole blocks in flight per SM (FACTS.md: one 4 KiB
+# block per step reaches 24 GB/s on 12 SMs), and registers bound the tile: each element
+# holds a 64-bit address besides its data, so past ~16-32 elements per thread the
+# compiler spills (ptxas -v, sm_90), and variants that spilled lost 25-75% of their
+# speed. Measured
+# on an H200 (tests/bench/bench_triton.py --sweep, N=10 000): host->device 4 KiB blocks
+# on 4 SMs went 0.76 -> 0.90 of the ceiling from 32 to 64 KiB tiles.
+TILE_ELEMS = 8192
+ROW_MAX = 1024  # elements of one descriptor per step; longer blocks loop
+ROW_MIN = 32
+WARPS = 8
+# The any-alignment variant carries the byte path too: it spills above this tile.
+GENERAL_TILE, GENERAL_WARPS = 4096, 8
+ALIGNS = (16, 8, 1)
+CACHES = ("", ".cg")
+POOL_LIMIT = 32  # staging buffers kept; past this, wait for the oldest to be free
+
+
+def _pow2_at_least(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def batch_alignment(packed: np.ndarray) -> int:
+    """16, 8 or 1: what every address and size in ``packed`` is a multiple of."""
+    bits = int(np.bitwise_or.reduce(packed)) if len(packed) else 0
+    return 16 if not bits & 15 else 8 if not bits & 7 else 1
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One launch shape: ``jobs`` descriptors side by side, ``words`` elements of each per
+    step, ``warps`` warps per program, ``splits`` programs per tile, ``align`` the kernel
+    variant (16-byte vectors, 8-byte words, or any alignment), ``prefetch`` the next
+    tile's descriptors loaded while this one copies."""
+
+    jobs: int
+    words: int
+    warps: int
+    splits: int = 1
+    align: int = 16
+    prefetch: bool = False
+    cache: str = ""
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """Chooses the tile for a batch from its mean block size, length and alignment (bound
+    at resolve time).
+
+    :param tile_elems: elements in flight per program and step.
+    :param row_max: most elements of one descriptor per step.
+    :param warps: warps per program for a full tile (fewer for smaller tiles).
+    :param align_max: the widest variant allowed (16, 8 or 1; 1 always takes the path
+        that handles any alignment).
+    :param prefetch: load the next tile's descriptors during this tile's copy.
+    :param cache: cache modifier of the data loads: ``""`` (default) or ``".cg"`` (L2 only).
+    """
+
+    tile_elems: int = TILE_ELEMS
+    row_max: int = ROW_MAX
+    warps: int = WARPS
+    align_max: int = 16
+    prefetch: bool = False
+    cache: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("tile_elems", "row_max", "warps"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1 or v & (v - 1):
+                raise ConfigurationError(f"triton.kernel {name}={v!r} must be a power of two >= 1")
+        if self.row_max < ROW_MIN or self.tile_elems < self.row_max:
+            raise ConfigurationError(
+                f"triton.kernel needs {ROW_MIN} <= row_max <= tile_elems, got "
+                f"row_max={self.row_max}, tile_elems={self.tile_elems}"
+            )
+        if self.align_max not in ALIGNS:
+            raise ConfigurationError(f"triton.kernel align_max={self.align_max!r}; choose one of {ALIGNS}")
+        if self.cache not in CACHES:
+            raise ConfigurationError(f"triton.kernel cache={self.cache!r}; choose one of {CACHES}")
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any], base: Optional[TilePlan] = None) -> TilePlan:
+        """``base`` (default: the defaults) with the launch-shape keys found in ``params``."""
+        import dataclasses
+
+        keys = ("tile_elems", "row_max", "warps", "align_max", "prefetch", "cache")
+        return dataclasses.replace(base or cls(), **{k: params[k] for k in keys if k in params})
+
+    def pick(self, n: int, total_bytes: int, num_sms: int, align: int = 16) -> Tile:
+        """The tile for ``n`` descriptors of ``total_bytes`` whose alignment is ``align``."""
+        align = min(align, self.align_max)
+        tile_elems, max_warps = self.tile_elems, self.warps
+        if align == 1:
+            tile_elems, max_warps = min(tile_elems, GENERAL_TILE), min(max_warps, GENERAL_WARPS)
+        mean_words = -(-total_bytes // (8 * n))
+        words = min(max(_pow2_at_least(mean_words), ROW_MIN), self.row_max, tile_elems)
+        # One tile shape per row width keeps the compiled variants few (each costs a
+        # compile on first use); short batches are latency-bound by one step anyway.
+        jobs = tile_elems // words
+        tiles = -(-n // jobs)
+        splits = 1
+        if tiles < num_sms:
+            # Fewer tiles than programs: let programs share a tile's steps.
+            splits = max(1, min(num_sms // tiles, -(-mean_words // words)))
+        warps = max(1, min(max_warps, tile_elems // 512))
+        return Tile(jobs, words, warps, splits, align, self.prefetch, self.cache)
+
+
+# Launch shapes per direction where the resolver passes none: the winners of
+# tests/bench/bench_triton.py --sweep on an H200 (best mean fraction of the ceiling at
+# 4-8 SMs). Device->host the 64 KiB tiles tie within 1%; 16 warps with L2-only loads led.
+DEFAULT_PLANS: dict[str, TilePlan] = {"h2d": TilePlan(), "d2h": TilePlan(warps=16, cache=".cg")}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What one call launched: ``grid`` programs (never more than the SM budget)."""
+
+    n: int
+    grid: int
+    tile: Optional[Tile]
+
+
+class _StagingPool:
+    """Pinned int64 staging buffers, each reused only after its last kernel finished."""
+
+    def __init__(self) -> None:
+        self._free: list[tuple[Any, np.ndarray, Any]] = []
+
+    def take(self, count: int) -> tuple[Any, np.ndarray, Any]:
+        import torch
+
+        for i, entry in enumerate(self._free):
+            if entry[1].size >= count and entry[2].query():
+                return self._free.pop(i)
+        if len(self._free) >= POOL_LIMIT:
+            # Every kept buffer is busy or too small: the oldest is reused once free.
+            entry = self._free.pop(0)
+            entry[2].synchronize()
+            if entry[1].size >= count:
+                return entry
+        buf = torch.empty(max(_pow2_at_least(count), 3 * 1024), dtype=torch.int64, pin_memory=True)
+        return buf, buf.numpy(), torch.cuda.Event()
+
+    def give(self, entry: tuple[Any, np.ndarray, Any]) -> None:
+        self._free.append(entry)
+
+
+class KernelCopy:
+    """The per-transfer callable of ``triton.kernel``, with its launch parameters bound.
+
+    :param num_sms: the SM budget: the grid never has more programs.
+    :param device_index: the GPU to launch on; None runs Triton's interpreter on the CPU
+        (``TRITON_INTERPRET=1``) over host addresses.
+    :param tiles: how tiles are chosen per batch.
+    :param translate_src: maps source addresses to ones the kernel may use (host side of
+        host->device), or None.
+    :param translate_dst: the same for destination addresses (device->host), or None.
+    """
+
+    def __init__(
+        self,
+        num_sms: int,
+        device_index: Optional[int],
+        tiles: TilePlan = TilePlan(),
+        translate_src: Optional[Callable[[np.ndarray], np.ndarray]] = None,
+        translate_dst: Optional[Callable[[np.ndarray], np.ndarray]] = None,
+    ) -> None:
+        if not isinstance(num_sms, int) or isinstance(num_sms, bool) or num_sms < 1:
+            raise ConfigurationError(f"num_sms={num_sms!r} must be an int >= 1")
+        self.num_sms = num_sms
+        self.device_index = device_index
+        self.tiles = tiles
+        self._translate_src = translate_src
+        self._translate_dst = translate_dst
+        self._pool = _StagingPool() if device_index is not None else None
+        self.last_launch: Optional[Launch] = None
+        self.note = (f"{num_sms} SMs; tile {tiles.tile_elems} x 8 B, rows <= {tiles.row_max}, "
+                     f"{tiles.warps} warps, vectors <= {tiles.align_max} B")
+
+    def __call__(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream: Any = None) -> Launch:
+        """Copy validated int64 descriptor arrays; enqueued on ``stream`` (GPU) or done
+        on return (interpreter)."""
+        from .kernel import copy_kernel
+
+        n = len(sizes)
+        if n == 0:
+            self.last_launch = Launch(0, 0, None)
+            return self.last_launch
+        if self._translate_src is not None:
+            src = np.asarray(self._translate_src(src), dtype=np.int64)
+        if self._translate_dst is not None:
+            dst = np.asarray(self._translate_dst(dst), dtype=np.int64)
+        if self.device_index is None:
+            packed = np.concatenate((src, dst, sizes))
+            entry = None
+        else:
+            entry = self._pool.take(3 * n)
+            packed = entry[1][:3 * n]
+            packed[:n] = src
+            packed[n:2 * n] = dst
+            packed[2 * n:] = sizes
+        tile = self.tiles.pick(n, int(sizes.sum()), self.num_sms, batch_alignment(packed))
+        grid = min(self.num_sms, -(-n // tile.jobs) * tile.splits)
+        launch = Launch(n, grid, tile)
+        if entry is None:
+            self._interpret(copy_kernel, packed, launch)
+        else:
+            self._enqueue(copy_kernel, entry, launch, stream)
+        self.last_launch = launch
+        return launch
+
+    @staticmethod
+    def _args(tile: Tile) -> dict[str, Any]:
+        return dict(JOBS=tile.jobs, WORDS=tile.words, ALIGN=tile.align, PREFETCH=tile.prefetch,
+                    CACHE=tile.cache, num_warps=tile.warps)
+
+    def _interpret(self, kernel: Any, packed: np.ndarray, launch: Launch) -> None:
+        import torch
+
+        desc = torch.from_numpy(packed)
+        kernel[(launch.grid,)](desc, launch.n, launch.tile.splits, **self._args(launch.tile))
+
+    def _enqueue(self, kernel: Any, entry: tuple[Any, np.ndarray, Any], launch: Launch, stream: Any) -> None:
+        import torch
+
+        from kvswap.streams import torch_stream
+
+        n, idx = launch.n, self.device_index
+        buf, _, done = entry
+        try:
+            s = torch_stream(stream, idx)
+        except BaseException:
+            self._pool.give(entry)
+            raise
+        with torch.cuda.device(idx), torch.cuda.stream(s):
+            try:
+                # Allocated on ``s`` and used only there: the caching allocator may hand
+                # it out again only to work ordered after this kernel.
+                desc = torch.empty(3 * n, dtype=torch.int64, device=f"cuda:{idx}")
+                desc.copy_(buf[:3 * n], non_blocking=True)
+                kernel[(launch.grid,)](desc, n, launch.tile.splits, **self._args(launch.tile))
+            finally:
+                # Also on failure: the upload may already be in flight.
+                done.record(s)
+                self._pool.give(entry)
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET``)."""
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")

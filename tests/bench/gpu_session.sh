@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command on the lent GPU machine: the gpu-marked tests, calibration (profile, plot,
-# decisions) and the bench, each step's output under $OUT. Steps: tests, calibrate, bench.
-#   bash tests/bench/gpu_session.sh tests calibrate bench
+# decisions), the bench and the backends' benchmark scripts, each step's output under $OUT.
+#   bash tests/bench/gpu_session.sh tests calibrate bench benches
 # CAL_ARGS (default --quick) and STEP_TIMEOUT (seconds per step, default 280) tune it.
 # The GPU machine's python lacks platformdirs: carry its wheel in .whl/ (README: Testing).
 set -uo pipefail
@@ -13,18 +13,18 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || { echo "kvswap did not install"; exit 1; }
 export PYTHONUNBUFFERED=1
 T=${STEP_TIMEOUT:-280}
-nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.max,pcie.link.width.max --format=csv >"$OUT/gpu.txt" 2>&1
-cat "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.max,pcie.link.width.max --format=csv
 for step in "$@"; do
   case "$step" in
     tests)
-      timeout "$T" python3 -m pytest -q -m gpu tests -rfE -p no:cacheprovider >"$OUT/gpu_tests.log" 2>&1
+      { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+        timeout "$T" python3 -m pytest -q -m gpu tests -rfE -p no:cacheprovider; } >"$OUT/gpu_tests.log" 2>&1
       tail -n 25 "$OUT/gpu_tests.log" ;;
     calibrate)
       # shellcheck disable=SC2086
       timeout "$T" python3 -m kvswap calibrate ${CAL_ARGS:---quick} --out "$OUT/profile.json" \
-        --plot "$OUT/profile.png" >"$OUT/calibrate.log" 2>"$OUT/calibrate.err"
-      echo "calibrate exit $?"; tail -n 60 "$OUT/calibrate.log"; tail -n 5 "$OUT/calibrate.err" ;;
+        --plot "$OUT/profile.png" >"$OUT/calibrate.log" 2>/tmp/calibrate.err
+      echo "calibrate exit $?"; tail -n 3 /tmp/calibrate.err >>"$OUT/calibrate.log"; tail -n 60 "$OUT/calibrate.log" ;;
     bench)
       profile=$OUT/profile.json
       [ -f "$profile" ] || profile=
@@ -33,6 +33,11 @@ for step in "$@"; do
         KVSWAP_PROFILE=$profile timeout "$T" python3 -m kvswap bench --json "$OUT/bench.json"
       } >"$OUT/bench.log" 2>&1
       echo "bench exit $?"; tail -n 70 "$OUT/bench.log" ;;
+    benches)
+      { timeout "$T" python3 tests/bench/bench_cuda_batch.py
+        timeout "$T" python3 tests/bench/bench_triton.py
+        python3 tests/bench/bench_swapfn_overhead.py; } >"$OUT/benches.log" 2>&1
+      echo "benches exit $?"; tail -n 80 "$OUT/benches.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -71,6 +71,12 @@ def human_bytes(n: Optional[int]) -> str:
     return f"{n} B"
 
 
+def _constrained(p: Plan, impl: str) -> bool:
+    """Whether ``impl`` can refuse a descriptor (so its fallbacks are worth a line)."""
+    c = next((c.constraints for c in p.candidates if c.name == impl), {})
+    return c.get("alignment", 1) > 1 or c.get("min_block_bytes", 1) > 1 or c.get("max_block_bytes") is not None
+
+
 def _explain_lines(p: Plan) -> list[str]:
     d = p.device
     lines = [
@@ -94,16 +100,17 @@ def _explain_lines(p: Plan) -> list[str]:
         lines.append(f"    {mark} {c.name:<{width}}  {c.kind:<6} (plugin {c.plugin}) {status}{extra}")
     lines.append("  routes by block size:")
     for r in p.routes:
-        span = f"{human_bytes(r.min_bytes)} .. {human_bytes(r.max_bytes)}"
+        upper = "" if r.max_bytes is None else f" < {human_bytes(r.max_bytes + 1)}"
+        span = f"{human_bytes(r.min_bytes)} <= block{upper}"
         pred = ", ".join(f"{n} {g:.1f}" if g is not None else f"{n} ?" for n, g in r.predicted)
-        line = f"    {span:<22} -> {r.impl}"
+        line = f"    {span:<28} -> {r.impl}"
         if pred:
             line += f"  (GB/s predicted at {human_bytes(r.at_bytes)}: {pred})"
         lines.append(line)
         if r.small_batch_impl:
-            lines.append(f"    {'':<22}    batches under {r.min_batch} descriptors -> {r.small_batch_impl}")
-        if r.fallbacks:
-            lines.append(f"    {'':<22}    descriptors {r.impl} refuses -> {', '.join(r.fallbacks)}")
+            lines.append(f"    {'':<28}    batches under {r.min_batch} descriptors -> {r.small_batch_impl}")
+        if r.fallbacks and _constrained(p, r.impl):
+            lines.append(f"    {'':<28}    descriptors {r.impl} refuses -> {', '.join(r.fallbacks)}")
     for note in p.notes:
         lines.append(f"  note: {note}")
     return lines

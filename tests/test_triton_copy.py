@@ -276,6 +276,127 @@ def test_bind_takes_params_from_the_context() -> None:
     assert "6 SMs" in fn.note
 
 
+def test_host_tiles_param() -> None:
+    assert TilePlan.from_params({"host_tiles": 0}).host_tiles == 0
+    assert tg.DEFAULT_PLANS["h2d"].host_tiles >= 1
+    for bad in (-1, 1.5, True):
+        with pytest.raises(kvswap.ConfigurationError, match="host_tiles"):
+            TilePlan(host_tiles=bad)
+
+
+# -- the GPU launch path's pieces, with stand-ins for the driver ---------------------------
+
+class _Event:
+    finished = waited = False
+
+    def query(self) -> bool:
+        return self.finished
+
+    def synchronize(self) -> None:
+        self.finished = self.waited = True
+
+
+def _fake_pool(monkeypatch: pytest.MonkeyPatch):
+    import torch
+
+    from kvswap.backends.triton_generic import staging
+
+    pool = staging.StagingPool(0)
+    made = []
+
+    def new(count: int) -> staging.Staging:
+        entry = staging.Staging(torch.empty(max(count, 16), dtype=torch.int64), 4096 * (len(made) + 1), _Event())
+        made.append(entry)
+        return entry
+
+    monkeypatch.setattr(pool, "_new", new)
+    return pool, made, staging
+
+
+def test_staging_buffer_reused_only_after_its_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool, made, staging = _fake_pool(monkeypatch)
+    a = pool.take(30)
+    pool.give(a)  # its kernel is still queued
+    b = pool.take(30)
+    assert b is not a
+    pool.give(b)
+    a.done.finished = True
+    assert pool.take(30) is a  # finished: reused
+    pool.give(a)
+    a.done.finished = False
+    # Every kept buffer busy and the pool full: the oldest is waited for, never taken busy.
+    while len(made) < staging.POOL_LIMIT:
+        pool.give(pool.take(30))
+    assert len(pool) == staging.POOL_LIMIT and not any(e.done.finished for e in made)
+    got = pool.take(30)
+    assert got.done.waited and got.done.finished
+    assert all(not e.done.finished for e in made if e is not got)
+    pool.give(got)
+    # A finished buffer too small for the batch is replaced, not reused.
+    for e in made:
+        e.done.finished = True
+    big = pool.take(10_000)
+    assert big.capacity >= 10_000 and big not in made[:-1]
+
+
+def test_staging_probes_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool, made, staging = _fake_pool(monkeypatch)
+    for _ in range(10):
+        pool.give(pool.take(8))
+    queries = []
+    for e in made:
+        e.done.query = lambda e=e: queries.append(e) or False
+    pool.take(8)
+    assert len(queries) == staging.PROBES  # a busy pool costs a few driver queries, not one each
+
+
+def test_direct_launch_arguments_follow_the_kernel_signature() -> None:
+    pytest.importorskip("triton")
+    from kvswap.backends.triton_generic import compiled
+    from kvswap.backends.triton_generic.kernel import copy_kernel
+
+    tile = TilePlan().pick(100, 100 * 4096, 4)
+    assert copy_kernel.arg_names == ["desc", "n", "splits", *compiled.constexprs(tile)]
+    calls = []
+
+    class Compiled:
+        def launch_metadata(self, grid, stream, *args):
+            calls.append(("meta", grid, stream, args))
+            return "meta"
+
+    v = compiled.Variant(Compiled(), lambda *a: calls.append(a), "fn", "md")
+    variants = compiled.Variants(0)
+    variants._runtime = rt = type("Runtime", (), {})()
+    rt.launch_enter_hook = rt.launch_exit_hook = None
+    variants.launch(v, tile, 3, 0x1000, 100, tile.splits, 77)
+    args = (0x1000, 100, tile.splits, tile.jobs, tile.words, tile.align, tile.prefetch, tile.cache)
+    assert calls == [(3, 1, 1, 77, "fn", "md", None, None, None, *args)]
+    # A profiler's hook set: the launch carries Triton's metadata and the hooks.
+    calls.clear()
+    rt.launch_enter_hook = hook = print
+    variants.launch(v, tile, 3, 0x1000, 100, tile.splits, 77)
+    assert calls[0] == ("meta", (3, 1, 1), 77, args)
+    assert calls[1] == (3, 1, 1, 77, "fn", "md", "meta", hook, None, *args)
+
+
+def test_hooks_and_direct_parts() -> None:
+    from kvswap.backends.triton_generic import compiled
+
+    class Chain:
+        def __init__(self, calls):
+            self.calls = calls
+
+    assert not compiled.hook_is_set(None) and not compiled.hook_is_set(Chain([]))
+    assert compiled.hook_is_set(Chain([print])) and compiled.hook_is_set(print)
+    assert compiled.direct_parts(object()) is None  # a Triton without the attributes: JIT path
+
+    class Compiled:
+        run, function, packed_metadata = "run", "fn", "md"
+
+    if tg.HAS_TRITON:
+        assert compiled.direct_parts(Compiled()) == ("run", "fn", "md")
+
+
 def _gpu_device(**details) -> DeviceInfo:
     return DeviceInfo(platform="cuda", name="Fake GPU", identity="cuda-fake", compute_units=132,
                       index=0, details=details)

@@ -133,10 +133,13 @@ def test_sm_budget_bounds_the_grid(gpu, direction: Direction) -> None:
         assert fn.last_launch.grid == budget
 
 
+@pytest.mark.parametrize("host_tiles", [0, 1_000_000], ids=["uploaded", "read-from-host"])
 @pytest.mark.parametrize("direction", DIRECTIONS, ids=str)
-def test_staging_buffers_survive_a_busy_stream(gpu, direction: Direction) -> None:
+def test_staging_buffers_survive_a_busy_stream(gpu, direction: Direction, host_tiles: int) -> None:
     """40 launches enqueued while the stream is held up by a long kernel: each staging
-    buffer must stay untouched until its own kernel ran, or blocks land in wrong places."""
+    buffer (pinned, and its device twin where the descriptors are uploaded) must stay
+    untouched until its own kernel ran, or blocks land in wrong places. 40 calls are more
+    than the pool keeps, so the wait for the oldest buffer runs too."""
     import torch
 
     dev = torch_device(gpu)
@@ -145,7 +148,7 @@ def test_staging_buffers_survive_a_busy_stream(gpu, direction: Direction) -> Non
     sizes = log_sizes(rng, calls * per_call, 1, 16 * KiB)
     t = make_transfer(rng, 13, direction, dev, 1, sizes, mixed_layout(rng, sizes), mixed_layout(rng, sizes))
     src, dst, n = t.descriptors
-    fn = tg.bind(BindContext(direction, gpu, {"num_sms": 4}))
+    fn = tg.bind(BindContext(direction, gpu, {"num_sms": 4, "host_tiles": host_tiles}))
     stream = torch.cuda.Stream(device=dev)
     with torch.cuda.stream(stream):
         torch.cuda._sleep(200_000_000)  # roughly 0.1 s of GPU time before any copy runs
@@ -154,6 +157,7 @@ def test_staging_buffers_survive_a_busy_stream(gpu, direction: Direction) -> Non
         # Alternate the ways a stream may be passed: a torch stream and a raw handle.
         handle = stream if i % 2 else stream.cuda_stream
         fn(src[sl], dst[sl], n[sl], handle)
+        assert fn.last_launch.descriptors == ("device" if host_tiles == 0 else "host")
     stream.synchronize()
     t.check(f"40 launches queued behind a busy stream, {direction}")
 
@@ -163,3 +167,65 @@ def test_available_on_this_gpu(gpu) -> None:
     fn = kvswap.resolve("h2d", device=torch_device(gpu), policy=Policy(force="triton.kernel"))
     cand = {c.name: c for c in fn.plan.candidates}
     assert cand["triton.kernel"].available
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS, ids=str)
+def test_descriptors_read_from_host_or_uploaded(gpu, direction: Direction) -> None:
+    # The same batch with the descriptors read straight from pinned memory, then uploaded
+    # first; and the default choice: small batches from host, many tiles per program uploaded.
+    rng = np.random.default_rng(17)
+    sizes = log_sizes(rng, 300, 1, 16 * KiB)
+    for host_tiles, where in ((1_000_000, "host"), (0, "device")):
+        fn = tg.bind(BindContext(direction, gpu, {"num_sms": 4, "host_tiles": host_tiles}))
+        t = make_transfer(rng, host_tiles, direction, torch_device(gpu), 1, sizes,
+                          mixed_layout(rng, sizes), mixed_layout(rng, sizes))
+        assert fn(*t.descriptors, None).descriptors == where
+        t.check(f"descriptors from {where}, {direction}")
+    fn = tg.bind(BindContext(direction, gpu, {"num_sms": 4}))
+    for n, where in ((5, "host"), (5000, "device")):
+        sizes = np.full(n, 4 * KiB, dtype=np.int64)
+        t = make_transfer(rng, n, direction, torch_device(gpu), 16, sizes)
+        assert fn(*t.descriptors, None).descriptors == where
+        t.check(f"default choice for {n} blocks, {direction}")
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS, ids=str)
+def test_one_compiled_variant_serves_every_batch_length(gpu, direction: Direction) -> None:
+    # bind() compiles the variants for its block sizes; batches of other lengths and
+    # splits reuse them (n and splits are not specialised) and are launched directly.
+    from kvswap.backends.triton_generic.compiled import variant_key
+
+    fn = tg.bind(BindContext(direction, gpu, {"num_sms": 4, "precompile": (64 * KiB,)}))
+    (tile,) = fn.prepare((64 * KiB,))
+    assert tile in fn.variants and fn.variants.get(tile).direct
+    compiled = len(fn.variants)
+    rng = np.random.default_rng(23)
+    seen = set()
+    for n in (1, 2, 16, 17, 40):
+        sizes = np.full(n, 64 * KiB, dtype=np.int64)
+        t = make_transfer(rng, n, direction, torch_device(gpu), 16, sizes)
+        launch = fn(*t.descriptors, None)
+        assert variant_key(launch.tile) == variant_key(tile)
+        seen.add(launch.tile.splits)
+        t.check(f"{n} x 64 KiB through one variant, {direction}")
+    assert len(fn.variants) == compiled and len(seen) > 1
+
+
+def test_launch_hooks_still_called(gpu) -> None:
+    # A profiler's launch hook (Triton's knobs) sees the direct launches.
+    knobs = pytest.importorskip("triton.knobs")
+    chain = knobs.runtime.launch_enter_hook
+    if not hasattr(chain, "add"):
+        pytest.skip("this Triton keeps one launch hook, not a chain")
+    seen = []
+    hook = seen.append
+    chain.add(hook)
+    try:
+        rng = np.random.default_rng(29)
+        sizes = log_sizes(rng, 20, 1, 8 * KiB)
+        t = make_transfer(rng, 29, Direction.H2D, torch_device(gpu), 1, sizes)
+        tg.bind(BindContext(Direction.H2D, gpu, {"num_sms": 2}))(*t.descriptors, None)
+    finally:
+        chain.remove(hook)
+    t.check("with a launch hook")
+    assert len(seen) == 1 and "copy_kernel" in seen[0].get()["name"]

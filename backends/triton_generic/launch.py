@@ -170,6 +170,8 @@ class KernelCopy:
     :param translate_dst: the same for destination addresses (device->host), or None.
     """
 
+    KEEP_LAUNCHES = 256  # batch shapes whose launch is remembered
+
     def __init__(
         self,
         num_sms: int,
@@ -196,6 +198,7 @@ class KernelCopy:
             self._pool = StagingPool(device_index, translate_src or translate_dst)
             self._streams = Streams(device_index)
             self.variants = variants(device_index)
+        self._launches: dict[tuple[int, int, int], Launch] = {}
         self.last_launch: Optional[Launch] = None
         self.note = (f"{num_sms} SMs; tile {tiles.tile_elems} x 8 B, rows <= {tiles.row_max}, "
                      f"{tiles.warps} warps, vectors <= {tiles.align_max} B")
@@ -223,8 +226,7 @@ class KernelCopy:
             dst = np.asarray(self._translate_dst(dst), dtype=np.int64)
         if self._pool is None:
             packed = np.concatenate((src, dst, sizes))
-            tile = self.tiles.pick(n, int(sizes.sum()), self.num_sms, batch_alignment(packed))
-            launch = Launch(n, min(self.num_sms, -(-n // tile.jobs) * tile.splits), tile)
+            launch = self._plan(n, int(sizes.sum()), batch_alignment(packed))
             self._interpret(packed, launch)
         else:
             entry = self._pool.take(3 * n)
@@ -232,13 +234,25 @@ class KernelCopy:
             packed[:n] = src
             packed[n:2 * n] = dst
             packed[2 * n:] = sizes
-            tile = self.tiles.pick(n, int(sizes.sum()), self.num_sms, batch_alignment(packed))
-            work = -(-n // tile.jobs) * tile.splits
-            grid = min(self.num_sms, work)
-            where = "host" if work <= grid * self.tiles.host_tiles else "device"
-            launch = Launch(n, grid, tile, where)
+            launch = self._plan(n, int(sizes.sum()), batch_alignment(packed))
             self._enqueue(entry, launch, stream)
         self.last_launch = launch
+        return launch
+
+    def _plan(self, n: int, total: int, align: int) -> Launch:
+        """The launch for ``n`` descriptors of ``total`` bytes aligned to ``align``;
+        remembered, as engines repeat the same batch shapes step after step."""
+        key = (n, total, align)
+        launch = self._launches.get(key)
+        if launch is None:
+            tile = self.tiles.pick(n, total, self.num_sms, align)
+            work = -(-n // tile.jobs) * tile.splits
+            grid = min(self.num_sms, work)
+            where = "" if self._pool is None else "host" if work <= grid * self.tiles.host_tiles else "device"
+            launch = Launch(n, grid, tile, where)
+            if len(self._launches) >= self.KEEP_LAUNCHES:
+                self._launches.clear()
+            self._launches[key] = launch
         return launch
 
     def _interpret(self, packed: np.ndarray, launch: Launch) -> None:
@@ -269,8 +283,6 @@ class KernelCopy:
     def _launch(self, entry: Any, launch: Launch, s: Any) -> None:
         import torch
 
-        from .compiled import constexprs
-
         n, tile, m = launch.n, launch.tile, 3 * launch.n
         try:
             variant = self.variants.get(tile)  # compiles on a shape's first use
@@ -283,6 +295,7 @@ class KernelCopy:
             if variant.direct:
                 self.variants.launch(variant, tile, launch.grid, ptr, n, tile.splits, s.cuda_stream)
             else:
+                from .compiled import constexprs
                 from .kernel import copy_kernel
 
                 with torch.cuda.stream(s):

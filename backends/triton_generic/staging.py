@@ -117,6 +117,8 @@ class Streams:
         self._external: dict[int, Any] = {}
 
     def get(self, stream: Any) -> Any:
+        if hasattr(stream, "cuda_stream"):
+            return stream
         import torch
 
         if stream is None:

@@ -45,8 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-sms", type=non_negative, metavar="N",
                    help="measure kernels on at most N SMs (0: measure no kernel route)")
     p.add_argument("--knee-tolerance", type=fraction, default=TOLERANCE, metavar="F",
-                   help=f"the SM knee is the fewest SMs within this fraction of the kernel's best "
-                   f"(default {TOLERANCE})")
+                   help=f"the SM knee is the fewest SMs within this fraction of the kernel's best, on the "
+                   f"geometric mean over the block sizes where the kernel wins (default {TOLERANCE})")
     p.add_argument("--interference", action="store_true",
                    help="also measure how much each route slows a bf16 GEMM running beside it (GPU only)")
     p.add_argument("--out", type=Path, metavar="FILE",

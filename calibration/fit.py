@@ -3,9 +3,12 @@
 Per direction:
 
 * **SM knee**: the fewest SMs at which the kernel stays within ``tolerance`` of its own
-  peak (over every SM count measured) at every block size where, at that peak, it beats
-  the best batch route. Fewer SMs leave more for compute (FACTS.md: a copy kernel on 8
-  SMs cost a GEMM up to 57%), so nothing beyond the knee is worth taking.
+  peak (over every SM count measured), on the geometric mean of its fraction of that peak
+  over the block sizes where, at the peak, it beats the best batch route. A mean, not
+  every size: one noisy point, or the 1 KiB blocks that need many SMs, would otherwise
+  buy the whole range its SMs (seen on the H200: a knee of 48 SMs for a 3% shortfall at
+  one size). Fewer SMs leave more for compute (FACTS.md: a copy kernel on 8 SMs cost a
+  GEMM up to 57%), so nothing beyond the knee is worth taking.
 * **Route per block size**: the fastest of the batch routes and the kernel *at the knee*,
   ties to the route that takes no SMs. ``by_size`` says it for each measured size;
   ``routes`` for each of the resolver's block-size classes, ranked from the curves the
@@ -33,7 +36,7 @@ from .records import BATCH, CEILING, SIZE, Interference, Measurement
 
 # "Within a few % of peak": what the knee may give up for fewer SMs. 3%, the regret the
 # resolver is allowed against the best route (issue 6's bar), so the knee never costs more.
-TOLERANCE = 0.03
+TOLERANCE = 0.05
 
 Key = tuple[str, str, Optional[int]]  # (impl, kind, num_sms)
 
@@ -67,15 +70,18 @@ def _best_batch(table: dict[Key, dict[int, float]]) -> dict[int, float]:
 
 
 def sm_knee(kernel: dict[int, dict[int, float]], sizes: Iterable[int], tolerance: float = TOLERANCE) -> int:
-    """The fewest SMs within ``tolerance`` of the kernel's peak at every size in ``sizes``.
+    """The fewest SMs whose bandwidth, as a fraction of the kernel's peak at each size in
+    ``sizes``, has a geometric mean of at least ``1 - tolerance``.
 
     :param kernel: GB/s per SM count, then per block size.
     """
     counts = sorted(kernel)
     sizes = [b for b in sizes if any(b in kernel[k] for k in counts)]
     peak = {b: max(kernel[k].get(b, 0.0) for k in counts) for b in sizes}
+    sizes = [b for b in sizes if peak[b] > 0]
     for k in counts:
-        if all(kernel[k].get(b, 0.0) >= (1.0 - tolerance) * peak[b] for b in sizes):
+        logs = [math.log(max(kernel[k].get(b, 0.0), 1e-12) / peak[b]) for b in sizes]
+        if not logs or math.exp(sum(logs) / len(logs)) >= 1.0 - tolerance - 1e-12:
             return k
     return counts[-1]
 

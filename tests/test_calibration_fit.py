@@ -58,6 +58,15 @@ def test_knee_tolerance_boundary(value, knee):
     assert fit.sm_knee({2: {b: value}, 4: {b: 100.0}}, [b], tolerance=0.05) == knee
 
 
+def test_knee_takes_the_mean_shortfall_so_one_noisy_size_does_not_buy_more_sms():
+    sizes = [4 * KiB, 8 * KiB, 16 * KiB, 32 * KiB]
+    kernel = {4: {b: 99.0 for b in sizes}, 16: {b: 100.0 for b in sizes}}
+    kernel[4][8 * KiB] = 92.0  # 8% short at one size, 2.8% on the mean over four
+    assert fit.sm_knee(kernel, sizes, tolerance=0.03) == 4
+    kernel[4][16 * KiB] = 92.0  # short at two sizes: 4.9% on the mean
+    assert fit.sm_knee(kernel, sizes, tolerance=0.03) == 16
+
+
 def test_knee_with_no_tolerance_is_the_peak():
     b = 8 * KiB
     assert fit.sm_knee({2: {b: 99.0}, 4: {b: 100.0}, 8: {b: 100.0}}, [b], tolerance=0.0) == 4

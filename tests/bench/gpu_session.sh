@@ -34,8 +34,9 @@ for step in "$@"; do
       } >"$OUT/bench.log" 2>&1
       echo "bench exit $?"; tail -n 70 "$OUT/bench.log" ;;
     benches)
-      { timeout "$T" python3 tests/bench/bench_cuda_batch.py
-        timeout "$T" python3 tests/bench/bench_triton.py
+      # Their own result files go elsewhere: at most 8 files come back from $OUT.
+      { OUT=/tmp/benches timeout "$T" python3 tests/bench/bench_cuda_batch.py
+        OUT=/tmp/benches timeout "$T" python3 tests/bench/bench_triton.py
         python3 tests/bench/bench_swapfn_overhead.py; } >"$OUT/benches.log" 2>&1
       echo "benches exit $?"; tail -n 80 "$OUT/benches.log" ;;
     *) echo "unknown step $step" ;;

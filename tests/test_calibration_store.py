@@ -155,3 +155,13 @@ def test_override_hides_profiles_and_nests(shipped):
             assert store.find(CPU).kernel_sms["h2d"] == 11
         assert store.find(CPU) is None
     assert store.find(CPU).kernel_sms["h2d"] == 5
+
+
+def test_every_shipped_profile_loads_and_is_named_for_its_device():
+    shipped = sorted(store.SHIPPED.glob("*.json"))
+    assert shipped, "the profile measured on the lent GPU is shipped"
+    for path in shipped:
+        cal = store.load(path)
+        assert cal.calibrated and cal.scope == "device"
+        assert path.name == store.profile_name(cal.identity)
+        assert cal.curves and cal.kernel_sms

@@ -15,6 +15,22 @@ from pathlib import Path
 import numpy as np
 
 
+# A plugin module that really copies (one memmove per descriptor) under ``<name>.copy``.
+COPYING_PLUGIN = """
+    import ctypes
+    from kvswap import CopyImpl, hookimpl
+
+    def _copy(src, dst, sizes, stream):
+        for s, d, n in zip(src.tolist(), dst.tolist(), sizes.tolist()):
+            ctypes.memmove(d, s, n)
+
+    @hookimpl
+    def kvswap_register_copy_impls(platform, register):
+        if platform == "cpu":
+            register(CopyImpl("{name}.copy", "batch", ("cpu",), ("h2d", "d2h"), lambda ctx: _copy))
+"""
+
+
 def make_distribution(root: Path, dist: str, plugins: dict[str, str], modules: dict[str, str], version: str = "1.0") -> Path:
     """Write a fake distribution ``dist`` under ``root`` and return ``root``.
 

@@ -8,22 +8,10 @@ import sys
 
 import pytest
 
-from fakes import make_distribution
+from fakes import COPYING_PLUGIN, make_distribution
 
 BROKEN = "raise RuntimeError('acme firmware missing')\n"
-ACME = """
-    import ctypes
-    from kvswap import CopyImpl, hookimpl
-
-    def _copy(src, dst, sizes, stream):
-        for s, d, n in zip(src.tolist(), dst.tolist(), sizes.tolist()):
-            ctypes.memmove(d, s, n)
-
-    @hookimpl
-    def kvswap_register_copy_impls(platform, register):
-        if platform == "cpu":
-            register(CopyImpl("acme.copy", "batch", ("cpu",), ("h2d", "d2h"), lambda ctx: _copy))
-"""
+ACME = COPYING_PLUGIN.format(name="acme")
 
 
 def kvswap(*args, env=None, code=None):

@@ -10,21 +10,9 @@ import kvswap
 from kvswap import PluginWarning, Policy
 from kvswap.plugins import create_plugin_host, plugin_host, reset_plugin_host
 
-from fakes import entry_points_from, forget_modules, make_distribution
+from fakes import COPYING_PLUGIN, entry_points_from, forget_modules, make_distribution
 
-GOOD = """
-    import ctypes
-    from kvswap import CopyImpl, hookimpl
-
-    def _copy(src, dst, sizes, stream):
-        for s, d, n in zip(src.tolist(), dst.tolist(), sizes.tolist()):
-            ctypes.memmove(d, s, n)
-
-    @hookimpl
-    def kvswap_register_copy_impls(platform, register):
-        if platform == "cpu":
-            register(CopyImpl("{name}.copy", "batch", ("cpu",), ("h2d", "d2h"), lambda ctx: _copy))
-"""
+GOOD = COPYING_PLUGIN
 
 
 def dist(tmp_path, name, source=None, module=None):

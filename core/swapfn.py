@@ -30,6 +30,7 @@ class SwapFn:
         self._routes = plan.routes
         self._lows = np.array([r.min_bytes for r in plan.routes], dtype=np.int64)
         self._low_list = [r.min_bytes for r in plan.routes]
+        self._by_size: dict[int, Route] = {}
         # Impls with no constraint to check per call: the hot path hands them the batch as is.
         self._plain = {
             name for name, i in impls.items()
@@ -62,6 +63,12 @@ class SwapFn:
         routes = self._routes
         if len(routes) == 1:
             route = routes[0]
+        elif smallest == largest:  # one block size, as engines send: a dict hit after the first
+            route = self._by_size.get(smallest)
+            if route is None:
+                route = routes[bisect_right(self._low_list, smallest) - 1]
+                if len(self._by_size) < 4096:
+                    self._by_size[smallest] = route
         else:
             lows = self._low_list
             r = bisect_right(lows, smallest) - 1

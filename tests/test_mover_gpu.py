@@ -96,9 +96,12 @@ def test_jobs_in_flight_keep_pinned_buffers_until_their_events_complete():
     src, dst = _pair("mla", "h2d", seed=6)
     mover = BlockMover(src.tensors, dst.tensors, "h2d")
     jobs = [_ids(rng, int(rng.integers(1, 9)), src, dst) for _ in range(64)]
-    # Compile and load every route and launch shape these jobs use first (a new Triton
-    # shape compiles on first use, ~1 s), so the spin below outlasts the 64 submits; the
-    # snapshot is taken after these warm-up copies.
+    # Warm up first, so the spin below outlasts the 64 submits: compile and load every route
+    # and launch shape these jobs use (a new Triton shape compiles on first use, ~1 s), and
+    # grow the pinned pool to 64 buffers while the stream is held (a new pinned allocation
+    # costs milliseconds). The snapshot is taken after these warm-up copies.
+    with torch.cuda.stream(mover.stream):
+        torch.cuda._sleep(8 * SPIN)
     for job in jobs:
         mover.submit(*job)
     mover.wait()

@@ -15,7 +15,6 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-POOL_LIMIT = 32  # staging buffers kept; past this, wait for the oldest to be free
 MIN_ELEMS = 3 * 1024  # the smallest buffer: batches up to 1024 descriptors
 # How many kept buffers one take() asks about before making a new one: every query is a
 # driver call, and on one stream the oldest buffer frees first anyway.
@@ -64,7 +63,7 @@ class StagingPool:
         return len(self._free)
 
     def take(self, count: int) -> Staging:
-        """A free buffer of at least ``count`` elements (made, or waited for, if none is)."""
+        """A free buffer of at least ``count`` elements (made if none is; never waits)."""
         free = self._free
         for _ in range(min(PROBES, len(free))):
             entry = free[0]
@@ -76,11 +75,9 @@ class StagingPool:
             if entry.capacity >= count:
                 return entry
             # Free but too small: let it go; a larger one replaces it.
-        if len(free) >= POOL_LIMIT:
-            entry = free.popleft()
-            entry.done.synchronize()
-            if entry.capacity >= count:
-                return entry
+        # None free: make another rather than wait. Waiting would stall the engine's host
+        # thread behind every transfer in flight (an engine may queue dozens behind a busy
+        # stream); the pool grows to the most transfers ever in flight, a few KiB each.
         return self._new(count)
 
     def give(self, entry: Staging) -> None:

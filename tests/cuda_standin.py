@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 
 import numpy as np
+import pytest
 
 from kvswap.backends.cuda import driver
 
@@ -190,3 +191,15 @@ class HostPools:
         want = self.expected()
         bad = np.flatnonzero(self.dst_pool != want)
         assert not len(bad), f"{len(bad)} wrong bytes, first at offset {bad[0]}"
+
+
+@pytest.fixture(autouse=True)
+def fresh_driver():
+    """A fresh driver load and device description for each test (both are cached)."""
+    from kvswap.backends.cuda import device, driver
+
+    driver.reset()
+    device._describe.cache_clear()
+    yield
+    driver.reset()
+    device._describe.cache_clear()

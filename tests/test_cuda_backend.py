@@ -22,7 +22,7 @@ from kvswap.platform import cpu_device
 from kvswap.plugins import create_plugin_host
 from kvswap.resolver import collect_impls
 
-from cuda_standin import HostPools, StandInLibcuda, standin_driver
+from cuda_standin import HostPools, StandInLibcuda, fresh_driver, standin_driver  # noqa: F401 (fixture)
 
 
 def _machine_has_a_cuda_gpu() -> bool:
@@ -35,13 +35,6 @@ def _machine_has_a_cuda_gpu() -> bool:
 without_cuda_gpu = pytest.mark.skipif(_machine_has_a_cuda_gpu(), reason="checks a machine without a CUDA GPU")
 
 
-@pytest.fixture(autouse=True)
-def _fresh_driver():
-    driver.reset()
-    device._describe.cache_clear()
-    yield
-    driver.reset()
-    device._describe.cache_clear()
 
 
 

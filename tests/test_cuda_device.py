@@ -15,16 +15,11 @@ from kvswap.lookup import find_calibration
 from kvswap.platform import cpu_device
 from kvswap.plugins import create_plugin_host
 
+from cuda_standin import fresh_driver  # noqa: F401 (autouse fixture)
+
 KiB = 1024
 
 
-@pytest.fixture(autouse=True)
-def _fresh_driver():
-    driver.reset()
-    device._describe.cache_clear()
-    yield
-    driver.reset()
-    device._describe.cache_clear()
 
 
 def test_spec_parsing():

@@ -19,6 +19,8 @@ from kvswap.backends.triton_generic.launch import KernelCopy, TilePlan, batch_al
 from kvswap.platform import cpu_device
 from kvswap.testing.memory import Layout, make_transfer, scattered
 
+from triton_cases import log_sizes, mixed_layout
+
 KiB = 1024
 needs_interpreter = pytest.mark.skipif(
     not (tg.HAS_TRITON and interpreting()),
@@ -27,16 +29,6 @@ needs_interpreter = pytest.mark.skipif(
 )
 
 
-def log_sizes(rng: np.random.Generator, n: int, lo: int, hi: int) -> np.ndarray:
-    """``n`` sizes spread evenly over orders of magnitude in ``[lo, hi]``."""
-    return np.exp(rng.uniform(np.log(lo), np.log(hi + 1), n)).astype(np.int64).clip(lo, hi)
-
-
-def mixed_layout(rng: np.random.Generator, sizes: np.ndarray) -> Layout:
-    """Scattered blocks, each start 16-byte aligned, 8-byte aligned or at any byte."""
-    base = scattered(rng, sizes, 16)
-    shift = rng.choice(np.array([0, 8, 1, 3, 5, 7, 9, 12, 15]), len(sizes))
-    return Layout(base.offsets + shift, base.nbytes)
 
 
 def run_case(seed: int, sizes: np.ndarray, alignment: int, num_sms: int = 4, mixed: bool = False,

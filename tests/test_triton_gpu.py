@@ -12,21 +12,15 @@ import pytest
 import kvswap
 from kvswap import BindContext, Direction, Policy
 from kvswap.backends import triton_generic as tg
-from kvswap.testing.memory import Layout, make_transfer, scattered
+from kvswap.testing.memory import make_transfer
+
+from triton_cases import log_sizes, mixed_layout
 
 pytestmark = pytest.mark.gpu
 KiB = 1024
 DIRECTIONS = [Direction.H2D, Direction.D2H]
 
 
-def log_sizes(rng: np.random.Generator, n: int, lo: int, hi: int) -> np.ndarray:
-    return np.exp(rng.uniform(np.log(lo), np.log(hi + 1), n)).astype(np.int64).clip(lo, hi)
-
-
-def mixed_layout(rng: np.random.Generator, sizes: np.ndarray) -> Layout:
-    base = scattered(rng, sizes, 16)
-    shift = rng.choice(np.array([0, 8, 1, 3, 5, 7, 9, 12, 15]), len(sizes))
-    return Layout(base.offsets + shift, base.nbytes)
 
 
 @pytest.fixture

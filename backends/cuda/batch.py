@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from kvswap.errors import DriverError, InvalidTransferError
+from kvswap.errors import DriverError
 from kvswap.impl import BindContext, CopyImpl
 from kvswap.streams import raw_handle
 from kvswap.types import DeviceInfo, Direction
@@ -98,9 +98,8 @@ class BatchCopy:
         count = len(sizes)
         if count == 0:
             return
-        src, dst, sizes = (np.ascontiguousarray(a, dtype=np.int64) for a in (src, dst, sizes))
-        if not len(src) == len(dst) == count:
-            raise InvalidTransferError(f"src, dst and sizes must have equal length, got {len(src)}, {len(dst)}, {count}")
+        # The arrays arrive checked (SwapFn: 1-D C-contiguous int64 of equal length), so
+        # their buffers go to the driver as they are.
         handle = raw_handle(stream, self.device_index)
         path = self.path_for(handle)
         pushed = self._context.enter() if self._context is not None else False

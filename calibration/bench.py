@@ -63,10 +63,42 @@ def bench_settings(host_only: bool, block_sizes: Optional[Sequence[int]] = None,
     )
 
 
+def label(impl: str, num_sms: Optional[int]) -> str:
+    """``impl`` or, for a kernel, ``impl@num_sms``: a route as the tables name it."""
+    return f"{impl}@{num_sms}" if num_sms else impl
+
+
 def _route_label(fn: Any, batch: Batch) -> str:
-    names = dict.fromkeys(name for name, _ in fn.assign(batch.src, batch.dst, batch.sizes))
-    return "+".join(n + (f"@{fn.plan.params[n]['num_sms']}" if fn.plan.params.get(n, {}).get("num_sms") else "")
-                    for n in names)
+    work = fn.assign(batch.src, batch.dst, batch.sizes)
+    return "+".join(dict.fromkeys(label(name, sms) for name, sms, _ in work))
+
+
+def _candidates(d: str, dev: Any, device: Any, host: PluginHost, resolved: dict[int, Any],
+                out: dict[str, Any]) -> dict[str, tuple[Any, Optional[int]]]:
+    """Every available impl bound as the resolver binds it (``force``), and each kernel
+    also at every SM count a resolved function's batch tiers use: ``label -> (fn, SMs)``."""
+    base = next(iter(resolved.values()))
+    tiers = {(r.impl, k) for fn in resolved.values() for r in fn.plan.routes for _, k in r.sms_by_batch}
+    cands: dict[str, tuple[Any, Optional[int]]] = {}
+    for c in base.plan.candidates:
+        if not c.available:
+            out["notes"].append(f"{d}: candidate {c.name} not available: {c.reason}")
+            continue
+        try:
+            fn = resolve(d, device=device, host=host, policy=Policy(force=c.name))
+            sms = fn.plan.params.get(c.name, {}).get("num_sms")
+            cands[label(c.name, sms)] = (fn, sms)
+            for k in sorted(k for name, k in tiers if name == c.name and k != sms):
+                cands[label(c.name, k)] = (_bound_at(d, dev, device, host, c.name, k), k)
+        except Exception as e:
+            out["failures"].append({"direction": d, "route": c.name, "error": f"{type(e).__name__}: {e}"})
+    return cands
+
+
+def _bound_at(d: str, dev: Any, device: Any, host: PluginHost, impl: str, num_sms: int) -> Any:
+    """``impl`` forced and bound at exactly ``num_sms`` SMs."""
+    with store.override(measurement_calibration(dev, num_sms)):
+        return resolve(d, device=device, host=host, policy=Policy(force=impl, max_sms=num_sms))
 
 
 def run_bench(device: Any, settings: BenchSettings, directions: Sequence[Any], *,
@@ -93,35 +125,24 @@ def run_bench(device: Any, settings: BenchSettings, directions: Sequence[Any], *
         t = timer.measure([pools.contiguous(d, settings.ceiling_bytes)], settings.repeats, settings.warmup)[0]
         out["ceiling_gbps"][d] = round(min(settings.ceiling_bytes, pools.pool_bytes) / median(t) / 1e9, 3)
         progress.step(f"{d} ceiling")
-        base = resolve(d, device=device, host=host)
-        out["calibration"][d] = base.plan.calibration
-        cands = {}
-        for c in base.plan.candidates:
-            if c.available:
-                try:
-                    fn = resolve(d, device=device, host=host, policy=Policy(force=c.name))
-                except Exception as e:
-                    out["failures"].append({"direction": d, "route": c.name, "error": f"{type(e).__name__}: {e}"})
-                    continue
-                cands[c.name] = (fn, fn.plan.params.get(c.name, {}).get("num_sms"))
-            else:
-                out["notes"].append(f"{d}: candidate {c.name} not available: {c.reason}")
+        resolved = {b: resolve(d, device=device, host=host, block_bytes=b) for b in settings.block_sizes}
+        out["calibration"][d] = next(iter(resolved.values())).plan.calibration
+        cands = _candidates(d, dev, device, host, resolved, out)
         peer: dict[tuple[str, Optional[int]], Any] = {}
-        if PEER_KERNEL in cands and PEER_BATCH in cands:
-            with store.override(measurement_calibration(dev, PEER_SMS)):
-                peer[(PEER_KERNEL, PEER_SMS)] = resolve(
-                    d, device=device, host=host, policy=Policy(force=PEER_KERNEL, max_sms=PEER_SMS))
+        if {PEER_KERNEL, PEER_BATCH} <= {fn.plan.forced for fn, _ in cands.values()}:
+            kernel = label(PEER_KERNEL, PEER_SMS)
+            peer[(PEER_KERNEL, PEER_SMS)] = cands[kernel][0] if kernel in cands else _bound_at(
+                d, dev, device, host, PEER_KERNEL, PEER_SMS)
             peer[(PEER_BATCH, None)] = cands[PEER_BATCH][0]
         else:
             out["notes"].append(f"{d}: peer baseline not applicable here: it needs {PEER_KERNEL} and {PEER_BATCH}")
         for b in settings.block_sizes:
-            resolved = resolve(d, device=device, host=host, block_bytes=b)
             for n in settings.batch_sizes:
                 progress.step(f"{d} grid")
                 if n > pools.slots(b):
                     out["notes"].append(f"{d}: {n} x {b} B skipped: more than the {pools.pool_bytes >> 20} MiB pool")
                     continue
-                out["rows"].append(_point(d, pools, timer, settings, pools.batch(d, b, n), cands, resolved, peer, out))
+                out["rows"].append(_point(d, pools, timer, settings, pools.batch(d, b, n), cands, resolved[b], peer, out))
     for d in dirs:
         rows = [r for r in out["rows"] if r["direction"] == d]
         best = [r["resolved_over_best"] for r in rows if r["resolved_over_best"]]
@@ -152,14 +173,15 @@ def _point(d: str, pools: Pools, timer: Any, s: BenchSettings, batch: Batch, can
                                     "error": f"{type(e).__name__}: {e}"})
     times = dict(zip([k for k, _ in ok], timer.measure([c for _, c in ok], s.repeats, s.warmup))) if ok else {}
     gbps = {k: round(batch.nbytes / median(t) / 1e9, 3) for k, t in times.items()}
-    cand = {name: {"gbps": gbps[name], "num_sms": cands[name][1]} for name in cands if name in gbps}
+    cand = {name: {"impl": fn.plan.forced, "gbps": gbps[name], "num_sms": sms}
+            for name, (fn, sms) in cands.items() if name in gbps}
     best = max(cand, key=lambda k: cand[k]["gbps"], default=None)
     res = gbps.get("resolved")
     row = {
         "direction": d, "block_bytes": batch.block_bytes, "batch": batch.n,
         "ceiling_gbps": out["ceiling_gbps"][d], "candidates": cand, "best": best,
         "resolved": {"gbps": res, "route": _route_label(resolved, batch)},
-        "peer": {"gbps": gbps["peer"], "route": peer_key[0] + (f"@{peer_key[1]}" if peer_key[1] else "")}
+        "peer": {"gbps": gbps["peer"], "route": label(*peer_key)}
         if peer_key and "peer" in gbps else None,
         "resolved_over_best": round(res / cand[best]["gbps"], 4) if res and best else None,
         "resolved_over_peer": round(res / gbps["peer"], 4) if res and "peer" in gbps else None,

@@ -21,6 +21,12 @@ Per direction:
   measured block size (``min_batch_by_size``, which the resolver interpolates: the
   threshold moves with the block size by an order of magnitude) and over all of them
   (``kernel_min_batch``, for readers that take one number).
+* **SM tiers by batch size**: the knee is fitted where the batch is large enough to fill
+  the link; a medium batch (the H200: 1-16 KiB blocks, 0.5-16 MiB per transfer) finishes
+  up to 30% sooner on more SMs. Per measured block size, over the batch sizes the kernel
+  is used for, a step function from batch size to SM count (``kernel_sms_by_batch``): the
+  fewest SMs within ``TIER_TOLERANCE`` of the fastest count measured at each batch size,
+  where one noisy batch size cannot open a tier of its own (see :func:`sms_by_batch`).
 """
 from __future__ import annotations
 
@@ -37,6 +43,15 @@ from .records import BATCH, CEILING, SIZE, Interference, Measurement
 # "Within a few % of peak": what the knee may give up for fewer SMs. 3%, the regret the
 # resolver is allowed against the best route (issue 6's bar), so the knee never costs more.
 TOLERANCE = 0.05
+
+# How far below the fastest SM count a batch-size tier may stay for fewer SMs: inside the
+# 3% regret the resolver is allowed against the best route (issue 6's bar), with room
+# left for the noise of the measurement that chose it.
+TIER_TOLERANCE = 0.02
+# A batch size whose fewest-SMs-within-tolerance differs from both neighbours' takes theirs
+# when that count is within TIER_TOLERANCE + TIER_NOISE of the fastest there: one tier for
+# one batch size is more likely the run-to-run noise of short calls than a feature.
+TIER_NOISE = 0.03
 
 Key = tuple[str, str, Optional[int]]  # (impl, kind, num_sms)
 
@@ -179,6 +194,50 @@ def batch_points(ms: Iterable[Measurement], direction: str) -> list[tuple[int, i
     return [(b, n, kern[(b, n)], dma[(b, n)]) for (b, n) in sorted(kern) if (b, n) in dma]
 
 
+def kernel_batch_times(ms: Iterable[Measurement], direction: str) -> dict[int, dict[int, dict[int, float]]]:
+    """Seconds of the fastest kernel impl per block size, batch size and SM count, from the
+    batch sweep of ``direction``."""
+    out: dict[int, dict[int, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
+    for m in ms:
+        if m.direction == direction and m.stage == BATCH and m.kind == "kernel" and m.num_sms:
+            row = out[m.block_bytes][m.batch]
+            row[m.num_sms] = min(m.seconds, row.get(m.num_sms, float("inf")))
+    return {b: dict(rows) for b, rows in out.items()}
+
+
+def sms_by_batch(times: dict[int, dict[int, float]], floor: int = 1,
+                 tolerance: float = TIER_TOLERANCE) -> list[list[int]]:
+    """SM tiers for one block size: ``[[from_batch, num_sms], ...]``.
+
+    :param times: seconds per batch size, then per SM count (counts below ``floor``, the
+        knee, are not considered).
+    :return: per measured batch size, the fewest SMs within ``tolerance`` of the fastest
+        count there; then a batch size whose count differs from that of both its
+        neighbours, which agree, takes theirs where that is within ``tolerance +
+        TIER_NOISE`` of the fastest; runs of one count make a tier, which starts at the
+        geometric midpoint between the last batch size of the tier before and its own first.
+    """
+    rows = {n: {k: t for k, t in row.items() if k >= floor} for n, row in times.items()}
+    ns = sorted(n for n, row in rows.items() if row)
+    if not ns:
+        return []
+
+    def within(n: int, k: int, slack: float) -> bool:
+        row = rows[n]
+        return k in row and min(row.values()) / row[k] >= 1.0 - slack - 1e-12
+
+    pick = [min(k for k in rows[n] if within(n, k, tolerance)) for n in ns]
+    for i in range(1, len(ns) - 1):
+        other = pick[i - 1]
+        if pick[i + 1] == other != pick[i] and within(ns[i], other, tolerance + TIER_NOISE):
+            pick[i] = other
+    tiers = [[1, pick[0]]]
+    for i in range(1, len(ns)):
+        if pick[i] != pick[i - 1]:
+            tiers.append([max(ns[i - 1] + 1, round(math.sqrt(ns[i - 1] * ns[i]))), pick[i]])
+    return tiers
+
+
 def fit_direction(ms: list[Measurement], direction: str, tolerance: float = TOLERANCE) -> dict[str, Any]:
     """Everything decided for one direction from its measurements (see the module doc)."""
     table = size_table(ms, direction)
@@ -206,12 +265,19 @@ def fit_direction(ms: list[Measurement], direction: str, tolerance: float = TOLE
         kernel_peak_sms=peak_sms,
         kernel_min_batch=None,
         min_batch_by_size=[],
+        kernel_sms_by_batch=[],
     )
     if uses_kernel:
         points = batch_points(ms, direction)
         out["kernel_min_batch"] = min_batch(points)
         for b in sorted({p[0] for p in points}):
             out["min_batch_by_size"].append([b, min_batch(p for p in points if p[0] == b)])
+        floor = dict(out["min_batch_by_size"])
+        for b, rows in sorted(kernel_batch_times(ms, direction).items()):
+            used = {n: row for n, row in rows.items() if n >= floor.get(b, 1)}
+            tiers = sms_by_batch(used, knee or 1)
+            if tiers:
+                out["kernel_sms_by_batch"].append([b, tiers])
     return out
 
 
@@ -281,6 +347,8 @@ def profile_fields(
                 "carried_from": prior.source,
                 "kernel_sms": prior.kernel_sms.get(d),
                 "kernel_min_batch": prior.kernel_min_batch.get(d),
+                "min_batch_by_size": [list(p) for p in prior.min_batch_by_size.get(d, ())],
+                "kernel_sms_by_batch": [[b, [list(t) for t in tiers]] for b, tiers in prior.kernel_sms_by_batch.get(d, ())],
             }
             if d in prior.ceiling_gbps:
                 ceiling[d] = prior.ceiling_gbps[d]

@@ -41,6 +41,12 @@ def describe_decision(d: str, dec: dict[str, Any]) -> list[str]:
         lines.append(f"  kernel only for batches of at least (by block size) {pairs}; smaller ones take the batch route")
     elif dec.get("kernel_min_batch"):
         lines.append(f"  kernel from batches of {dec['kernel_min_batch']} descriptors; smaller batches take the batch route")
+    tiers = [(b, t) for b, t in dec.get("kernel_sms_by_batch", []) if any(k != dec.get("kernel_sms") for _, k in t)]
+    if tiers:
+        lines.append("  kernel SMs by batch size, where they differ from the knee:")
+        for b, t in tiers:
+            steps = ", ".join(f"{k} SMs from {n}" if n > 1 else f"{k} SMs" for n, k in t)
+            lines.append(f"    {human_bytes(b)} blocks: {steps}")
     if dec.get("crossover_bytes"):
         lines.append(f"  crossover: batch route from {human_bytes(dec['crossover_bytes'])} blocks")
     if not dec.get("routes"):

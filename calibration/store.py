@@ -10,7 +10,7 @@ A profile document (schema ``kvswap.profile/1``) holds: ``schema``, ``kvswap_ver
 ``identity``, ``device`` (the full DeviceInfo), ``created``, ``measured`` (what was timed,
 in words), ``settings``, ``ceiling_gbps``, ``measurements`` (raw timings), ``failures``,
 ``curves``, ``decisions`` (per direction: routes, ``kernel_sms``, ``kernel_min_batch``,
-``min_batch_by_size``, crossover), ``slowdown`` and ``interference``. :func:`to_calibration` is what the resolver
+``min_batch_by_size``, ``kernel_sms_by_batch``, crossover), ``slowdown`` and ``interference``. :func:`to_calibration` is what the resolver
 reads of it.
 """
 from __future__ import annotations
@@ -80,6 +80,9 @@ def to_calibration(doc: dict[str, Any], source: str) -> Calibration:
             kernel_sms={d: v["kernel_sms"] for d, v in decisions.items() if v.get("kernel_sms")},
             kernel_min_batch={d: v["kernel_min_batch"] for d, v in decisions.items() if v.get("kernel_min_batch")},
             min_batch_by_size={d: v["min_batch_by_size"] for d, v in decisions.items() if v.get("min_batch_by_size")},
+            kernel_sms_by_batch={
+                d: v["kernel_sms_by_batch"] for d, v in decisions.items() if v.get("kernel_sms_by_batch")
+            },
             slowdown=doc.get("slowdown", {}),
             ceiling_gbps=doc.get("ceiling_gbps", {}),
             identity=identity,

@@ -1,8 +1,10 @@
 """The measurement grid of ``kvswap calibrate``, run on the present device.
 
 Stages, per direction: the contiguous ceiling; every available route over block sizes at
-a large batch (kernels at several SM counts); then, at a few block sizes where the kernel
-wins at its SM knee, the kernel against the best batch route over batch sizes; optionally
+a large batch (kernels at several SM counts); then, at the block sizes where the kernel
+wins at its SM knee, the kernel at the knee and at the next few SM counts above it
+against the best batch route over batch sizes (the minimum batch, and the SM tiers by
+batch size); optionally
 the compute slowdown each route causes beside a GEMM. Routes are bound through
 ``kvswap.resolve(..., policy=Policy(force=name))`` exactly as an engine gets them, with a
 calibration override that binds kernels at exactly the SM count being measured. A route
@@ -55,6 +57,7 @@ class Settings:
     ceiling_bytes: int
     repeats: int
     warmup: int
+    tier_counts: int = 1  # SM counts, the knee and those above it, the batch sweep measures
     interference: bool = False
     interference_all_sms: bool = False
     knee_tolerance: float = fit.TOLERANCE
@@ -84,6 +87,7 @@ def settings_for(device: DeviceInfo, quick: bool = False, max_sms: Optional[int]
             sm_counts=_sm_counts((1, 2, 4, 8), device, max_sms),
             batch_sizes=(1, 4, 16, 64, 256) if quick else (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024),
             batch_sweep_blocks=4 if quick else None,
+            tier_counts=2 if quick else 3,
             size_sweep_bytes=(4 if quick else 32) * MiB,
             max_batch=256 if quick else 2048,
             pool_bytes=(16 if quick else 64) * MiB,
@@ -101,6 +105,8 @@ def settings_for(device: DeviceInfo, quick: bool = False, max_sms: Optional[int]
         batch_sizes=(1, 4, 16, 64, 256, 1024, 4096) if quick
         else (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 10000),
         batch_sweep_blocks=4 if quick else None,
+        # The H200 knee is 4 SMs; medium batches there wanted 16-24 (tests/bench/bench_sm_by_batch.py).
+        tier_counts=4 if quick else 6,
         size_sweep_bytes=(64 if quick else 256) * MiB,
         max_batch=10000,
         pool_bytes=(512 if quick else 1024) * MiB,
@@ -296,8 +302,9 @@ class Sweep:
             self.progress.step(f"{direction} block sizes")
 
     def batch_sweep(self, direction: Direction, bounds: list[Bound]) -> None:
-        """Kernel at its knee against the best batch route, over batch sizes, at a few
-        block sizes where the kernel is the route."""
+        """The kernel at its knee and the ``tier_counts - 1`` SM counts above it against the
+        best batch route, over batch sizes, at the block sizes where the kernel is the
+        route (or ``batch_sweep_blocks`` of them, evenly spread)."""
         assert self.pools is not None
         d = str(direction)
         decision = fit.fit_direction(self.result.measurements, d, self.settings.knee_tolerance)
@@ -315,13 +322,14 @@ class Sweep:
             if not dma:
                 continue
             best = max(dma)[1]
-            pair = [x for x in bounds if (x.impl, x.num_sms) in ((r["impl"], r["num_sms"]), (best, None))]
+            tiers = [k for k in self.settings.sm_counts if k >= r["num_sms"]][:self.settings.tier_counts]
+            contenders = [x for x in bounds if (x.impl == r["impl"] and x.num_sms in tiers) or (x.impl, x.num_sms) == (best, None)]
             ns = [n for n in self.settings.batch_sizes if n <= self.pools.slots(b)]
-            plan.append((b, pair, ns))
+            plan.append((b, contenders, ns))
         self.progress.add(sum(len(ns) for _, _, ns in plan))
-        for b, pair, ns in plan:
+        for b, contenders, ns in plan:
             for n in ns:
-                self.measure(pair, self.pools.batch(direction, b, n), BATCH)
+                self.measure(contenders, self.pools.batch(direction, b, n), BATCH)
                 self.progress.step(f"{direction} batch sizes")
 
     def interference(self, direction: Direction, bounds: list[Bound]) -> None:

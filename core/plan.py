@@ -28,6 +28,9 @@ class Route:
         best first, as the ranking saw them.
     :ivar min_batch: below this many descriptors ``small_batch_impl`` is used instead.
     :ivar fallbacks: where descriptors go that ``impl``'s constraints refuse (alignment).
+    :ivar sms_by_batch: for a kernel ``impl``, ``((from_batch, num_sms), ...)``: a batch of
+        ``n`` descriptors runs on the SMs of the last tier with ``from_batch <= n`` (the
+        first below all); empty: the SMs ``impl`` was bound with (``Plan.params``).
     """
 
     min_bytes: int
@@ -38,6 +41,19 @@ class Route:
     min_batch: int = 0
     small_batch_impl: Optional[str] = None
     fallbacks: tuple[str, ...] = ()
+    sms_by_batch: tuple[tuple[int, int], ...] = ()
+
+    def sms_for(self, batch: int) -> Optional[int]:
+        """The SM count of ``impl`` for a batch of ``batch`` descriptors (None: as bound)."""
+        tiers = self.sms_by_batch
+        if not tiers:
+            return None
+        k = tiers[0][1]
+        for start, sms in tiers:
+            if batch < start:
+                break
+            k = sms
+        return k
 
 
 @dataclass(frozen=True)
@@ -97,6 +113,10 @@ def _explain_lines(p: Plan) -> list[str]:
         status = "available" if c.available else f"rejected: {c.reason}"
         bound = p.params.get(c.name)
         extra = f", bound with {', '.join(f'{k}={v}' for k, v in bound.items())}" if bound else ""
+        tiers = sorted({k for r in p.routes if r.impl == c.name for _, k in r.sms_by_batch}
+                       - {(bound or {}).get("num_sms")})
+        if tiers:
+            extra += f" (and {', '.join(map(str, tiers))} SMs for the batch tiers of its routes)"
         lines.append(f"    {mark} {c.name:<{width}}  {c.kind:<6} (plugin {c.plugin}) {status}{extra}")
     lines.append("  routes by block size:")
     for r in p.routes:
@@ -109,6 +129,13 @@ def _explain_lines(p: Plan) -> list[str]:
         lines.append(line)
         if r.small_batch_impl:
             lines.append(f"    {'':<28}    batches under {r.min_batch} descriptors -> {r.small_batch_impl}")
+        for i, (start, sms) in enumerate(r.sms_by_batch):
+            lo = max(start, r.min_batch) if i else r.min_batch if r.small_batch_impl else 1
+            end = r.sms_by_batch[i + 1][0] if i + 1 < len(r.sms_by_batch) else None
+            if end is not None and end <= lo:
+                continue
+            which = f"{lo}+" if end is None else f"{lo}-{end - 1}"
+            lines.append(f"    {'':<28}    batches of {which} descriptors -> {r.impl} on {sms} SMs")
         if r.fallbacks and _constrained(p, r.impl):
             lines.append(f"    {'':<28}    descriptors {r.impl} refuses -> {', '.join(r.fallbacks)}")
     for note in p.notes:

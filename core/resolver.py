@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 from typing import Any, Iterable, Optional, Union
 
 from .errors import ConfigurationError, ResolutionError
@@ -47,13 +48,29 @@ def _block_sizes(block_bytes: Union[None, int, Iterable[int]]) -> tuple[int, ...
     return tuple(sorted(set(values)))
 
 
-def _num_sms(cal: Calibration, direction: Direction, policy: Policy, device: DeviceInfo) -> int:
-    n = cal.sms(direction)
+def _sm_cap(n: int, policy: Policy, device: DeviceInfo) -> int:
+    """``n`` SMs within the policy's budget and the device's count."""
     if policy.max_sms is not None:
         n = min(n, policy.max_sms)
     if device.compute_units and device.platform != "cpu":  # CPU cores are not SMs
         n = min(n, device.compute_units)
     return max(n, 1)
+
+
+def _num_sms(cal: Calibration, direction: Direction, policy: Policy, device: DeviceInfo) -> int:
+    return _sm_cap(cal.sms(direction), policy, device)
+
+
+def _sms_by_batch(cal: Calibration, direction: Direction, policy: Policy, device: DeviceInfo,
+                  size: int, num_sms: int) -> tuple[tuple[int, int], ...]:
+    """The calibration's SM tiers at ``size``, capped like the knee, equal neighbours
+    merged; empty when every tier comes to the knee (``num_sms``)."""
+    out: list[tuple[int, int]] = []
+    for start, k in cal.sms_tiers(direction, size):
+        k = _sm_cap(k, policy, device)
+        if not out or out[-1][1] != k:
+            out.append((start, k))
+    return () if all(k == num_sms for _, k in out) else tuple(out)
 
 
 def _rank(
@@ -80,7 +97,7 @@ def _rank(
 
 def _routes(
     usable: list[CopyImpl], cal: Calibration, direction: Direction, policy: Policy,
-    sizes: tuple[int, ...], num_sms: int,
+    sizes: tuple[int, ...], num_sms: int, device: DeviceInfo,
 ) -> tuple[Route, ...]:
     routes: list[Route] = []
     for i, lo in enumerate(EDGES):
@@ -101,18 +118,48 @@ def _routes(
             min_batch=cal.min_batch(direction, block_bytes=rep) if small else 0,
             small_batch_impl=small.name if small else None,
             fallbacks=tuple(impl.name for impl, _ in ranked[1:]),
+            sms_by_batch=_sms_by_batch(cal, direction, policy, device, rep, num_sms) if best.uses_sms else (),
         )
         prev = routes[-1] if routes else None
-        same = prev and (prev.impl, prev.small_batch_impl, prev.min_batch, prev.fallbacks, prev.max_bytes) == (
-            route.impl, route.small_batch_impl, route.min_batch, route.fallbacks, lo - 1
-        )
+        decided = ("impl", "small_batch_impl", "min_batch", "fallbacks", "sms_by_batch")
+        same = prev and prev.max_bytes == lo - 1 and all(getattr(prev, a) == getattr(route, a) for a in decided)
         if same:
             keep = route if given and prev.at_bytes not in sizes else prev
-            routes[-1] = Route(prev.min_bytes, hi, prev.impl, keep.at_bytes, keep.predicted,
-                               prev.min_batch, prev.small_batch_impl, prev.fallbacks)
+            routes[-1] = replace(prev, max_bytes=hi, at_bytes=keep.at_bytes, predicted=keep.predicted)
         else:
             routes.append(route)
     return tuple(routes)
+
+
+def _bind_tiers(
+    routes: tuple[Route, ...], usable: list[CopyImpl], params: dict[str, dict[str, Any]],
+    direction: Direction, dev: DeviceInfo, translate: Any, notes: list[str],
+) -> tuple[tuple[Route, ...], dict[tuple[str, int], Any]]:
+    """Bind each kernel once more per SM count its routes' batch tiers name besides the
+    one it is bound with. A binding that fails takes the tiers out of the routes that
+    name it (they keep the knee), with a note."""
+    impls = {i.name: i for i in usable}
+    tiered: dict[tuple[str, int], Any] = {}
+    failed: set[tuple[str, int]] = set()
+    wanted = {(r.impl, k) for r in routes for _, k in r.sms_by_batch}
+    for name, k in sorted(wanted):
+        if params.get(name, {}).get("num_sms") == k:
+            continue
+        try:
+            fn = impls[name].factory(BindContext(direction, dev, {"num_sms": k}, translate))
+            if not callable(fn):
+                raise TypeError(f"factory returned {fn!r}, not a callable")
+            tiered[(name, k)] = fn
+        except Exception as e:
+            failed.add((name, k))
+            notes.append(f"{name}: could not be bound at {k} SMs for its batch tiers "
+                         f"({type(e).__name__}: {e}); those batches use its knee")
+    if failed:
+        routes = tuple(replace(r, sms_by_batch=()) if any((r.impl, k) in failed for _, k in r.sms_by_batch) else r
+                       for r in routes)
+        kept = {(r.impl, k) for r in routes for _, k in r.sms_by_batch}
+        tiered = {key: fn for key, fn in tiered.items() if key in kept}
+    return routes, tiered
 
 
 def _translator(host: PluginHost, device: DeviceInfo) -> Any:
@@ -209,12 +256,13 @@ def resolve(
         usable = [impl]
         notes.append(f"forced by {where}")
     else:
-        routes = _routes(usable, cal, direction, policy, sizes, num_sms)
+        routes = _routes(usable, cal, direction, policy, sizes, num_sms, dev)
         if not routes:
             rejected = "; ".join(f"{c.name}: {c.reason}" for c in candidates) or "no backend registered any"
             raise ResolutionError(
                 f"no implementation can copy {direction} on {dev.platform} device {dev.name!r} ({rejected})"
             )
+    routes, tiered = _bind_tiers(routes, usable, params, direction, dev, translate, notes)
     used = {n for r in routes for n in (r.impl, r.small_batch_impl, *r.fallbacks) if n}
     plan = Plan(
         direction=direction,
@@ -228,4 +276,5 @@ def resolve(
         notes=tuple(notes),
     )
     impls = {i.name: i for i in usable if i.name in used}
-    return SwapFn(plan, impls, {k: v for k, v in bound.items() if k in used})
+    fns = {(k, params.get(k, {}).get("num_sms")): v for k, v in bound.items() if k in used}
+    return SwapFn(plan, impls, {**fns, **tiered})

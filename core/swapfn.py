@@ -23,10 +23,15 @@ class SwapFn:
     on ``stream`` (default: the current stream) and the call returns without waiting.
     """
 
-    def __init__(self, plan: Plan, impls: dict[str, CopyImpl], bound: dict[str, TransferFn]) -> None:
+    def __init__(self, plan: Plan, impls: dict[str, CopyImpl],
+                 bound: dict[tuple[str, Optional[int]], TransferFn]) -> None:
+        """:param bound: the bound transfer per ``(impl, num_sms)``: num_sms as in
+        ``plan.params`` (None for impls that take no SMs), plus one per SM count the
+        routes' batch tiers name."""
         self.plan = plan
         self._impls = impls
-        self._bound = bound
+        self._fns = bound
+        self._sms = {name: plan.params.get(name, {}).get("num_sms") for name in impls}
         self._routes = plan.routes
         self._lows = np.array([r.min_bytes for r in plan.routes], dtype=np.int64)
         self._low_list = [r.min_bytes for r in plan.routes]
@@ -74,21 +79,30 @@ class SwapFn:
             r = bisect_right(lows, smallest) - 1
             route = routes[r] if r == bisect_right(lows, largest) - 1 else None
         if route is not None:  # one size class: the common case, no per-descriptor work here
-            name = route.impl
-            if route.small_batch_impl and count < route.min_batch:
-                name = route.small_batch_impl
+            name, sms = self._choose(route, count)
             if name in self._plain:
-                self._bound[name](src, dst, n, stream)
+                self._fns[(name, sms)](src, dst, n, stream)
                 return
-        work = self.assign(src, dst, n)
-        for name, sel in work:
+        for name, sms, sel in self.assign(src, dst, n):
+            fn = self._fns[(name, sms)]
             if sel is None:
-                self._bound[name](src, dst, n, stream)
+                fn(src, dst, n, stream)
             else:
-                self._bound[name](src[sel], dst[sel], n[sel], stream)
+                fn(src[sel], dst[sel], n[sel], stream)
 
-    def assign(self, src: np.ndarray, dst: np.ndarray, n: np.ndarray) -> list[tuple[str, Optional[np.ndarray]]]:
-        """Which implementation copies which descriptors: ``(impl, indices or None=all)``.
+    def _choose(self, route: Route, count: int) -> tuple[str, Optional[int]]:
+        """The impl, and its SM count, that ``route`` takes for ``count`` descriptors."""
+        if route.small_batch_impl and count < route.min_batch:
+            name = route.small_batch_impl
+            return name, self._sms[name]
+        name = route.impl
+        if route.sms_by_batch:
+            return name, route.sms_for(count)
+        return name, self._sms[name]
+
+    def assign(self, src: np.ndarray, dst: np.ndarray, n: np.ndarray) -> list[tuple[str, Optional[int], Optional[np.ndarray]]]:
+        """Which implementation copies which descriptors: ``(impl, num_sms, indices or
+        None=all)``; ``num_sms`` is what a kernel runs on (None for impls without SMs).
 
         Raises :class:`InvalidTransferError` for a descriptor no usable route accepts.
         """
@@ -103,26 +117,23 @@ class SwapFn:
             else:
                 which = np.searchsorted(self._lows, n, side="right") - 1
                 groups = [(routes[r], np.flatnonzero(which == r)) for r in np.unique(which)]
-        out: list[tuple[str, Optional[np.ndarray]]] = []
+        out: list[tuple[str, Optional[int], Optional[np.ndarray]]] = []
         for route, sel in groups:
             count = len(n) if sel is None else len(sel)
-            name = route.impl
-            if route.small_batch_impl and count < route.min_batch:
-                name = route.small_batch_impl
-            self._place(name, route, src, dst, n, sel, out)
+            self._place(*self._choose(route, count), route, src, dst, n, sel, out)
         return out
 
-    def _place(self, name: str, route: Route, src: np.ndarray, dst: np.ndarray, n: np.ndarray,
-               sel: Optional[np.ndarray], out: list) -> None:
+    def _place(self, name: str, sms: Optional[int], route: Route, src: np.ndarray, dst: np.ndarray,
+               n: np.ndarray, sel: Optional[np.ndarray], out: list) -> None:
         impl = self._impls[name]
         view = (src, dst, n) if sel is None else (src[sel], dst[sel], n[sel])
         bad = impl.refused(*view)
         if not bad.any():
-            self._split_sizes(impl, sel, view[2], out)
+            self._split_sizes(impl, sms, sel, view[2], out)
             return
         idx = np.arange(len(n)) if sel is None else sel
         if (~bad).any():
-            self._split_sizes(impl, idx[~bad], view[2][~bad], out)
+            self._split_sizes(impl, sms, idx[~bad], view[2][~bad], out)
         left = idx[bad]
         for other in (route.impl, route.small_batch_impl, *route.fallbacks):
             if not left.size or other is None or other == name:
@@ -130,7 +141,7 @@ class SwapFn:
             alt = self._impls[other]
             refused = alt.refused(src[left], dst[left], n[left])
             if (~refused).any():
-                self._split_sizes(alt, left[~refused], n[left][~refused], out)
+                self._split_sizes(alt, self._sms[other], left[~refused], n[left][~refused], out)
             left = left[refused]
         if left.size:
             i = int(left[0])
@@ -141,10 +152,11 @@ class SwapFn:
             )
 
     @staticmethod
-    def _split_sizes(impl: CopyImpl, sel: Optional[np.ndarray], sizes: np.ndarray, out: list) -> None:
+    def _split_sizes(impl: CopyImpl, sms: Optional[int], sel: Optional[np.ndarray], sizes: np.ndarray,
+                     out: list) -> None:
         if impl.mixed_sizes or sizes.min() == sizes.max():
-            out.append((impl.name, sel))
+            out.append((impl.name, sms, sel))
             return
         idx = np.arange(len(sizes)) if sel is None else sel
         for size in np.unique(sizes):
-            out.append((impl.name, idx[sizes == size]))
+            out.append((impl.name, sms, idx[sizes == size]))

@@ -71,6 +71,12 @@ class Calibration:
         threshold was measured per block size (it grows with the block: a kernel's fixed
         launch cost is repaid sooner where its per-block advantage is larger); between them
         interpolated over log sizes, held flat past either end. Overrides ``kernel_min_batch``.
+    :param kernel_sms_by_batch: per direction, SM tiers measured per block size:
+        ``(block_bytes, ((from_batch, num_sms), ...))``. A kernel copying ``n`` blocks runs
+        on the SMs of the last tier whose ``from_batch <= n`` (the first tier below its
+        ``from_batch``): medium batches finish sooner on more SMs than the knee, which is
+        fitted where the link is already full. A block size between measured ones takes
+        the tiers of the nearest (over log sizes). Without tiers: ``kernel_sms`` for all.
     :param slowdown: fraction of compute throughput lost while a route runs, keyed by impl
         name or by kind (``"batch"``, ``"kernel"``); used by ``prefer="low_interference"``.
     :param ceiling_gbps: per direction, the contiguous copy ceiling when measured.
@@ -84,6 +90,7 @@ class Calibration:
     kernel_sms: Mapping[str, int] = field(default_factory=dict)
     kernel_min_batch: Mapping[str, int] = field(default_factory=dict)
     min_batch_by_size: Mapping[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+    kernel_sms_by_batch: Mapping[str, tuple[tuple[int, tuple[tuple[int, int], ...]], ...]] = field(default_factory=dict)
     slowdown: Mapping[str, float] = field(default_factory=dict)
     ceiling_gbps: Mapping[str, float] = field(default_factory=dict)
     calibrated: bool = True
@@ -115,6 +122,17 @@ class Calibration:
                 raise bad("min_batch_by_size values must be (block_bytes >= 1, batch >= 1) pairs, one per size")
             by_size[str(Direction.parse(k))] = pts
         object.__setattr__(self, "min_batch_by_size", by_size)
+        tiers = {}
+        for k, rows in dict(self.kernel_sms_by_batch).items():
+            try:
+                table = tuple(sorted((int(b), _tiers(steps)) for b, steps in rows))
+            except (TypeError, ValueError):
+                table = ()
+            if not table or any(b < 1 for b, _ in table) or len({b for b, _ in table}) != len(table):
+                raise bad("kernel_sms_by_batch values must be (block_bytes >= 1, ((from_batch, num_sms), ...)) "
+                          "rows, one per block size, each with tiers of distinct from_batch >= 1 and num_sms >= 1")
+            tiers[str(Direction.parse(k))] = table
+        object.__setattr__(self, "kernel_sms_by_batch", tiers)
         if any(not 0 <= v < 1 for v in self.slowdown.values()):
             raise bad("slowdown values are fractions in [0, 1)")
 
@@ -146,6 +164,15 @@ class Calibration:
     def sms(self, direction: Direction, default: int = 8) -> int:
         return int(self.kernel_sms.get(str(direction), default))
 
+    def sms_tiers(self, direction: Direction, block_bytes: int) -> tuple[tuple[int, int], ...]:
+        """``((from_batch, num_sms), ...)`` for a kernel copying ``block_bytes`` blocks;
+        empty where none were measured (the knee, :meth:`sms`, applies)."""
+        table = self.kernel_sms_by_batch.get(str(direction))
+        if not table:
+            return ()
+        x = math.log(max(block_bytes, 1))
+        return min(table, key=lambda row: (abs(math.log(row[0]) - x), row[0]))[1]
+
     def min_batch(self, direction: Direction, default: int = 16, block_bytes: Optional[int] = None) -> int:
         pts = self.min_batch_by_size.get(str(direction))
         if not pts or block_bytes is None:
@@ -172,6 +199,14 @@ class Calibration:
             "calibrated": self.calibrated,
             "identity": self.identity,
         }
+
+
+def _tiers(steps: Any) -> tuple[tuple[int, int], ...]:
+    """Checked SM tiers: ``(from_batch, num_sms)`` pairs, sorted, distinct, all >= 1."""
+    out = tuple(sorted((int(n), int(k)) for n, k in steps))
+    if not out or any(n < 1 or k < 1 for n, k in out) or len({n for n, _ in out}) != len(out):
+        raise ValueError("bad tiers")
+    return out
 
 
 def _kind_curves(batch: list[tuple[int, float]], kernel: list[tuple[int, float]], sms: int) -> tuple[Curve, ...]:

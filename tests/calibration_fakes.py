@@ -68,14 +68,16 @@ class LedgerTimer:
 class ModelPlatform:
     """Plugin: detects ``modelplat:0`` and registers ``model.batch`` and ``model.kernel``
     (or other ``names``; plus, on request, routes that raise, copy nothing, or refuse
-    large blocks)."""
+    large blocks). With ``fill_s``, the kernel pays a per-call cost that shrinks with its
+    SM count, so medium batches want more SMs than the knee."""
 
     IDENTITY = "modelplat-model-device-16cu"
 
     def __init__(self, ledger: Ledger, broken: bool = False,
-                 names: tuple[str, str] = ("model.batch", "model.kernel")) -> None:
+                 names: tuple[str, str] = ("model.batch", "model.kernel"), fill_s: float = 0.0) -> None:
         self.ledger = ledger
         self.broken = broken
+        self.fill_s = fill_s
         self.batch_name, self.kernel_name = names
         self.bound_sms: list[int] = []
 
@@ -94,7 +96,12 @@ class ModelPlatform:
 
     def _kernel(self, ctx: Any) -> Callable[..., None]:
         self.bound_sms.append(ctx.params["num_sms"])
-        return self._route(kernel_cost, ctx.params["num_sms"])
+        if not self.fill_s:
+            return self._route(kernel_cost, ctx.params["num_sms"])
+        # The link fills sooner with more programs: fill_s at 16 SMs, twice that at 8. A
+        # fixed cost per call, so it decides medium batches and vanishes in large ones.
+        fill = self.fill_s * 16 / ctx.params["num_sms"]
+        return self._route(lambda d, b, n, sms: kernel_cost(d, b, n, sms) + fill, ctx.params["num_sms"])
 
     @hookimpl
     def kvswap_register_copy_impls(self, platform: str, register: Callable[[CopyImpl], None]) -> None:

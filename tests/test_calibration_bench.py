@@ -2,6 +2,8 @@
 the peer's choice per point, the ratios, and the resolved route after calibration."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvswap import plugins
@@ -48,8 +50,10 @@ def test_bench_after_calibration_never_loses_to_the_peer(peer_named_device, caps
         d, b, n = r["direction"], r["block_bytes"], r["batch"]
         impl, sms = peer_route(d, b, n)
         assert r["peer"]["route"] == impl + (f"@{sms}" if sms else "")
-        assert set(r["candidates"]) == {"cuda.batch", "triton.kernel"}
-        assert r["candidates"]["triton.kernel"]["num_sms"] == 8  # bound as resolve() binds it: the knee
+        # bound as resolve() binds it: the knee (the model's costs need no batch tiers)
+        assert set(r["candidates"]) == {"cuda.batch", "triton.kernel@8"}
+        assert r["candidates"]["triton.kernel@8"] == {**r["candidates"]["triton.kernel@8"],
+                                                       "impl": "triton.kernel", "num_sms": 8}
         best = r["candidates"][r["best"]]["gbps"]
         assert r["resolved_over_best"] == pytest.approx(r["resolved"]["gbps"] / best, rel=1e-3)
         # modelled costs are exact: the calibrated route is the best candidate and never below the peer
@@ -60,3 +64,36 @@ def test_bench_after_calibration_never_loses_to_the_peer(peer_named_device, caps
     assert small["resolved"]["route"] == "triton.kernel@8"
     assert small["resolved_over_peer"] > kernel_gbps(4 * KiB, 8) / batch_gbps(4 * KiB) / 2
     assert out["summary"]["d2h"]["min_resolved_over_peer"] >= 1.0 - 1e-3
+
+
+def test_batch_tiers_from_calibration_beat_the_knee_and_the_peer_at_medium_batches(monkeypatch, capsys, tmp_path):
+    ledger = Ledger()
+    plat = ModelPlatform(ledger, names=("cuda.batch", "triton.kernel"), fill_s=0.5e-6)
+    plugins.reset_plugin_host(plugins.create_plugin_host(entry_points=[], extra=[("model", plat)]))
+    monkeypatch.setattr(sweep_module, "make_timer", lambda device: LedgerTimer(ledger))
+    monkeypatch.setattr(bench_module, "make_timer", lambda device: LedgerTimer(ledger))
+    profile = tmp_path / "p.json"
+    assert main(["calibrate", "--quick", "--device", "modelplat:0", "--out", str(profile)]) == 0
+    monkeypatch.setenv("KVSWAP_PROFILE", str(profile))
+    printed = capsys.readouterr().out
+    assert "kernel SMs by batch size, where they differ from the knee:" in printed
+    assert "4 KiB blocks: 16 SMs, 8 SMs from 128" in printed
+    dec = json.loads(profile.read_text())["decisions"]["h2d"]
+    assert dec["kernel_sms"] == 8
+    tiers = dict((b, t) for b, t in dec["kernel_sms_by_batch"])
+    # 4 KiB x 16-64: 16 SMs save 0.5 us of a 6-12 us call (over 3%); from 256 blocks under 3%: the knee
+    assert tiers[4 * KiB] == [[1, 16], [128, 8]]
+    s = BenchSettings(block_sizes=(4 * KiB,), batch_sizes=(16, 64, 256, 4096), pool_bytes=32 * MiB,
+                      ceiling_bytes=MiB, repeats=1, warmup=0)
+    out = run_bench("modelplat:0", s, ["h2d"])
+    assert out["failures"] == []
+    for r in out["rows"]:
+        assert set(r["candidates"]) == {"cuda.batch", "triton.kernel@8", "triton.kernel@16"}
+        tier = r["batch"] < 128
+        assert r["resolved"]["route"] == ("triton.kernel@16" if tier else "triton.kernel@8")
+        # the knee where more SMs gain less than the tier tolerance; the peer's 12 SMs gain less still
+        assert r["resolved_over_best"] == pytest.approx(1.0, abs=1e-3) if tier else r["resolved_over_best"] >= 0.98
+        assert r["resolved_over_peer"] > 1.0 if tier else r["resolved_over_peer"] >= 0.98
+    at64 = next(r for r in out["rows"] if r["batch"] == 64)
+    knee = at64["candidates"]["triton.kernel@8"]["gbps"]
+    assert at64["resolved"]["gbps"] > 1.03 * knee

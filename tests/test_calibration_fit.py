@@ -172,7 +172,7 @@ def test_the_resolver_takes_the_min_batch_of_each_block_size(tmp_path):
     src = (1 << 24) + np.arange(32, dtype=np.int64) * 65536  # assign() only routes: nothing is copied
     for size, n, want in ((4096, 8, "model.kernel"), (4096, 7, "model.batch"), (65536, 32, "model.batch")):
         sizes = np.full(n, size, dtype=np.int64)
-        assert [name for name, _ in fn.assign(src[:n], src[:n] + (1 << 22), sizes)] == [want]
+        assert [name for name, _, _ in fn.assign(src[:n], src[:n] + (1 << 22), sizes)] == [want]
 
 
 def test_batch_points_pair_the_fastest_kernel_and_batch_per_point():
@@ -246,3 +246,68 @@ def test_a_partial_run_carries_the_other_direction_over():
     assert {c["impl"] for c in d2h} == {c.impl for c in FALLBACK.curves if str(c.direction) == "d2h"}
     assert fields["slowdown"] == dict(FALLBACK.slowdown) and "not measured" in fields["slowdown_source"]
     assert "carried_from" not in fields["decisions"]["h2d"]
+
+
+# ---- SM tiers by batch size ---------------------------------------------------------
+
+TIER_NS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 10000)
+
+
+def tier_times(slow: dict, counts=(4, 8, 16, 24)):
+    """Seconds per batch size and SM count: every count equal, except ``slow``:
+    ``{n: {sms: fraction of the fastest}}``."""
+    return {n: {k: 1e-6 * n / slow.get(n, {}).get(k, 1.0) for k in counts} for n in TIER_NS}
+
+
+def test_tiers_give_medium_batches_more_sms_and_large_ones_the_knee():
+    slow = {n: {4: 0.75, 8: 0.90} for n in (256, 512, 1024, 2048)}  # 16 and 24 SMs are 25% faster there
+    assert fit.sms_by_batch(tier_times(slow), floor=4) == [[1, 4], [181, 16], [2896, 4]]  # midpoints: sqrt(128*256)...
+
+
+def test_tiers_take_the_fewest_sms_within_the_tolerance():
+    slow = {n: {4: 0.90, 8: 0.985} for n in (256, 512, 1024)}  # 8 SMs is within 2% of the best
+    assert fit.sms_by_batch(tier_times(slow), floor=4) == [[1, 4], [181, 8], [1448, 4]]
+    assert fit.sms_by_batch(tier_times({}), floor=4) == [[1, 4]]  # nothing to gain: the knee throughout
+
+
+def test_one_noisy_batch_size_does_not_open_a_tier_but_a_real_shortfall_does():
+    noise = {1024: {4: 0.955, 8: 0.955}}  # 2.5% beyond the tolerance at one batch size
+    assert fit.sms_by_batch(tier_times(noise), floor=4) == [[1, 4]]
+    real = {1024: {4: 0.90, 8: 0.90}}  # 7% beyond it: a tier of its own
+    assert fit.sms_by_batch(tier_times(real), floor=4) == [[1, 4], [724, 16], [1448, 4]]
+
+
+def test_tiers_never_go_below_the_floor_and_skip_counts_not_measured():
+    times = tier_times({n: {2: 1.0, 4: 0.5} for n in TIER_NS}, counts=(2, 4, 8))
+    assert fit.sms_by_batch(times, floor=4) == [[1, 8]]  # 2 SMs is as fast, but below the knee
+    del times[64][8]  # a count that failed at one batch size is not chosen there
+    assert fit.sms_by_batch(times, floor=4) == [[1, 8], [45, 4], [91, 8]]
+    assert fit.sms_by_batch({}, floor=4) == [] and fit.sms_by_batch(times, floor=64) == []
+
+
+def test_fit_direction_stores_tiers_per_block_size_from_the_min_batch_up():
+    size = grid("h2d", {4 * KiB: 4.0, 64 * KiB: 45.0}, per_sm({4 * KiB: 6.5, 64 * KiB: 26.0}))
+    batch = []
+    for b in (4 * KiB, 64 * KiB):
+        for n in TIER_NS:
+            batch.append(Measurement("h2d", BATCH, "x.batch", "batch", None, b, n, 1e-6 * n if n < 64 else 1.0, 5))
+            for k in (8, 16):
+                # at 4 KiB, 16 SMs is 20% faster for 64-1024 blocks; at 64 KiB never
+                gain = 1.2 if (b == 4 * KiB and 64 <= n <= 1024 and k == 16) else 1.0
+                batch.append(Measurement("h2d", BATCH, "x.kernel", "kernel", k, b, n, 1e-7 * n / gain, 5))
+    dec = fit.fit_direction(size + batch, "h2d")
+    assert dec["kernel_sms"] == 8
+    assert dec["min_batch_by_size"] == [[4 * KiB, 16], [64 * KiB, 16]]
+    assert dec["kernel_sms_by_batch"] == [[4 * KiB, [[1, 8], [45, 16], [1448, 8]]], [64 * KiB, [[1, 8]]]]
+    cal = store.to_calibration(store.make_document(DEVICE, curves=fit.curves(size), decisions={"h2d": dec}), "t")
+    assert cal.sms_tiers(kvswap.Direction.H2D, 4 * KiB) == ((1, 8), (45, 16), (1448, 8))
+
+
+def test_a_partial_run_carries_the_other_directions_tiers_over():
+    prior = Calibration(source="prior profile", platform="*", kernel_sms={"d2h": 4},
+                        min_batch_by_size={"d2h": [[4096, 16]]},
+                        kernel_sms_by_batch={"d2h": [[4096, [[1, 4], [300, 16]]]]})
+    ms = [x for x in synthetic_run() if x.direction == "h2d"]
+    carried = fit.profile_fields(ms, [], ["h2d"], prior=prior)["decisions"]["d2h"]
+    assert carried["kernel_sms_by_batch"] == [[4096, [[1, 4], [300, 16]]]]
+    assert carried["min_batch_by_size"] == [[4096, 16]]

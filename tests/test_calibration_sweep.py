@@ -81,8 +81,8 @@ def test_profile_from_a_sweep_is_what_the_resolver_decides_by():
                 assert (plan_route.small_batch_impl, plan_route.min_batch) == ("model.batch", 64)
         addr = np.arange(1, 65, dtype=np.int64) * (1 << 20)
         sizes = np.full(64, 4 * KiB, dtype=np.int64)
-        assert [n for n, _ in fn.assign(addr[:4], addr[:4] + 8 * KiB, sizes[:4])] == ["model.batch"]
-        assert [n for n, _ in fn.assign(addr, addr + 8 * KiB, sizes)] == ["model.kernel"]
+        assert [n for n, _, _ in fn.assign(addr[:4], addr[:4] + 8 * KiB, sizes[:4])] == ["model.batch"]
+        assert [n for n, _, _ in fn.assign(addr, addr + 8 * KiB, sizes)] == ["model.kernel"]
 
 
 def test_routes_that_raise_or_copy_nothing_are_reported_and_skipped():

@@ -292,3 +292,113 @@ def test_uncalibrated_impls_rank_after_predicted_ones_by_name():
     host = create_plugin_host(entry_points=[], env={}, extra=[("acme", Offer(impls))])
     fn = kvswap.resolve("h2d", device="cpu", host=host)
     assert fn.plan.routes[0].impl == "acme.alpha"
+
+
+# ---- SM tiers by batch size --------------------------------------------------------
+
+def tiered_kernel(log, alignment=1):
+    """A kernel impl whose every bound function logs ``(num_sms, batch)`` per call."""
+    def factory(ctx):
+        k = ctx.params["num_sms"]
+
+        def fn(src, dst, sizes, stream):
+            log.append((k, len(sizes)))
+            host_copy(src, dst, sizes)
+        return fn
+
+    return CopyImpl("acme.kern", "kernel", ("cpu",), ("h2d", "d2h"), factory, alignment=alignment)
+
+
+TIERS = {"h2d": [[4096, [[1, 8], [100, 24], [2000, 8]]], [65536, [[1, 8]]]]}
+
+
+def tier_host(log, alignment=1, **cal):
+    cal = cpu_cal([("acme.dma", DMA, None), ("acme.kern", KERNEL, 8)],
+                  kernel_sms={"h2d": 8}, kernel_min_batch={"h2d": 16}, **cal)
+    return create_plugin_host(entry_points=[], env={}, extra=[
+        ("p", Offer([recording_impl("acme.dma"), tiered_kernel(log, alignment)], cal))])
+
+
+@pytest.mark.parametrize("alignment", [1, 16])  # 16: the per-descriptor path (assign) decides
+def test_batch_tiers_run_the_kernel_on_the_sms_of_the_batch_size(alignment):
+    log = []
+    fn = kvswap.resolve("h2d", device="cpu", host=tier_host(log, alignment, kernel_sms_by_batch=TIERS),
+                        block_bytes=4096)
+    route = next(r for r in fn.plan.routes if r.at_bytes == 4096)
+    assert route.impl == "acme.kern" and route.sms_by_batch == ((1, 8), (100, 24), (2000, 8))
+    assert fn.plan.params["acme.kern"] == {"num_sms": 8}  # the knee; 24 is bound besides it
+    rng = np.random.default_rng(7)
+    for n, sms in [(16, 8), (99, 8), (100, 24), (1999, 24), (2000, 8), (5000, 8)]:
+        sizes = np.full(n, 4096, dtype=np.int64)
+        src, dst, so, do = host_batch(rng, sizes, pool=1 << 25, slot=4096)
+        want = expected(src, dst, so, do, sizes)
+        log.clear()
+        LOG.clear()
+        fn(address(src) + so, address(dst) + do, sizes)
+        assert log == [(sms, n)], n
+        assert np.array_equal(dst, want)
+        assert [(name, k) for name, k, _ in fn.assign(address(src) + so, address(dst) + do, sizes)] == [("acme.kern", sms)]
+    log.clear()
+    sizes = np.full(5, 4096, dtype=np.int64)  # under the min batch: the batch route
+    src, dst, so, do = host_batch(rng, sizes, slot=4096)
+    fn(address(src) + so, address(dst) + do, sizes)
+    assert log == [] and LOG == [("acme.dma", 5)]
+    text = fn.explain()
+    assert "batches of 100-1999 descriptors -> acme.kern on 24 SMs" in text
+    assert "batches of 2000+ descriptors -> acme.kern on 8 SMs" in text
+    assert "(and 24 SMs for the batch tiers of its routes)" in text
+
+
+def test_batch_tiers_come_from_the_nearest_measured_block_size():
+    cal = cpu_cal([("acme.kern", KERNEL, 8)], kernel_sms_by_batch=TIERS)
+    assert cal.sms_tiers(kvswap.Direction.H2D, 4096) == ((1, 8), (100, 24), (2000, 8))
+    assert cal.sms_tiers(kvswap.Direction.H2D, 12 * 1024) == ((1, 8), (100, 24), (2000, 8))  # log-nearer 4 KiB
+    assert cal.sms_tiers(kvswap.Direction.H2D, 20 * 1024) == ((1, 8),)
+    assert cal.sms_tiers(kvswap.Direction.H2D, 1 << 30) == ((1, 8),)
+    assert cal.sms_tiers(kvswap.Direction.D2H, 4096) == ()  # not measured: the knee
+
+
+def test_batch_tiers_obey_max_sms_and_vanish_when_they_all_come_to_the_knee():
+    log = []
+    host = tier_host(log, kernel_sms_by_batch=TIERS)
+    capped = kvswap.resolve("h2d", device="cpu", host=host, block_bytes=4096, policy=Policy(max_sms=12))
+    route = next(r for r in capped.plan.routes if r.at_bytes == 4096)
+    assert route.sms_by_batch == ((1, 8), (100, 12), (2000, 8))
+    flat = kvswap.resolve("h2d", device="cpu", host=host, block_bytes=4096, policy=Policy(max_sms=8))
+    assert all(r.sms_by_batch == () for r in flat.plan.routes)
+    assert "tiers" not in flat.explain()
+
+
+def test_a_tier_that_cannot_be_bound_leaves_the_knee_and_a_note():
+    log = []
+
+    def factory(ctx):
+        if ctx.params["num_sms"] > 8:
+            raise RuntimeError("no such grid")
+        return lambda src, dst, sizes, stream: log.append(len(sizes)) or host_copy(src, dst, sizes)
+
+    cal = cpu_cal([("acme.dma", DMA, None), ("acme.kern", KERNEL, 8)], kernel_sms={"h2d": 8},
+                  kernel_sms_by_batch=TIERS)
+    host = create_plugin_host(entry_points=[], env={}, extra=[("p", Offer([
+        recording_impl("acme.dma"), CopyImpl("acme.kern", "kernel", ("cpu",), ("h2d",), factory)], cal))])
+    fn = kvswap.resolve("h2d", device="cpu", host=host, block_bytes=4096)
+    assert all(r.sms_by_batch == () for r in fn.plan.routes)
+    assert any("could not be bound at 24 SMs" in n and "no such grid" in n for n in fn.plan.notes)
+    sizes = np.full(500, 4096, dtype=np.int64)
+    rng = np.random.default_rng(2)
+    src, dst, so, do = host_batch(rng, sizes, pool=1 << 23, slot=4096)
+    fn(address(src) + so, address(dst) + do, sizes)
+    assert log == [500] and np.array_equal(dst, expected(src, np.full_like(dst, POISON), so, do, sizes))
+
+
+@pytest.mark.parametrize("bad", [
+    {"h2d": [[4096, []]]},  # no tiers
+    {"h2d": [[4096, [[0, 8]]]]},  # from_batch < 1
+    {"h2d": [[4096, [[1, 0]]]]},  # no SMs
+    {"h2d": [[4096, [[1, 8], [1, 16]]]]},  # one start twice
+    {"h2d": [[4096, [[1, 8]]], [4096, [[1, 16]]]]},  # one block size twice
+    {"h2d": [["x", [[1, 8]]]]},
+])
+def test_malformed_batch_tiers_are_refused(bad):
+    with pytest.raises(kvswap.InvalidImplError, match="kernel_sms_by_batch"):
+        cpu_cal([("acme.kern", KERNEL, 8)], kernel_sms_by_batch=bad)

@@ -223,3 +223,29 @@ def test_launch_hooks_still_called(gpu) -> None:
         chain.remove(hook)
     t.check("with a launch hook")
     assert len(seen) == 1 and "copy_kernel" in seen[0].get()["name"]
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS, ids=str)
+def test_batch_tiers_launch_on_the_sms_of_the_batch_size(gpu, direction: Direction) -> None:
+    from kvswap import Calibration, Curve
+    from kvswap.calibration import store
+
+    curves = tuple(Curve(name, direction, ((4 * KiB, g), (64 * KiB, g)), sms)
+                   for name, g, sms in (("*batch", 5.0, None), ("*kernel", 45.0, 4)))
+    cal = Calibration(source="test tiers", platform=gpu.platform, scope="device", curves=curves,
+                      kernel_sms={str(direction): 4}, kernel_min_batch={str(direction): 8},
+                      kernel_sms_by_batch={str(direction): [[4 * KiB, [[1, 4], [100, 16], [3000, 4]]]]},
+                      identity=gpu.identity)
+    with store.override(cal):
+        fn = kvswap.resolve(direction, device=torch_device(gpu), block_bytes=4 * KiB)
+    route = next(r for r in fn.plan.routes if r.at_bytes == 4 * KiB)
+    assert route.impl == "triton.kernel" and route.sms_by_batch == ((1, 4), (100, 16), (3000, 4))
+    rng = np.random.default_rng(21)
+    for n, sms in ((20, 4), (500, 16), (5000, 4)):
+        t = make_transfer(rng, n, direction, torch_device(gpu), 16, np.full(n, 4 * KiB, dtype=np.int64))
+        ((name, got, _),) = fn.assign(*t.descriptors)
+        assert (name, got) == ("triton.kernel", sms)
+        fn(*t.descriptors)
+        launch = fn._fns[(name, sms)].last_launch  # the binding at that SM count did the copy
+        assert launch.n == n and 1 <= launch.grid <= sms
+        t.check(f"tiered resolve {direction}, n={n} on {sms} SMs")

@@ -45,8 +45,7 @@ def main() -> None:
             for name in resolved.impls:
                 forced = kvswap.resolve(d, block_bytes=block, policy=kvswap.Policy(force=name))
                 row[name] = per_call(forced, args, stream)
-            route = dict(resolved.assign(*args))
-            taken = next(iter(route))
+            taken = resolved.assign(*args)[0][0]
             print(f"  n={n:<4} " + "  ".join(f"{k} {v:.1f} us" for k, v in row.items())
                   + f"  -> resolved takes {taken}: {row[taken] / row['resolved']:.3f} of its speed")
 

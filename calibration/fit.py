@@ -194,28 +194,41 @@ def batch_points(ms: Iterable[Measurement], direction: str) -> list[tuple[int, i
     return [(b, n, kern[(b, n)], dma[(b, n)]) for (b, n) in sorted(kern) if (b, n) in dma]
 
 
-def kernel_batch_times(ms: Iterable[Measurement], direction: str) -> dict[int, dict[int, dict[int, float]]]:
-    """Seconds of the fastest kernel impl per block size, batch size and SM count, from the
-    batch sweep of ``direction``."""
-    out: dict[int, dict[int, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
+Timed = tuple[float, float, int]  # (median seconds, spread, repeats) of one measurement
+
+
+def kernel_batch_times(ms: Iterable[Measurement], direction: str) -> dict[int, dict[int, dict[int, Timed]]]:
+    """The fastest kernel impl's ``(seconds, spread, repeats)`` per block size, batch size
+    and SM count, from the batch sweep of ``direction``."""
+    out: dict[int, dict[int, dict[int, Timed]]] = defaultdict(lambda: defaultdict(dict))
     for m in ms:
         if m.direction == direction and m.stage == BATCH and m.kind == "kernel" and m.num_sms:
             row = out[m.block_bytes][m.batch]
-            row[m.num_sms] = min(m.seconds, row.get(m.num_sms, float("inf")))
+            if m.num_sms not in row or m.seconds < row[m.num_sms][0]:
+                row[m.num_sms] = (m.seconds, m.spread, m.repeats)
     return {b: dict(rows) for b, rows in out.items()}
 
 
-def sms_by_batch(times: dict[int, dict[int, float]], floor: int = 1,
+def noise(a: Timed, b: Timed) -> float:
+    """Two standard errors of the ratio of two medians, from their spreads (MADs): the
+    standard error of a median of r samples is about 1.86 x MAD / sqrt(r)."""
+    (_, sa, ra), (_, sb, rb) = a, b
+    return 2.0 * 1.86 * math.sqrt(sa * sa / max(ra, 1) + sb * sb / max(rb, 1))
+
+
+def sms_by_batch(times: dict[int, dict[int, Timed]], floor: int = 1,
                  tolerance: float = TIER_TOLERANCE) -> list[list[int]]:
     """SM tiers for one block size: ``[[from_batch, num_sms], ...]``.
 
-    :param times: seconds per batch size, then per SM count (counts below ``floor``, the
-        knee, are not considered).
+    :param times: ``(seconds, spread, repeats)`` per batch size, then per SM count (counts
+        below ``floor``, the knee, are not considered).
     :return: per measured batch size, the fewest SMs within ``tolerance`` of the fastest
-        count there; then a batch size whose count differs from that of both its
-        neighbours, which agree, takes theirs where that is within ``tolerance +
-        TIER_NOISE`` of the fastest; runs of one count make a tier, which starts at the
-        geometric midpoint between the last batch size of the tier before and its own first.
+        count there, the noise of the two measurements added to the tolerance (:func:`noise`:
+        SMs are taken for a gain the timings show, not for a lucky draw); then a batch
+        size whose count differs from that of both its neighbours, which agree, takes
+        theirs where that is within ``tolerance + TIER_NOISE`` (and the noise) of the
+        fastest; runs of one count make a tier, which starts at the geometric midpoint
+        between the last batch size of the tier before and its own first.
     """
     rows = {n: {k: t for k, t in row.items() if k >= floor} for n, row in times.items()}
     ns = sorted(n for n, row in rows.items() if row)
@@ -224,7 +237,10 @@ def sms_by_batch(times: dict[int, dict[int, float]], floor: int = 1,
 
     def within(n: int, k: int, slack: float) -> bool:
         row = rows[n]
-        return k in row and min(row.values()) / row[k] >= 1.0 - slack - 1e-12
+        if k not in row:
+            return False
+        best = min(row.values())
+        return best[0] / row[k][0] >= 1.0 - slack - noise(best, row[k]) - 1e-12
 
     pick = [min(k for k in rows[n] if within(n, k, tolerance)) for n in ns]
     for i in range(1, len(ns) - 1):

@@ -14,7 +14,9 @@ class Measurement:
     """The median time of one route copying ``batch`` blocks of ``block_bytes``.
 
     ``kind`` is the impl's kind (``"batch"``, ``"kernel"``) or ``"ceiling"`` for the
-    contiguous copy; ``num_sms`` is what a kernel was bound with (None otherwise).
+    contiguous copy; ``num_sms`` is what a kernel was bound with (None otherwise);
+    ``spread`` is the median absolute deviation of the timed repeats as a fraction of
+    their median (0 where not recorded): how far one call strays.
     """
 
     direction: str
@@ -26,6 +28,7 @@ class Measurement:
     batch: int
     seconds: float
     repeats: int
+    spread: float = 0.0
 
     @property
     def nbytes(self) -> int:
@@ -42,7 +45,7 @@ class Measurement:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Measurement:
-        return cls(**{f.name: d[f.name] for f in fields(cls)})
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d or f.name != "spread"})
 
 
 @dataclass(frozen=True)

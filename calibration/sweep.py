@@ -13,6 +13,7 @@ on.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -25,7 +26,7 @@ from kvswap.types import DeviceInfo, Direction, Policy
 
 from . import fit, store
 from .records import BATCH, CEILING, SIZE, Failure, Interference, Measurement
-from .timing import make_timer, median, on_host
+from .timing import make_timer, median, on_host, spread
 from .workload import Batch, Pools
 
 KiB, MiB = 1024, 1 << 20
@@ -57,7 +58,8 @@ class Settings:
     ceiling_bytes: int
     repeats: int
     warmup: int
-    tier_counts: int = 1  # SM counts, the knee and those above it, the batch sweep measures
+    tier_counts: int = 1  # SM counts the batch sweep measures: the knee and multiples (TIER_FACTORS)
+    batch_repeats: Optional[int] = None  # timed rounds per batch-sweep point (None: repeats)
     interference: bool = False
     interference_all_sms: bool = False
     knee_tolerance: float = fit.TOLERANCE
@@ -65,6 +67,25 @@ class Settings:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# The SM counts of the batch sweep, as multiples of the knee: the knee, then ever wider
+# steps (between 8 and 12 SMs the H200 differed by noise; 16-24 is where it gained).
+TIER_FACTORS = (1, 2, 4, 6, 8, 12)
+
+
+def tier_sms(sm_counts: Sequence[int], knee: int, count: int) -> list[int]:
+    """``count`` of ``sm_counts``: the knee and those nearest to its multiples in
+    ``TIER_FACTORS`` (over log SMs), never below the knee."""
+    above = [k for k in sm_counts if k >= knee]
+    out: list[int] = []
+    for f in TIER_FACTORS:
+        if len(out) >= count or not above:
+            break
+        k = min(above, key=lambda c: (abs(math.log(c / (knee * f))), c))
+        if k not in out:
+            out.append(k)
+    return sorted(out)
 
 
 def _sm_counts(base: Sequence[int], device: DeviceInfo, max_sms: Optional[int]) -> tuple[int, ...]:
@@ -106,7 +127,10 @@ def settings_for(device: DeviceInfo, quick: bool = False, max_sms: Optional[int]
         else (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 10000),
         batch_sweep_blocks=4 if quick else None,
         # The H200 knee is 4 SMs; medium batches there wanted 16-24 (tests/bench/bench_sm_by_batch.py).
-        tier_counts=4 if quick else 6,
+        tier_counts=3 if quick else 4,
+        # Batch-sweep calls are short (10 us-1 ms) and stray by a few %: more rounds, so a
+        # tier's gain stands out of the noise (fit.sms_by_batch weighs the spread).
+        batch_repeats=10 if quick else 25,
         size_sweep_bytes=(64 if quick else 256) * MiB,
         max_batch=10000,
         pool_bytes=(512 if quick else 1024) * MiB,
@@ -260,26 +284,30 @@ class Sweep:
             return False
         return True
 
-    def measure(self, bounds: Sequence[Bound], batch: Batch, stage: str) -> list[Measurement]:
-        """Time every route in ``bounds`` on ``batch``, interleaved; skip retired ones."""
+    def measure(self, bounds: Sequence[Bound], batch: Batch, stage: str,
+                repeats: Optional[int] = None) -> list[Measurement]:
+        """Time every route in ``bounds`` on ``batch``, interleaved (``repeats`` rounds,
+        default the settings'); skip retired ones."""
         d = str(batch.direction)
         live = [b for b in bounds if (d, b.impl, b.num_sms) not in self._dead and b.accepts(batch.block_bytes)]
         live = [b for b in live if self._checked(b, batch)]
         if not live:
             return []
         s = self.settings
+        repeats = repeats or s.repeats
         try:
-            times = self.timer.measure([self.call_of(b, batch) for b in live], s.repeats, s.warmup)
+            times = self.timer.measure([self.call_of(b, batch) for b in live], repeats, s.warmup)
         except Exception:
             times = []  # one of them failed mid-run: time them one by one to find which
             for b in list(live):
                 try:
-                    times.append(self.timer.measure([self.call_of(b, batch)], s.repeats, s.warmup)[0])
+                    times.append(self.timer.measure([self.call_of(b, batch)], repeats, s.warmup)[0])
                 except Exception as e:
                     self._fail(batch.direction, b.impl, b.num_sms, batch.block_bytes, e)
                     live.remove(b)
         out = [
-            Measurement(d, stage, b.impl, b.kind, b.num_sms, batch.block_bytes, batch.n, median(t), len(t))
+            Measurement(d, stage, b.impl, b.kind, b.num_sms, batch.block_bytes, batch.n, median(t), len(t),
+                        round(spread(t), 5))
             for b, t in zip(live, times)
         ]
         self.result.measurements.extend(out)
@@ -302,8 +330,8 @@ class Sweep:
             self.progress.step(f"{direction} block sizes")
 
     def batch_sweep(self, direction: Direction, bounds: list[Bound]) -> None:
-        """The kernel at its knee and the ``tier_counts - 1`` SM counts above it against the
-        best batch route, over batch sizes, at the block sizes where the kernel is the
+        """The kernel at its knee and at ``tier_counts - 1`` multiples of it (:func:`tier_sms`)
+        against the best batch route, over batch sizes, at the block sizes where the kernel is the
         route (or ``batch_sweep_blocks`` of them, evenly spread)."""
         assert self.pools is not None
         d = str(direction)
@@ -322,14 +350,14 @@ class Sweep:
             if not dma:
                 continue
             best = max(dma)[1]
-            tiers = [k for k in self.settings.sm_counts if k >= r["num_sms"]][:self.settings.tier_counts]
+            tiers = tier_sms(self.settings.sm_counts, r["num_sms"], self.settings.tier_counts)
             contenders = [x for x in bounds if (x.impl == r["impl"] and x.num_sms in tiers) or (x.impl, x.num_sms) == (best, None)]
             ns = [n for n in self.settings.batch_sizes if n <= self.pools.slots(b)]
             plan.append((b, contenders, ns))
         self.progress.add(sum(len(ns) for _, _, ns in plan))
         for b, contenders, ns in plan:
             for n in ns:
-                self.measure(contenders, self.pools.batch(direction, b, n), BATCH)
+                self.measure(contenders, self.pools.batch(direction, b, n), BATCH, self.settings.batch_repeats)
                 self.progress.step(f"{direction} batch sizes")
 
     def interference(self, direction: Direction, bounds: list[Bound]) -> None:

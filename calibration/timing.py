@@ -21,6 +21,12 @@ def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 
 
+def spread(values: Sequence[float]) -> float:
+    """The median absolute deviation of ``values`` as a fraction of their median."""
+    mid = median(values)
+    return float(statistics.median(abs(v - mid) for v in values)) / mid if mid > 0 else 0.0
+
+
 def on_host(device: DeviceInfo) -> bool:
     """Whether both sides of a copy on ``device`` are host memory (no accelerator to time)."""
     return device.torch_device.split(":")[0] == "cpu"

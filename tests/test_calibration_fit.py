@@ -253,10 +253,10 @@ def test_a_partial_run_carries_the_other_direction_over():
 TIER_NS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 10000)
 
 
-def tier_times(slow: dict, counts=(4, 8, 16, 24)):
-    """Seconds per batch size and SM count: every count equal, except ``slow``:
-    ``{n: {sms: fraction of the fastest}}``."""
-    return {n: {k: 1e-6 * n / slow.get(n, {}).get(k, 1.0) for k in counts} for n in TIER_NS}
+def tier_times(slow: dict, counts=(4, 8, 16, 24), spread=0.0):
+    """``(seconds, spread, repeats)`` per batch size and SM count: every count equal,
+    except ``slow``: ``{n: {sms: fraction of the fastest}}``."""
+    return {n: {k: (1e-6 * n / slow.get(n, {}).get(k, 1.0), spread, 25) for k in counts} for n in TIER_NS}
 
 
 def test_tiers_give_medium_batches_more_sms_and_large_ones_the_knee():
@@ -275,6 +275,13 @@ def test_one_noisy_batch_size_does_not_open_a_tier_but_a_real_shortfall_does():
     assert fit.sms_by_batch(tier_times(noise), floor=4) == [[1, 4]]
     real = {1024: {4: 0.90, 8: 0.90}}  # 7% beyond it: a tier of its own
     assert fit.sms_by_batch(tier_times(real), floor=4) == [[1, 4], [724, 16], [1448, 4]]
+
+
+def test_a_gain_within_the_noise_of_the_timings_takes_no_sms():
+    slow = {n: {4: 0.95} for n in (256, 512, 1024)}  # 5%: beyond the 2% tolerance...
+    assert fit.sms_by_batch(tier_times(slow), floor=4) == [[1, 4], [181, 8], [1448, 4]]
+    # ...but not beyond it and two standard errors of timings that stray by 10% (MAD)
+    assert fit.sms_by_batch(tier_times(slow, spread=0.10), floor=4) == [[1, 4]]
 
 
 def test_tiers_never_go_below_the_floor_and_skip_counts_not_measured():

@@ -159,3 +159,26 @@ def test_measurement_override_binds_exact_sm_counts_and_then_restores_lookup(tmp
         with store.override(measurement_calibration(dev, 3)):
             raise RuntimeError("boom")
     assert store._overrides == []
+
+
+def test_tier_sms_takes_the_knee_and_counts_near_its_multiples():
+    from kvswap.calibration.sweep import tier_sms
+
+    h200 = (2, 4, 6, 8, 12, 16, 24, 32, 48, 132)
+    assert tier_sms(h200, 4, 4) == [4, 8, 16, 24]
+    assert tier_sms(h200, 4, 1) == [4]
+    assert tier_sms(h200, 48, 4) == [48, 132]  # nothing else above the knee
+    assert tier_sms((2, 4, 8, 16), 8, 3) == [8, 16]
+
+
+def test_measurements_record_their_spread_and_old_profiles_still_read():
+    result, _, _ = model_sweep()
+    assert all(m.spread == 0.0 for m in result.measurements)  # the modelled timer never strays
+    from kvswap.calibration.records import Measurement
+    from kvswap.calibration.timing import spread
+
+    assert spread([1.0, 1.0, 1.1, 0.9, 1.0]) == pytest.approx(0.0)
+    assert spread([1.0, 1.2, 0.8, 1.0, 1.1]) == pytest.approx(0.1)
+    old = result.measurements[0].to_dict()
+    del old["spread"]  # written before spreads were recorded
+    assert Measurement.from_dict(old).spread == 0.0

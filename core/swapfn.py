@@ -35,12 +35,31 @@ class SwapFn:
         self._routes = plan.routes
         self._lows = np.array([r.min_bytes for r in plan.routes], dtype=np.int64)
         self._low_list = [r.min_bytes for r in plan.routes]
-        self._by_size: dict[int, Route] = {}
         # Impls with no constraint to check per call: the hot path hands them the batch as is.
         self._plain = {
             name for name, i in impls.items()
             if i.alignment == 1 and i.min_block_bytes == 1 and i.max_block_bytes is None and i.mixed_sizes
         }
+        self._steps = [self._steps_of(r) for r in plan.routes]
+        self._by_size: dict[int, tuple] = {}
+
+    def _steps_of(self, route: Route) -> tuple[tuple[int, TransferFn, bool, str, Optional[int]], ...]:
+        """What ``route`` does by batch size, decided once: ``(from_batch, fn, plain, impl,
+        num_sms)``, largest ``from_batch`` first, so a call takes the first step its batch
+        size reaches (the small-batch impl below ``min_batch``, the kernel's SM tiers above)."""
+        base = route.min_batch if route.small_batch_impl else 0
+        starts = sorted({0, base} | {t for t, _ in route.sms_by_batch if t > base})
+        steps: list[tuple[int, str, Optional[int]]] = []
+        for start in starts:
+            if route.small_batch_impl and start < base:
+                name, sms = route.small_batch_impl, self._sms[route.small_batch_impl]
+            else:
+                name = route.impl
+                sms = route.sms_for(start) if route.sms_by_batch else self._sms[name]
+            if not steps or steps[-1][1:] != (name, sms):
+                steps.append((start, name, sms))
+        return tuple((start, self._fns[(name, sms)], name in self._plain, name, sms)
+                     for start, name, sms in reversed(steps))
 
     @property
     def requires_pinned(self) -> bool:
@@ -65,23 +84,24 @@ class SwapFn:
         count = len(n)
         if not count:
             return
-        routes = self._routes
-        if len(routes) == 1:
-            route = routes[0]
+        if len(self._routes) == 1:
+            steps = self._steps[0]
         elif smallest == largest:  # one block size, as engines send: a dict hit after the first
-            route = self._by_size.get(smallest)
-            if route is None:
-                route = routes[bisect_right(self._low_list, smallest) - 1]
+            steps = self._by_size.get(smallest)
+            if steps is None:
+                steps = self._steps[bisect_right(self._low_list, smallest) - 1]
                 if len(self._by_size) < 4096:
-                    self._by_size[smallest] = route
+                    self._by_size[smallest] = steps
         else:
             lows = self._low_list
             r = bisect_right(lows, smallest) - 1
-            route = routes[r] if r == bisect_right(lows, largest) - 1 else None
-        if route is not None:  # one size class: the common case, no per-descriptor work here
-            name, sms = self._choose(route, count)
-            if name in self._plain:
-                self._fns[(name, sms)](src, dst, n, stream)
+            steps = self._steps[r] if r == bisect_right(lows, largest) - 1 else None
+        if steps is not None:  # one size class: the common case, no per-descriptor work here
+            for start, fn, plain, _, _ in steps:
+                if count >= start:
+                    break
+            if plain:
+                fn(src, dst, n, stream)
                 return
         for name, sms, sel in self.assign(src, dst, n):
             fn = self._fns[(name, sms)]
@@ -90,15 +110,12 @@ class SwapFn:
             else:
                 fn(src[sel], dst[sel], n[sel], stream)
 
-    def _choose(self, route: Route, count: int) -> tuple[str, Optional[int]]:
-        """The impl, and its SM count, that ``route`` takes for ``count`` descriptors."""
-        if route.small_batch_impl and count < route.min_batch:
-            name = route.small_batch_impl
-            return name, self._sms[name]
-        name = route.impl
-        if route.sms_by_batch:
-            return name, route.sms_for(count)
-        return name, self._sms[name]
+    def _choose(self, r: int, count: int) -> tuple[str, Optional[int]]:
+        """The impl, and its SM count, that route ``r`` takes for ``count`` descriptors."""
+        for start, _, _, name, sms in self._steps[r]:
+            if count >= start:
+                return name, sms
+        raise AssertionError("every route has a step from 0")
 
     def assign(self, src: np.ndarray, dst: np.ndarray, n: np.ndarray) -> list[tuple[str, Optional[int], Optional[np.ndarray]]]:
         """Which implementation copies which descriptors: ``(impl, num_sms, indices or
@@ -108,19 +125,19 @@ class SwapFn:
         """
         routes = self._routes
         if len(routes) == 1:
-            groups: list[tuple[Route, Optional[np.ndarray]]] = [(routes[0], None)]
+            groups: list[tuple[int, Optional[np.ndarray]]] = [(0, None)]
         else:
             lo, hi = int(n.min()), int(n.max())
             r_lo, r_hi = (int(np.searchsorted(self._lows, v, side="right")) - 1 for v in (lo, hi))
             if r_lo == r_hi:
-                groups = [(routes[r_lo], None)]
+                groups = [(r_lo, None)]
             else:
                 which = np.searchsorted(self._lows, n, side="right") - 1
-                groups = [(routes[r], np.flatnonzero(which == r)) for r in np.unique(which)]
+                groups = [(int(r), np.flatnonzero(which == r)) for r in np.unique(which)]
         out: list[tuple[str, Optional[int], Optional[np.ndarray]]] = []
-        for route, sel in groups:
+        for r, sel in groups:
             count = len(n) if sel is None else len(sel)
-            self._place(*self._choose(route, count), route, src, dst, n, sel, out)
+            self._place(*self._choose(r, count), routes[r], src, dst, n, sel, out)
         return out
 
     def _place(self, name: str, sms: Optional[int], route: Route, src: np.ndarray, dst: np.ndarray,

@@ -55,7 +55,7 @@ def bench_settings(host_only: bool, block_sizes: Optional[Sequence[int]] = None,
     else:
         blocks = (1 * KiB, 2 * KiB, 4 * KiB, 8 * KiB, 16 * KiB, 24 * KiB, 32 * KiB, 48 * KiB, 64 * KiB,
                   128 * KiB, 256 * KiB, 512 * KiB)
-        batches, pool, ceiling, reps = (1, 4, 16, 64, 256, 1024, 10000), 2048 * MiB, 512 * MiB, 21
+        batches, pool, ceiling, reps = (1, 4, 16, 64, 256, 1024, 10000), 2048 * MiB, 512 * MiB, 41
     return BenchSettings(
         block_sizes=tuple(sorted(set(block_sizes or blocks))),
         batch_sizes=tuple(sorted(set(batch_sizes or batches))),

@@ -51,7 +51,7 @@ TIER_TOLERANCE = 0.02
 # A batch size whose fewest-SMs-within-tolerance differs from both neighbours' takes theirs
 # when that count is within TIER_TOLERANCE + TIER_NOISE of the fastest there: one tier for
 # one batch size is more likely the run-to-run noise of short calls than a feature.
-TIER_NOISE = 0.03
+TIER_NOISE = 0.02
 
 Key = tuple[str, str, Optional[int]]  # (impl, kind, num_sms)
 
@@ -210,10 +210,10 @@ def kernel_batch_times(ms: Iterable[Measurement], direction: str) -> dict[int, d
 
 
 def noise(a: Timed, b: Timed) -> float:
-    """Two standard errors of the ratio of two medians, from their spreads (MADs): the
-    standard error of a median of r samples is about 1.86 x MAD / sqrt(r)."""
+    """The standard error of the ratio of two medians, from their spreads (MADs): that of
+    a median of r samples is about 1.86 x MAD / sqrt(r)."""
     (_, sa, ra), (_, sb, rb) = a, b
-    return 2.0 * 1.86 * math.sqrt(sa * sa / max(ra, 1) + sb * sb / max(rb, 1))
+    return 1.86 * math.sqrt(sa * sa / max(ra, 1) + sb * sb / max(rb, 1))
 
 
 def sms_by_batch(times: dict[int, dict[int, Timed]], floor: int = 1,
@@ -223,8 +223,8 @@ def sms_by_batch(times: dict[int, dict[int, Timed]], floor: int = 1,
     :param times: ``(seconds, spread, repeats)`` per batch size, then per SM count (counts
         below ``floor``, the knee, are not considered).
     :return: per measured batch size, the fewest SMs within ``tolerance`` of the fastest
-        count there, the noise of the two measurements added to the tolerance (:func:`noise`:
-        SMs are taken for a gain the timings show, not for a lucky draw); then a batch
+        count there, the standard error of the two measurements added to the tolerance
+        (:func:`noise`: SMs are taken for a gain the timings show, not for a lucky draw); then a batch
         size whose count differs from that of both its neighbours, which agree, takes
         theirs where that is within ``tolerance + TIER_NOISE`` (and the noise) of the
         fastest; runs of one count make a tier, which starts at the geometric midpoint

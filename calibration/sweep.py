@@ -130,7 +130,7 @@ def settings_for(device: DeviceInfo, quick: bool = False, max_sms: Optional[int]
         tier_counts=3 if quick else 4,
         # Batch-sweep calls are short (10 us-1 ms) and stray by a few %: more rounds, so a
         # tier's gain stands out of the noise (fit.sms_by_batch weighs the spread).
-        batch_repeats=10 if quick else 25,
+        batch_repeats=15 if quick else 41,
         size_sweep_bytes=(64 if quick else 256) * MiB,
         max_batch=10000,
         pool_bytes=(512 if quick else 1024) * MiB,

@@ -130,10 +130,9 @@ def run_bench(device: Any, settings: BenchSettings, directions: Sequence[Any], *
         cands = _candidates(d, dev, device, host, resolved, out)
         peer: dict[tuple[str, Optional[int]], Any] = {}
         if {PEER_KERNEL, PEER_BATCH} <= {fn.plan.forced for fn, _ in cands.values()}:
-            kernel = label(PEER_KERNEL, PEER_SMS)
-            peer[(PEER_KERNEL, PEER_SMS)] = cands[kernel][0] if kernel in cands else _bound_at(
-                d, dev, device, host, PEER_KERNEL, PEER_SMS)
-            peer[(PEER_BATCH, None)] = cands[PEER_BATCH][0]
+            # Its own functions, as a peer engine would hold: never a candidate's object.
+            peer[(PEER_KERNEL, PEER_SMS)] = _bound_at(d, dev, device, host, PEER_KERNEL, PEER_SMS)
+            peer[(PEER_BATCH, None)] = resolve(d, device=device, host=host, policy=Policy(force=PEER_BATCH))
         else:
             out["notes"].append(f"{d}: peer baseline not applicable here: it needs {PEER_KERNEL} and {PEER_BATCH}")
         for b in settings.block_sizes:

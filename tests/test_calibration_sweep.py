@@ -182,3 +182,19 @@ def test_measurements_record_their_spread_and_old_profiles_still_read():
     old = result.measurements[0].to_dict()
     del old["spread"]  # written before spreads were recorded
     assert Measurement.from_dict(old).spread == 0.0
+
+
+def test_the_timer_carries_its_shuffle_from_one_measurement_to_the_next():
+    from kvswap.calibration.timing import HostTimer
+
+    def orders(timer):
+        log = []
+        calls = [(lambda i: lambda stream: log.append(i))(i) for i in range(6)]
+        timer.measure(calls, repeats=4, warmup=0)
+        return log
+
+    timer = HostTimer()
+    first, second = orders(timer), orders(timer)
+    assert sorted(first) == sorted(second) == sorted(list(range(6)) * 4)
+    assert first != second  # a replayed order would favour the same contender at every point
+    assert orders(HostTimer()) == first  # seeded: runs repeat

@@ -46,6 +46,10 @@ class BenchSettings:
     repeats: int
     warmup: int
     seed: int = 0
+    # Short calls stray by a few % from round to round (host work of 10-20 us): a point
+    # whose round takes less than this many seconds gets more rounds, up to max_repeats.
+    round_seconds: float = 0.0
+    max_repeats: int = 0
 
 
 def bench_settings(host_only: bool, block_sizes: Optional[Sequence[int]] = None,
@@ -60,6 +64,7 @@ def bench_settings(host_only: bool, block_sizes: Optional[Sequence[int]] = None,
         block_sizes=tuple(sorted(set(block_sizes or blocks))),
         batch_sizes=tuple(sorted(set(batch_sizes or batches))),
         pool_bytes=pool, ceiling_bytes=ceiling, repeats=repeats or reps, warmup=2,
+        round_seconds=0.0 if host_only or repeats else 0.1, max_repeats=0 if host_only or repeats else 401,
     )
 
 
@@ -170,7 +175,12 @@ def _point(d: str, pools: Pools, timer: Any, s: BenchSettings, batch: Batch, can
         except Exception as e:
             out["failures"].append({"direction": d, "route": key, "block_bytes": batch.block_bytes, "batch": batch.n,
                                     "error": f"{type(e).__name__}: {e}"})
-    times = dict(zip([k for k, _ in ok], timer.measure([c for _, c in ok], s.repeats, s.warmup))) if ok else {}
+    calls = [c for _, c in ok]
+    repeats = s.repeats
+    if ok and s.round_seconds:
+        probe = sum(median(t) for t in timer.measure(calls, 3, s.warmup))  # one round, seconds
+        repeats = max(repeats, min(s.max_repeats, int(s.round_seconds / max(probe, 1e-9))))
+    times = dict(zip([k for k, _ in ok], timer.measure(calls, repeats, 0))) if ok else {}
     gbps = {k: round(batch.nbytes / median(t) / 1e9, 3) for k, t in times.items()}
     cand = {name: {"impl": fn.plan.forced, "gbps": gbps[name], "num_sms": sms}
             for name, (fn, sms) in cands.items() if name in gbps}
@@ -182,6 +192,7 @@ def _point(d: str, pools: Pools, timer: Any, s: BenchSettings, batch: Batch, can
         "resolved": {"gbps": res, "route": _route_label(resolved, batch)},
         "peer": {"gbps": gbps["peer"], "route": label(*peer_key)}
         if peer_key and "peer" in gbps else None,
+        "repeats": repeats,
         "resolved_over_best": round(res / cand[best]["gbps"], 4) if res and best else None,
         "resolved_over_peer": round(res / gbps["peer"], 4) if res and "peer" in gbps else None,
     }

@@ -97,3 +97,13 @@ def test_batch_tiers_from_calibration_beat_the_knee_and_the_peer_at_medium_batch
     at64 = next(r for r in out["rows"] if r["batch"] == 64)
     knee = at64["candidates"]["triton.kernel@8"]["gbps"]
     assert at64["resolved"]["gbps"] > 1.03 * knee
+
+
+def test_short_points_get_more_rounds_up_to_the_cap(peer_named_device):
+    s = BenchSettings(block_sizes=(4 * KiB, 256 * KiB), batch_sizes=(1, 64), pool_bytes=32 * MiB,
+                      ceiling_bytes=MiB, repeats=2, warmup=0, round_seconds=1e-3, max_repeats=50)
+    out = run_bench("modelplat:0", s, ["h2d"])
+    reps = {(r["block_bytes"], r["batch"]): r["repeats"] for r in out["rows"]}
+    assert reps[(256 * KiB, 64)] == 2  # a round of 64 x 256 KiB takes over 1 ms: the minimum
+    assert reps[(4 * KiB, 1)] == 50  # a round of microseconds: the cap
+    assert 2 < reps[(4 * KiB, 64)] < 50

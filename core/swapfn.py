@@ -43,14 +43,15 @@ class SwapFn:
         self._steps = [self._steps_of(r) for r in plan.routes]
         self._by_size: dict[int, tuple] = {}
 
-    def _steps_of(self, route: Route) -> tuple[tuple[int, TransferFn, bool, str, Optional[int]], ...]:
-        """What ``route`` does by batch size, decided once: ``(from_batch, fn, plain, impl,
-        num_sms)``, largest ``from_batch`` first, so a call takes the first step its batch
-        size reaches (the small-batch impl below ``min_batch``, the kernel's SM tiers above)."""
+    def _steps_of(self, route: Route) -> tuple[tuple[int, ...], tuple[TransferFn, ...], tuple[bool, ...],
+                                              tuple[tuple[str, Optional[int]], ...]]:
+        """What ``route`` does by batch size, decided once: ``(starts, fns, plain, keys)``,
+        one entry per step, ``starts`` ascending from 0; a batch of ``n`` descriptors takes
+        the last step whose start is ``<= n`` (the small-batch impl below ``min_batch``,
+        the kernel's SM tiers above). ``keys`` are ``(impl, num_sms)``."""
         base = route.min_batch if route.small_batch_impl else 0
-        starts = sorted({0, base} | {t for t, _ in route.sms_by_batch if t > base})
         steps: list[tuple[int, str, Optional[int]]] = []
-        for start in starts:
+        for start in sorted({0, base} | {t for t, _ in route.sms_by_batch if t > base}):
             if route.small_batch_impl and start < base:
                 name, sms = route.small_batch_impl, self._sms[route.small_batch_impl]
             else:
@@ -58,8 +59,8 @@ class SwapFn:
                 sms = route.sms_for(start) if route.sms_by_batch else self._sms[name]
             if not steps or steps[-1][1:] != (name, sms):
                 steps.append((start, name, sms))
-        return tuple((start, self._fns[(name, sms)], name in self._plain, name, sms)
-                     for start, name, sms in reversed(steps))
+        return (tuple(start for start, _, _ in steps), tuple(self._fns[(n, k)] for _, n, k in steps),
+                tuple(n in self._plain for _, n, _ in steps), tuple((n, k) for _, n, k in steps))
 
     @property
     def requires_pinned(self) -> bool:
@@ -97,11 +98,9 @@ class SwapFn:
             r = bisect_right(lows, smallest) - 1
             steps = self._steps[r] if r == bisect_right(lows, largest) - 1 else None
         if steps is not None:  # one size class: the common case, no per-descriptor work here
-            for start, fn, plain, _, _ in steps:
-                if count >= start:
-                    break
-            if plain:
-                fn(src, dst, n, stream)
+            i = bisect_right(steps[0], count) - 1
+            if steps[2][i]:
+                steps[1][i](src, dst, n, stream)
                 return
         for name, sms, sel in self.assign(src, dst, n):
             fn = self._fns[(name, sms)]
@@ -112,10 +111,8 @@ class SwapFn:
 
     def _choose(self, r: int, count: int) -> tuple[str, Optional[int]]:
         """The impl, and its SM count, that route ``r`` takes for ``count`` descriptors."""
-        for start, _, _, name, sms in self._steps[r]:
-            if count >= start:
-                return name, sms
-        raise AssertionError("every route has a step from 0")
+        starts, _, _, keys = self._steps[r]
+        return keys[bisect_right(starts, count) - 1]
 
     def assign(self, src: np.ndarray, dst: np.ndarray, n: np.ndarray) -> list[tuple[str, Optional[int], Optional[np.ndarray]]]:
         """Which implementation copies which descriptors: ``(impl, num_sms, indices or

@@ -94,13 +94,13 @@ def _candidates(d: str, dev: Any, device: Any, host: PluginHost, resolved: dict[
             sms = fn.plan.params.get(c.name, {}).get("num_sms")
             cands[label(c.name, sms)] = (fn, sms)
             for k in sorted(k for name, k in tiers if name == c.name and k != sms):
-                cands[label(c.name, k)] = (_bound_at(d, dev, device, host, c.name, k), k)
+                cands[label(c.name, k)] = (bound_at(d, dev, device, host, c.name, k), k)
         except Exception as e:
             out["failures"].append({"direction": d, "route": c.name, "error": f"{type(e).__name__}: {e}"})
     return cands
 
 
-def _bound_at(d: str, dev: Any, device: Any, host: PluginHost, impl: str, num_sms: int) -> Any:
+def bound_at(d: str, dev: Any, device: Any, host: PluginHost, impl: str, num_sms: int) -> Any:
     """``impl`` forced and bound at exactly ``num_sms`` SMs."""
     with store.override(measurement_calibration(dev, num_sms)):
         return resolve(d, device=device, host=host, policy=Policy(force=impl, max_sms=num_sms))
@@ -136,7 +136,7 @@ def run_bench(device: Any, settings: BenchSettings, directions: Sequence[Any], *
         peer: dict[tuple[str, Optional[int]], Any] = {}
         if {PEER_KERNEL, PEER_BATCH} <= {fn.plan.forced for fn, _ in cands.values()}:
             # Its own functions, as a peer engine would hold: never a candidate's object.
-            peer[(PEER_KERNEL, PEER_SMS)] = _bound_at(d, dev, device, host, PEER_KERNEL, PEER_SMS)
+            peer[(PEER_KERNEL, PEER_SMS)] = bound_at(d, dev, device, host, PEER_KERNEL, PEER_SMS)
             peer[(PEER_BATCH, None)] = resolve(d, device=device, host=host, policy=Policy(force=PEER_BATCH))
         else:
             out["notes"].append(f"{d}: peer baseline not applicable here: it needs {PEER_KERNEL} and {PEER_BATCH}")

@@ -288,9 +288,9 @@ def fit_direction(ms: list[Measurement], direction: str, tolerance: float = TOLE
         out["kernel_min_batch"] = min_batch(points)
         for b in sorted({p[0] for p in points}):
             out["min_batch_by_size"].append([b, min_batch(p for p in points if p[0] == b)])
-        floor = dict(out["min_batch_by_size"])
+        kernel_from = dict(out["min_batch_by_size"])
         for b, rows in sorted(kernel_batch_times(ms, direction).items()):
-            used = {n: row for n, row in rows.items() if n >= floor.get(b, 1)}
+            used = {n: row for n, row in rows.items() if n >= kernel_from.get(b, 1)}
             tiers = sms_by_batch(used, knee or 1)
             if tiers:
                 out["kernel_sms_by_batch"].append([b, tiers])

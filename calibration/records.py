@@ -45,7 +45,8 @@ class Measurement:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Measurement:
-        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d or f.name != "spread"})
+        # Fields added since a profile was written take their defaults.
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Stages, per direction: the contiguous ceiling; every available route over block sizes at
 a large batch (kernels at several SM counts); then, at the block sizes where the kernel
-wins at its SM knee, the kernel at the knee and at the next few SM counts above it
+wins at its SM knee, the kernel at the knee and at a few multiples of it (``tier_sms``)
 against the best batch route over batch sizes (the minimum batch, and the SM tiers by
 batch size); optionally
 the compute slowdown each route causes beside a GEMM. Routes are bound through

@@ -56,7 +56,7 @@ class SwapFn:
                 name, sms = route.small_batch_impl, self._sms[route.small_batch_impl]
             else:
                 name = route.impl
-                sms = route.sms_for(start) if route.sms_by_batch else self._sms[name]
+                sms = route.sms_for(start) or self._sms[name]
             if not steps or steps[-1][1:] != (name, sms):
                 steps.append((start, name, sms))
         return (tuple(start for start, _, _ in steps), tuple(self._fns[(n, k)] for _, n, k in steps),

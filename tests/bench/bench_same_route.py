@@ -17,7 +17,7 @@ POINTS = (("h2d", 1 * KiB, 1), ("h2d", 4 * KiB, 4), ("h2d", 1 * KiB, 64), ("h2d"
 
 def main() -> int:
     import kvswap
-    from kvswap.calibration.bench import _bound_at, label
+    from kvswap.calibration.bench import bound_at, label
     from kvswap.calibration.timing import make_timer, median
     from kvswap.calibration.workload import Pools
     from kvswap.platform import detect
@@ -31,7 +31,7 @@ def main() -> int:
         batch = pools.batch(d, b, n)
         r1, r2 = (kvswap.resolve(d, block_bytes=b) for _ in range(2))
         ((impl, sms, _),) = r1.assign(batch.src, batch.dst, batch.sizes)
-        f1, f2 = (_bound_at(d, dev, "cuda:0", host, impl, sms) if sms
+        f1, f2 = (bound_at(d, dev, "cuda:0", host, impl, sms) if sms
                   else kvswap.resolve(d, policy=kvswap.Policy(force=impl)) for _ in range(2))
         calls = [(lambda f: lambda stream: f(batch.src, batch.dst, batch.sizes, stream=stream))(f)
                  for f in (f1, f2, r1, r2)]

@@ -17,7 +17,7 @@ from kvswap.types import Direction, Policy
 
 from . import store
 from .sweep import Progress, measurement_calibration
-from .timing import make_timer, median, on_host
+from .timing import make_timer, median, on_host, rounds_for, spread, standard_error
 from .workload import Batch, Pools
 
 KiB, MiB = 1024, 1 << 20
@@ -46,9 +46,9 @@ class BenchSettings:
     repeats: int
     warmup: int
     seed: int = 0
-    # Short calls stray by a few % from round to round (host work of 10-20 us): a point
-    # whose round takes less than this many seconds gets more rounds, up to max_repeats.
-    round_seconds: float = 0.0
+    # A point whose rounds take less than this many seconds in all gets more of them, up to
+    # max_repeats (timing.rounds_for).
+    point_seconds: float = 0.0
     max_repeats: int = 0
 
 
@@ -64,7 +64,7 @@ def bench_settings(host_only: bool, block_sizes: Optional[Sequence[int]] = None,
         block_sizes=tuple(sorted(set(block_sizes or blocks))),
         batch_sizes=tuple(sorted(set(batch_sizes or batches))),
         pool_bytes=pool, ceiling_bytes=ceiling, repeats=repeats or reps, warmup=2,
-        round_seconds=0.0 if host_only or repeats else 0.1, max_repeats=0 if host_only or repeats else 401,
+        point_seconds=0.0 if host_only or repeats else 0.2, max_repeats=0 if host_only or repeats else 801,
     )
 
 
@@ -148,14 +148,32 @@ def run_bench(device: Any, settings: BenchSettings, directions: Sequence[Any], *
                     continue
                 out["rows"].append(_point(d, pools, timer, settings, pools.batch(d, b, n), cands, resolved[b], peer, out))
     for d in dirs:
-        rows = [r for r in out["rows"] if r["direction"] == d]
-        best = [r["resolved_over_best"] for r in rows if r["resolved_over_best"]]
-        vs_peer = [r["resolved_over_peer"] for r in rows if r["resolved_over_peer"]]
-        out["summary"][d] = {
-            "points": len(rows),
-            "min_resolved_over_best": min(best, default=None),
-            "min_resolved_over_peer": min(vs_peer, default=None),
-        }
+        out["summary"][d] = summarize([r for r in out["rows"] if r["direction"] == d])
+    return out
+
+
+# The bar of issue 6: resolved at least this fraction of the best candidate, and of the peer.
+BAR_BEST, BAR_PEER = 0.97, 1.0
+
+
+def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Worst ratios, and the points under each bar: all of them, and those under it by more
+    than two standard errors of the ratio (what the timings show, not a draw of their noise)."""
+    def under(key: str, bar: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        rated = [r for r in rows if r[key] is not None]
+        below = [r for r in rated if r[key] < bar]
+        return below, [r for r in below if r[key] + 2 * r[key + "_se"] < bar]
+
+    best_below, best_beyond = under("resolved_over_best", BAR_BEST)
+    peer_below, peer_beyond = under("resolved_over_peer", BAR_PEER)
+    return {
+        "points": len(rows),
+        "min_resolved_over_best": min((r["resolved_over_best"] for r in rows if r["resolved_over_best"]), default=None),
+        "min_resolved_over_peer": min((r["resolved_over_peer"] for r in rows if r["resolved_over_peer"]), default=None),
+        "under_best_bar": len(best_below), "under_best_bar_beyond_noise": len(best_beyond),
+        "under_peer": len(peer_below), "under_peer_beyond_noise": len(peer_beyond),
+        "under_peer_same_route": sum(r["peer"]["same_route"] for r in peer_below),
+    }
     return out
 
 
@@ -176,24 +194,33 @@ def _point(d: str, pools: Pools, timer: Any, s: BenchSettings, batch: Batch, can
             out["failures"].append({"direction": d, "route": key, "block_bytes": batch.block_bytes, "batch": batch.n,
                                     "error": f"{type(e).__name__}: {e}"})
     calls = [c for _, c in ok]
-    repeats = s.repeats
-    if ok and s.round_seconds:
-        probe = sum(median(t) for t in timer.measure(calls, 3, s.warmup))  # one round, seconds
-        repeats = max(repeats, min(s.max_repeats, int(s.round_seconds / max(probe, 1e-9))))
+    repeats = rounds_for(timer, calls, s.repeats, s.point_seconds, s.max_repeats, s.warmup)
     times = dict(zip([k for k, _ in ok], timer.measure(calls, repeats, 0))) if ok else {}
-    gbps = {k: round(batch.nbytes / median(t) / 1e9, 3) for k, t in times.items()}
+    timed = {k: (median(t), spread(t), len(t)) for k, t in times.items()}
+    gbps = {k: round(batch.nbytes / t[0] / 1e9, 3) for k, t in timed.items()}
     cand = {name: {"impl": fn.plan.forced, "gbps": gbps[name], "num_sms": sms}
             for name, (fn, sms) in cands.items() if name in gbps}
     best = max(cand, key=lambda k: cand[k]["gbps"], default=None)
     res = gbps.get("resolved")
+    route = _route_label(resolved, batch)
+
+    def ratio(other: Optional[str]) -> Optional[tuple[float, float]]:
+        """resolved / ``other`` and its standard error, from the two sets of timings."""
+        if not res or other is None or other not in gbps:
+            return None
+        return round(res / gbps[other], 4), round(standard_error(timed["resolved"], timed[other]), 4)
+
+    over_best, over_peer = ratio(best), ratio("peer")
     row = {
         "direction": d, "block_bytes": batch.block_bytes, "batch": batch.n,
         "ceiling_gbps": out["ceiling_gbps"][d], "candidates": cand, "best": best,
-        "resolved": {"gbps": res, "route": _route_label(resolved, batch)},
-        "peer": {"gbps": gbps["peer"], "route": label(*peer_key)}
+        "resolved": {"gbps": res, "route": route},
+        "peer": {"gbps": gbps["peer"], "route": label(*peer_key), "same_route": label(*peer_key) == route}
         if peer_key and "peer" in gbps else None,
         "repeats": repeats,
-        "resolved_over_best": round(res / cand[best]["gbps"], 4) if res and best else None,
-        "resolved_over_peer": round(res / gbps["peer"], 4) if res and "peer" in gbps else None,
+        "resolved_over_best": over_best[0] if over_best else None,
+        "resolved_over_best_se": over_best[1] if over_best else None,
+        "resolved_over_peer": over_peer[0] if over_peer else None,
+        "resolved_over_peer_se": over_peer[1] if over_peer else None,
     }
     return row

@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="batch sizes of the grid (default: 1-10000 on a GPU)")
     p.add_argument("--repeats", type=positive, metavar="N",
                    help="timed rounds per point (median reported); default on a GPU: 41, and more for "
-                   "short calls, up to 401, so that each point times about 0.1 s")
+                   "short calls, up to 801, so that each point times about 0.2 s")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -16,8 +16,9 @@ Per direction:
   decided.
 * **Minimum batch**: the batch-size threshold under which the batch route is used
   instead of the kernel, chosen to minimise the summed slowdown against the faster of
-  the two over the measured batch sizes; ties go to the larger threshold. One noisy point
-  cannot move it the way "first batch where the kernel won" would. It is fitted per
+  the two over the measured batch sizes; ties go to the larger threshold. A batch size
+  where the kernel wins by less than ``MIN_BATCH_MARGIN`` and the timings' noise counts as
+  a tie. One noisy point cannot move it the way "first batch where the kernel won" would. It is fitted per
   measured block size (``min_batch_by_size``, which the resolver interpolates: the
   threshold moves with the block size by an order of magnitude) and over all of them
   (``kernel_min_batch``, for readers that take one number).
@@ -39,19 +40,26 @@ from kvswap.thresholds import Calibration, Curve
 from kvswap.types import Direction
 
 from .records import BATCH, CEILING, SIZE, Interference, Measurement
+from .timing import standard_error
 
 # "Within a few % of peak": what the knee may give up for fewer SMs. 3%, the regret the
 # resolver is allowed against the best route (issue 6's bar), so the knee never costs more.
 TOLERANCE = 0.05
 
-# How far below the fastest SM count a batch-size tier may stay for fewer SMs: inside the
-# 3% regret the resolver is allowed against the best route (issue 6's bar), with room
-# left for the noise of the measurement that chose it.
-TIER_TOLERANCE = 0.02
+# How far below the fastest SM count a batch-size tier may stay for fewer SMs. Tiers are
+# the throughput policy's (``Policy(prefer="low_interference")`` keeps the knee), so they
+# give up little: well inside the 3% regret allowed against the best route (issue 6's
+# bar), with room left for the noise of the measurement that chose them.
+TIER_TOLERANCE = 0.01
 # A batch size whose fewest-SMs-within-tolerance differs from both neighbours' takes theirs
 # when that count is within TIER_TOLERANCE + TIER_NOISE of the fastest there: one tier for
 # one batch size is more likely the run-to-run noise of short calls than a feature.
 TIER_NOISE = 0.02
+# The kernel takes a batch size from the batch route only when it is faster there by more
+# than this and twice the standard error of the two timings: a closer call is a tie, and
+# ties go to the route that takes no SMs. Tiny batches are all host work (10-20 us), and
+# their order moved by up to 5% between two runs on the H200.
+MIN_BATCH_MARGIN = 0.02
 
 Key = tuple[str, str, Optional[int]]  # (impl, kind, num_sms)
 
@@ -180,21 +188,32 @@ def min_batch(points: Iterable[tuple[int, int, float, float]]) -> Optional[int]:
     return min(best[1], ns[-1])
 
 
+Timed = tuple[float, float, int]  # (median seconds, spread, repeats) of one measurement
+
+
 def batch_points(ms: Iterable[Measurement], direction: str) -> list[tuple[int, int, float, float]]:
-    """``(block, n, fastest kernel seconds, fastest batch seconds)`` from the batch sweep."""
-    kern: dict[tuple[int, int], float] = {}
-    dma: dict[tuple[int, int], float] = {}
+    """``(block, n, kernel seconds, batch seconds)`` from the batch sweep: the fastest of
+    each kind, the kernel's taken as the batch route's where it wins by no more than
+    ``MIN_BATCH_MARGIN`` and twice the noise (a tie, which :func:`min_batch` gives to the
+    batch route)."""
+    kern: dict[tuple[int, int], Timed] = {}
+    dma: dict[tuple[int, int], Timed] = {}
     for m in ms:
         if m.direction != direction or m.stage != BATCH:
             continue
         into = kern if m.kind == "kernel" else dma if m.kind == "batch" else None
         if into is not None:
             key = (m.block_bytes, m.batch)
-            into[key] = min(m.seconds, into.get(key, float("inf")))
-    return [(b, n, kern[(b, n)], dma[(b, n)]) for (b, n) in sorted(kern) if (b, n) in dma]
-
-
-Timed = tuple[float, float, int]  # (median seconds, spread, repeats) of one measurement
+            if key not in into or m.seconds < into[key][0]:
+                into[key] = (m.seconds, m.spread, m.repeats)
+    out = []
+    for key in sorted(kern):
+        if key not in dma:
+            continue
+        k, b = kern[key], dma[key]
+        tie = b[0] / k[0] <= 1.0 + MIN_BATCH_MARGIN + 2 * standard_error(k, b)
+        out.append((*key, max(k[0], b[0]) if tie else k[0], b[0]))
+    return out
 
 
 def kernel_batch_times(ms: Iterable[Measurement], direction: str) -> dict[int, dict[int, dict[int, Timed]]]:
@@ -209,13 +228,6 @@ def kernel_batch_times(ms: Iterable[Measurement], direction: str) -> dict[int, d
     return {b: dict(rows) for b, rows in out.items()}
 
 
-def noise(a: Timed, b: Timed) -> float:
-    """The standard error of the ratio of two medians, from their spreads (MADs): that of
-    a median of r samples is about 1.86 x MAD / sqrt(r)."""
-    (_, sa, ra), (_, sb, rb) = a, b
-    return 1.86 * math.sqrt(sa * sa / max(ra, 1) + sb * sb / max(rb, 1))
-
-
 def sms_by_batch(times: dict[int, dict[int, Timed]], floor: int = 1,
                  tolerance: float = TIER_TOLERANCE) -> list[list[int]]:
     """SM tiers for one block size: ``[[from_batch, num_sms], ...]``.
@@ -224,7 +236,7 @@ def sms_by_batch(times: dict[int, dict[int, Timed]], floor: int = 1,
         below ``floor``, the knee, are not considered).
     :return: per measured batch size, the fewest SMs within ``tolerance`` of the fastest
         count there, the standard error of the two measurements added to the tolerance
-        (:func:`noise`: SMs are taken for a gain the timings show, not for a lucky draw); then a batch
+        (SMs are taken for a gain the timings show, not for a lucky draw); then a batch
         size whose count differs from that of both its neighbours, which agree, takes
         theirs where that is within ``tolerance + TIER_NOISE`` (and the noise) of the
         fastest; runs of one count make a tier, which starts at the geometric midpoint
@@ -240,7 +252,7 @@ def sms_by_batch(times: dict[int, dict[int, Timed]], floor: int = 1,
         if k not in row:
             return False
         best = min(row.values())
-        return best[0] / row[k][0] >= 1.0 - slack - noise(best, row[k]) - 1e-12
+        return best[0] / row[k][0] >= 1.0 - slack - standard_error(best, row[k]) - 1e-12
 
     pick = [min(k for k in rows[n] if within(n, k, tolerance)) for n in ns]
     for i in range(1, len(ns) - 1):

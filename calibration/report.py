@@ -5,6 +5,7 @@ from typing import Any, Optional
 
 from kvswap.plan import human_bytes
 
+from .bench import BAR_BEST, BAR_PEER
 from .records import SIZE, Measurement
 
 
@@ -107,8 +108,17 @@ def calibration_report(doc: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def _ratio(row: dict[str, Any], key: str, missing: str) -> str:
+    """A bench ratio with twice its standard error, where the row has one."""
+    if not row.get(key):
+        return missing
+    se = row.get(key + "_se")
+    return f"{row[key]:.3f}" + (f" ±{2 * se:.3f}" if se is not None else "")
+
+
 def bench_report(result: dict[str, Any]) -> str:
-    """One table per direction: ceiling, each candidate, resolved, peer, and the ratios."""
+    """One table per direction: ceiling, each candidate, resolved, peer, and the ratios
+    (± two standard errors; "=" where resolved takes the peer's own route)."""
     out = []
     for d in result["directions"]:
         rows = [r for r in result["rows"] if r["direction"] == d]
@@ -122,8 +132,8 @@ def bench_report(result: dict[str, Any]) -> str:
             line += [_gb(r["candidates"].get(n, {}).get("gbps")) for n in names]
             res, peer = r["resolved"], r["peer"]
             line += [_gb(res["gbps"]), res["route"], _gb(peer["gbps"]) if peer else "n/a",
-                     f"{r['resolved_over_best']:.3f}" if r["resolved_over_best"] else "-",
-                     f"{r['resolved_over_peer']:.3f}" if r["resolved_over_peer"] else "n/a"]
+                     _ratio(r, "resolved_over_best", "-"),
+                     _ratio(r, "resolved_over_peer", "n/a") + (" =" if peer and peer.get("same_route") else "")]
             table.append(line)
         out.append(f"{d}: GB/s (contiguous ceiling {_gb(result['ceiling_gbps'].get(d))} GB/s)")
         out += ["  " + line for line in _grid(header, table)]
@@ -132,5 +142,10 @@ def bench_report(result: dict[str, Any]) -> str:
                  for k in ("min_resolved_over_best", "min_resolved_over_peer")}
         out.append(f"  worst resolved/best-candidate (regret): {worst['min_resolved_over_best']}; "
                    f"worst resolved/peer: {worst['min_resolved_over_peer']}")
+        if "under_best_bar" in s:
+            out.append(f"  of {s['points']} points: {s['under_best_bar']} under {BAR_BEST} x the best candidate "
+                       f"({s['under_best_bar_beyond_noise']} by more than 2 standard errors); "
+                       f"{s['under_peer']} under {BAR_PEER} x the peer ({s['under_peer_beyond_noise']} by more than "
+                       f"2 standard errors; {s['under_peer_same_route']} on the peer's own route)")
         out.append("")
     return "\n".join(out)

@@ -26,7 +26,7 @@ from kvswap.types import DeviceInfo, Direction, Policy
 
 from . import fit, store
 from .records import BATCH, CEILING, SIZE, Failure, Interference, Measurement
-from .timing import make_timer, median, on_host, spread
+from .timing import make_timer, median, on_host, rounds_for, spread
 from .workload import Batch, Pools
 
 KiB, MiB = 1024, 1 << 20
@@ -60,6 +60,10 @@ class Settings:
     warmup: int
     tier_counts: int = 1  # SM counts the batch sweep measures: the knee and multiples (TIER_FACTORS)
     batch_repeats: Optional[int] = None  # timed rounds per batch-sweep point (None: repeats)
+    # More rounds for short batch-sweep points, up to about this many seconds each and
+    # batch_max_repeats rounds (timing.rounds_for); 0: exactly batch_repeats.
+    batch_point_seconds: float = 0.0
+    batch_max_repeats: int = 0
     interference: bool = False
     interference_all_sms: bool = False
     knee_tolerance: float = fit.TOLERANCE
@@ -70,8 +74,9 @@ class Settings:
 
 
 # The SM counts of the batch sweep, as multiples of the knee: the knee, then ever wider
-# steps (between 8 and 12 SMs the H200 differed by noise; 16-24 is where it gained).
-TIER_FACTORS = (1, 2, 4, 6, 8, 12)
+# steps. On the H200 (knee 4) medium batches gained most at 16-24 SMs, and 12 SMs, which
+# engines commonly run a copy kernel on, was sometimes faster than both 8 and 16.
+TIER_FACTORS = (1, 2, 3, 4, 6, 8, 12)
 
 
 def tier_sms(sm_counts: Sequence[int], knee: int, count: int) -> list[int]:
@@ -126,11 +131,13 @@ def settings_for(device: DeviceInfo, quick: bool = False, max_sms: Optional[int]
         batch_sizes=(1, 4, 16, 64, 256, 1024, 4096) if quick
         else (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 10000),
         batch_sweep_blocks=4 if quick else None,
-        # The H200 knee is 4 SMs; medium batches there wanted 16-24 (tests/bench/bench_sm_by_batch.py).
-        tier_counts=3 if quick else 4,
-        # Batch-sweep calls are short (10 us-1 ms) and stray by a few %: more rounds, so a
-        # tier's gain stands out of the noise (fit.sms_by_batch weighs the spread).
+        # The H200 knee is 4 SMs; medium batches there wanted 12-24 (tests/bench/bench_sm_by_batch.py).
+        tier_counts=3 if quick else 5,
+        # Batch-sweep calls are short (10 us-1 ms) and stray by 3-7% from call to call: more
+        # rounds, so a gain of 1% stands out of the noise (the fit weighs the spread).
         batch_repeats=15 if quick else 41,
+        batch_point_seconds=0.01 if quick else 0.04,
+        batch_max_repeats=101 if quick else 601,
         size_sweep_bytes=(64 if quick else 256) * MiB,
         max_batch=10000,
         pool_bytes=(512 if quick else 1024) * MiB,
@@ -284,19 +291,22 @@ class Sweep:
             return False
         return True
 
-    def measure(self, bounds: Sequence[Bound], batch: Batch, stage: str,
-                repeats: Optional[int] = None) -> list[Measurement]:
+    def measure(self, bounds: Sequence[Bound], batch: Batch, stage: str, repeats: Optional[int] = None,
+                point_seconds: float = 0.0, max_repeats: int = 0) -> list[Measurement]:
         """Time every route in ``bounds`` on ``batch``, interleaved (``repeats`` rounds,
-        default the settings'); skip retired ones."""
+        default the settings', or more for short calls: :func:`~.timing.rounds_for`);
+        skip retired ones."""
         d = str(batch.direction)
         live = [b for b in bounds if (d, b.impl, b.num_sms) not in self._dead and b.accepts(batch.block_bytes)]
         live = [b for b in live if self._checked(b, batch)]
         if not live:
             return []
         s = self.settings
+        calls = [self.call_of(b, batch) for b in live]
         repeats = repeats or s.repeats
         try:
-            times = self.timer.measure([self.call_of(b, batch) for b in live], repeats, s.warmup)
+            repeats = rounds_for(self.timer, calls, repeats, point_seconds, max_repeats, s.warmup)
+            times = self.timer.measure(calls, repeats, s.warmup)
         except Exception:
             times = []  # one of them failed mid-run: time them one by one to find which
             for b in list(live):
@@ -334,8 +344,8 @@ class Sweep:
         against the best batch route, over batch sizes, at the block sizes where the kernel is the
         route (or ``batch_sweep_blocks`` of them, evenly spread)."""
         assert self.pools is not None
-        d = str(direction)
-        decision = fit.fit_direction(self.result.measurements, d, self.settings.knee_tolerance)
+        d, s = str(direction), self.settings
+        decision = fit.fit_direction(self.result.measurements, d, s.knee_tolerance)
         table = fit.size_table(self.result.measurements, d)
         kernel_at = [r for r in decision["by_size"] if r["kind"] == "kernel"]
         if not kernel_at:
@@ -357,7 +367,8 @@ class Sweep:
         self.progress.add(sum(len(ns) for _, _, ns in plan))
         for b, contenders, ns in plan:
             for n in ns:
-                self.measure(contenders, self.pools.batch(direction, b, n), BATCH, self.settings.batch_repeats)
+                self.measure(contenders, self.pools.batch(direction, b, n), BATCH, s.batch_repeats,
+                             s.batch_point_seconds, s.batch_max_repeats)
                 self.progress.step(f"{direction} batch sizes")
 
     def interference(self, direction: Direction, bounds: list[Bound]) -> None:

@@ -7,6 +7,7 @@ spreads clock and thermal drift over all of them instead of biasing the last one
 """
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import time
@@ -25,6 +26,25 @@ def spread(values: Sequence[float]) -> float:
     """The median absolute deviation of ``values`` as a fraction of their median."""
     mid = median(values)
     return float(statistics.median(abs(v - mid) for v in values)) / mid if mid > 0 else 0.0
+
+
+def standard_error(a: tuple[float, float, int], b: tuple[float, float, int]) -> float:
+    """The standard error of the ratio of two medians, each given as ``(median, spread,
+    repeats)``: that of a median of r samples is about 1.86 x MAD / sqrt(r)."""
+    (_, sa, ra), (_, sb, rb) = a, b
+    return 1.86 * math.sqrt(sa * sa / max(ra, 1) + sb * sb / max(rb, 1))
+
+
+def rounds_for(timer: Any, calls: Sequence[Call], repeats: int, point_seconds: float, max_repeats: int,
+               warmup: int) -> int:
+    """How many rounds to time ``calls`` for: ``repeats``, or more, up to ``max_repeats``,
+    so that all the rounds together take about ``point_seconds``. Short calls stray by a
+    few % from round to round (host work of 10-20 us): more rounds make their medians
+    steady enough to tell apart gains of 1%. Probes one round (three, median)."""
+    if not point_seconds or not calls or max_repeats <= repeats:
+        return repeats
+    probe = sum(median(t) for t in timer.measure(calls, 3, warmup))
+    return max(repeats, min(max_repeats, int(point_seconds / max(probe, 1e-9))))
 
 
 def on_host(device: DeviceInfo) -> bool:

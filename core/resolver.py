@@ -118,7 +118,9 @@ def _routes(
             min_batch=cal.min_batch(direction, block_bytes=rep) if small else 0,
             small_batch_impl=small.name if small else None,
             fallbacks=tuple(impl.name for impl, _ in ranked[1:]),
-            sms_by_batch=_sms_by_batch(cal, direction, policy, device, rep, num_sms) if best.uses_sms else (),
+            # Tiers buy throughput with SMs: a low-interference policy keeps the knee.
+            sms_by_batch=_sms_by_batch(cal, direction, policy, device, rep, num_sms)
+            if best.uses_sms and policy.prefer == "throughput" else (),
         )
         prev = routes[-1] if routes else None
         decided = ("impl", "small_batch_impl", "min_batch", "fallbacks", "sms_by_batch")

@@ -85,14 +85,12 @@ class SwapFn:
         count = len(n)
         if not count:
             return
-        if len(self._routes) == 1:
-            steps = self._steps[0]
-        elif smallest == largest:  # one block size, as engines send: a dict hit after the first
+        # Every SwapFn, forced or resolved, one route or many, takes this same path, so
+        # two functions on the same route cost the same per call.
+        if smallest == largest:  # one block size, as engines send: a dict hit after the first
             steps = self._by_size.get(smallest)
             if steps is None:
-                steps = self._steps[bisect_right(self._low_list, smallest) - 1]
-                if len(self._by_size) < 4096:
-                    self._by_size[smallest] = steps
+                steps = self._steps_at(smallest)
         else:
             lows = self._low_list
             r = bisect_right(lows, smallest) - 1
@@ -108,6 +106,13 @@ class SwapFn:
                 fn(src, dst, n, stream)
             else:
                 fn(src[sel], dst[sel], n[sel], stream)
+
+    def _steps_at(self, size: int) -> tuple:
+        """The steps of the route for blocks of ``size`` bytes, remembered (up to 4096 sizes)."""
+        steps = self._steps[bisect_right(self._low_list, size) - 1]
+        if len(self._by_size) < 4096:
+            self._by_size[size] = steps
+        return steps
 
     def _choose(self, r: int, count: int) -> tuple[str, Optional[int]]:
         """The impl, and its SM count, that route ``r`` takes for ``count`` descriptors."""

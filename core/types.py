@@ -102,8 +102,10 @@ class Policy:
 
     :param max_sms: the most SMs (CUs) a kernel route may occupy; ``0`` forbids kernel
         routes, ``None`` lets calibration decide.
-    :param prefer: ``"throughput"`` ranks by predicted bandwidth alone;
-        ``"low_interference"`` discounts each route by the compute slowdown it causes.
+    :param prefer: ``"throughput"`` ranks by predicted bandwidth alone and runs a kernel
+        on more SMs than its knee for the batch sizes where calibration found that faster;
+        ``"low_interference"`` discounts each route by the compute slowdown it causes and
+        keeps kernels on their knee.
     :param force: an implementation name to use for every transfer; resolution fails if
         it cannot be honoured.
     """

@@ -136,7 +136,7 @@ def test_min_batch_weighs_every_block_size():
 def test_min_batch_is_fitted_per_block_size():
     ns = (1, 2, 4, 8, 16, 32, 64, 128)
     batch = []
-    for b, launch in ((4 * KiB, 5.0), (64 * KiB, 50.0)):  # kernel wins from n > 6.25, resp. n > 62.5
+    for b, launch in ((4 * KiB, 5.0), (64 * KiB, 40.0)):  # kernel wins from n > 6.25, resp. n > 50
         for n, tk, tb in ((n, launch + 0.2 * n, 1.0 * n) for n in ns):
             batch += [Measurement("h2d", BATCH, "x.kernel", "kernel", 8, b, n, tk, 5),
                       Measurement("h2d", BATCH, "x.batch", "batch", None, b, n, tb, 5)]
@@ -144,6 +144,26 @@ def test_min_batch_is_fitted_per_block_size():
     dec = fit.fit_direction(size + batch, "h2d")
     assert dec["min_batch_by_size"] == [[4 * KiB, 8], [64 * KiB, 64]]
     assert dec["kernel_min_batch"] in (8, 16, 32, 64)  # one compromise over both
+
+
+def test_a_kernel_win_inside_the_margin_or_the_noise_is_a_tie_the_batch_route_takes():
+    ns = (1, 2, 4, 8, 16)
+
+    def dec(t_kernel: dict[int, float], spread: float = 0.0, repeats: int = 5) -> list:
+        ms = grid("h2d", {4 * KiB: 4.0}, per_sm({4 * KiB: 6.5}))
+        for n in ns:
+            ms += [Measurement("h2d", BATCH, "x.kernel", "kernel", 8, 4 * KiB, n, t_kernel[n], repeats, spread),
+                   Measurement("h2d", BATCH, "x.batch", "batch", None, 4 * KiB, n, 10.0 * n, repeats, spread)]
+        return fit.fit_direction(ms, "h2d")["min_batch_by_size"]
+
+    clear = {1: 30.0, 2: 30.0, 4: 30.0, 8: 30.0, 16: 30.0}  # wins from 4 descriptors, by 25% there
+    assert dec(clear) == [[4 * KiB, 4]]
+    # by 1.5% at 4: inside MIN_BATCH_MARGIN, so 4 descriptors stay on the batch route
+    assert dec({**clear, 4: 40.0 / (1.0 + fit.MIN_BATCH_MARGIN - 0.005)}) == [[4 * KiB, 8]]
+    # by 4% at 4: a win without noise, a tie where 41 rounds spread 10% (2 SE = 4.1%)
+    won = {**clear, 4: 40.0 / 1.04}
+    assert dec(won, 0.0, 41) == [[4 * KiB, 4]]
+    assert dec(won, 0.1, 41) == [[4 * KiB, 8]]
 
 
 def test_calibration_interpolates_min_batch_between_measured_sizes():
@@ -265,20 +285,21 @@ def test_tiers_give_medium_batches_more_sms_and_large_ones_the_knee():
 
 
 def test_tiers_take_the_fewest_sms_within_the_tolerance():
-    slow = {n: {4: 0.90, 8: 0.985} for n in (256, 512, 1024)}  # 8 SMs is within 2% of the best
+    slow = {n: {4: 0.90, 8: 1.0 - fit.TIER_TOLERANCE / 2} for n in (256, 512, 1024)}  # 8 SMs: within tolerance
     assert fit.sms_by_batch(tier_times(slow), floor=4) == [[1, 4], [181, 8], [1448, 4]]
     assert fit.sms_by_batch(tier_times({}), floor=4) == [[1, 4]]  # nothing to gain: the knee throughout
 
 
 def test_one_noisy_batch_size_does_not_open_a_tier_but_a_real_shortfall_does():
-    noise = {1024: {4: 0.965, 8: 0.965}}  # 1.5% beyond the tolerance at one batch size
+    off = 1.0 - fit.TIER_TOLERANCE - 0.015
+    noise = {1024: {4: off, 8: off}}  # 1.5% beyond the tolerance at one batch size
     assert fit.sms_by_batch(tier_times(noise), floor=4) == [[1, 4]]
     real = {1024: {4: 0.90, 8: 0.90}}  # 7% beyond it: a tier of its own
     assert fit.sms_by_batch(tier_times(real), floor=4) == [[1, 4], [724, 16], [1448, 4]]
 
 
 def test_a_gain_within_the_noise_of_the_timings_takes_no_sms():
-    slow = {n: {4: 0.95} for n in (256, 512, 1024)}  # 5%: beyond the 2% tolerance...
+    slow = {n: {4: 0.95} for n in (256, 512, 1024)}  # 5%: beyond the 1% tolerance...
     assert fit.sms_by_batch(tier_times(slow), floor=4) == [[1, 4], [181, 8], [1448, 4]]
     # ...but not beyond it and a standard error of timings that stray by 10% (MAD)
     assert fit.sms_by_batch(tier_times(slow, spread=0.10), floor=4) == [[1, 4]]

@@ -165,7 +165,8 @@ def test_tier_sms_takes_the_knee_and_counts_near_its_multiples():
     from kvswap.calibration.sweep import tier_sms
 
     h200 = (2, 4, 6, 8, 12, 16, 24, 32, 48, 132)
-    assert tier_sms(h200, 4, 4) == [4, 8, 16, 24]
+    assert tier_sms(h200, 4, 5) == [4, 8, 12, 16, 24]
+    assert tier_sms(h200, 4, 4) == [4, 8, 12, 16]
     assert tier_sms(h200, 4, 1) == [4]
     assert tier_sms(h200, 48, 4) == [48, 132]  # nothing else above the knee
     assert tier_sms((2, 4, 8, 16), 8, 3) == [8, 16]
@@ -198,3 +199,31 @@ def test_the_timer_carries_its_shuffle_from_one_measurement_to_the_next():
     assert sorted(first) == sorted(second) == sorted(list(range(6)) * 4)
     assert first != second  # a replayed order would favour the same contender at every point
     assert orders(HostTimer()) == first  # seeded: runs repeat
+
+
+def test_short_batch_sweep_points_get_more_rounds_up_to_the_cap():
+    # A round at 2 KiB x 1 takes 6 us (modelled), at 16 KiB x 64 288 us, at 64 KiB x 64 182 us:
+    # 2 ms a point buys the first the cap, the others what fits, never under the minimum.
+    result, _, _ = model_sweep(batch_repeats=3, batch_point_seconds=2e-3, batch_max_repeats=40,
+                               batch_sweep_blocks=None)
+    reps = {(m.block_bytes, m.batch): m.repeats for m in result.measurements if m.stage == BATCH}
+    assert reps[(2 * KiB, 1)] == 40
+    assert reps[(16 * KiB, 64)] == 6 and reps[(64 * KiB, 64)] == 10
+    result, _, _ = model_sweep(batch_repeats=8, batch_point_seconds=2e-3, batch_max_repeats=40,
+                               batch_sweep_blocks=None)
+    assert {m.repeats for m in result.measurements if m.stage == BATCH and m.batch == 64 and m.block_bytes == 16 * KiB} == {8}
+    assert {m.repeats for m in result.measurements if m.stage == SIZE} == {2}  # the size sweep: as set
+
+
+def test_rounds_for_scales_to_the_time_allowed():
+    from kvswap.calibration.timing import rounds_for
+
+    class Fixed:
+        def measure(self, calls, repeats, warmup=0):
+            return [[1e-3] * repeats for _ in calls]
+
+    calls = [lambda s: None] * 2  # a round: 2 ms
+    assert rounds_for(Fixed(), calls, 5, 0.1, 1000, 0) == 50
+    assert rounds_for(Fixed(), calls, 5, 1.0, 120, 0) == 120  # the cap
+    assert rounds_for(Fixed(), calls, 5, 0.001, 1000, 0) == 5  # never below the minimum
+    assert rounds_for(Fixed(), calls, 5, 0.0, 1000, 0) == 5  # not asked for

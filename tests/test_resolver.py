@@ -369,6 +369,19 @@ def test_batch_tiers_obey_max_sms_and_vanish_when_they_all_come_to_the_knee():
     assert "tiers" not in flat.explain()
 
 
+def test_a_low_interference_policy_keeps_kernels_on_their_knee():
+    log = []
+    fn = kvswap.resolve("h2d", device="cpu", host=tier_host(log, kernel_sms_by_batch=TIERS), block_bytes=4096,
+                        policy=Policy(prefer="low_interference"))
+    assert all(r.sms_by_batch == () for r in fn.plan.routes)
+    rng = np.random.default_rng(3)
+    sizes = np.full(500, 4096, dtype=np.int64)  # a batch size the throughput policy runs on 24 SMs
+    src, dst, so, do = host_batch(rng, sizes, pool=1 << 25, slot=4096)
+    want = expected(src, dst, so, do, sizes)
+    fn(address(src) + so, address(dst) + do, sizes)
+    assert log == [(8, 500)] and np.array_equal(dst, want)
+
+
 def test_a_tier_that_cannot_be_bound_leaves_the_knee_and_a_note():
     log = []
 

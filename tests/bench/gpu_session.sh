@@ -2,7 +2,8 @@
 # One command on the lent GPU machine: the gpu-marked tests, calibration (profile, plot,
 # decisions), the bench and the backends' benchmark scripts, each step's output under $OUT.
 #   bash tests/bench/gpu_session.sh tests calibrate bench benches
-# CAL_ARGS (default --quick) and STEP_TIMEOUT (seconds per step, default 280) tune it.
+# CAL_ARGS (default --quick) and STEP_TIMEOUT (seconds per step, default 280) tune it;
+# PROFILE names a profile for the benches step (default: the resolver's own search).
 # The GPU machine's python lacks platformdirs: carry its wheel in .whl/ (README: Testing).
 set -uo pipefail
 OUT=${OUT:-/tmp/kvswap-out}
@@ -37,7 +38,8 @@ for step in "$@"; do
       # Their own result files go elsewhere: at most 8 files come back from $OUT.
       { OUT=/tmp/benches timeout "$T" python3 tests/bench/bench_cuda_batch.py
         OUT=/tmp/benches timeout "$T" python3 tests/bench/bench_triton.py
-        python3 tests/bench/bench_swapfn_overhead.py; } >"$OUT/benches.log" 2>&1
+        python3 tests/bench/bench_swapfn_overhead.py
+        KVSWAP_PROFILE=${PROFILE:-} timeout "$T" python3 tests/bench/bench_same_route.py; } >"$OUT/benches.log" 2>&1
       echo "benches exit $?"; tail -n 80 "$OUT/benches.log" ;;
     *) echo "unknown step $step" ;;
   esac

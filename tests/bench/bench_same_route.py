@@ -35,11 +35,11 @@ def main() -> int:
                   else kvswap.resolve(d, policy=kvswap.Policy(force=impl)) for _ in range(2))
         calls = [(lambda f: lambda stream: f(batch.src, batch.dst, batch.sizes, stream=stream))(f)
                  for f in (f1, f2, r1, r2)]
-        t = [median(x) for x in timer.measure(calls, 61, 3)]
+        t = [median(x) for x in timer.measure(calls, 401, 3)]
         print(f"{d} {b // KiB} KiB x {n:<6} {label(impl, sms):<18} "
               + "  ".join(f"{t[0] / x:>15.3f}" for x in t[1:]) + f"   ({t[0] * 1e6:.1f} us)", flush=True)
         # As kvswap bench did when the peer was the candidate object itself: f1 twice a round.
-        t = [median(x) for x in timer.measure(calls + [calls[0]], 61, 3)]
+        t = [median(x) for x in timer.measure(calls + [calls[0]], 401, 3)]
         print(f"{'  f1 called twice':<41} " + "  ".join(f"{t[0] / x:>15.3f}" for x in t[1:4])
               + f"   (second f1 call {t[0] / t[4]:.3f})", flush=True)
     return 0

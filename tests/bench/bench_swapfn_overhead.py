@@ -1,8 +1,15 @@
-"""Host cost of one SwapFn call: the resolved function against each forced candidate.
+"""Host cost of one SwapFn call: resolved functions against forced ones on the same route.
 
-Not a test. Prints microseconds per call (median of several loops, perf_counter) for a
-one-block transfer, where the host work is all there is to measure, and the ratio to the
-forced route the resolved one takes. Usage: python tests/bench/bench_swapfn_overhead.py
+Not a test. For a transfer of ``n`` 16 KiB blocks, microseconds of host time per call
+(perf_counter over loops of calls enqueued on one stream; the loops of all contenders are
+interleaved, round after round, and the median round is kept) for:
+
+* two functions ``resolve()`` returns (``resolved``, ``resolved2``: a twin, to show the noise);
+* two functions forced to the impl (and SM count) the resolved one takes (``forced``, ``forced2``);
+* the bound transfer the route calls, without the SwapFn around it (``bound``);
+* ``checked()`` alone: what the SwapFn's checks of the arrays cost.
+
+Usage: KVSWAP_PROFILE=profile.json python tests/bench/bench_swapfn_overhead.py
 """
 from __future__ import annotations
 
@@ -12,42 +19,66 @@ import time
 import torch
 
 import kvswap
+from kvswap.calibration.bench import bound_at
+from kvswap.descriptors import checked
+from kvswap.platform import detect
+from kvswap.plugins import plugin_host
+
+BLOCK = 16384
 
 
-def per_call(fn, args, stream, loops=2000, rounds=7):
-    for _ in range(200):
-        fn(*args, stream=stream)
-    stream.synchronize()
-    out = []
-    for _ in range(rounds):
+def per_call(fns, args, stream, loops=1000, rounds=15):
+    """Median microseconds per call of each of ``fns`` (None: ``checked`` alone)."""
+    def loop(fn):
         t = time.perf_counter()
-        for _ in range(loops):
-            fn(*args, stream=stream)
-        out.append((time.perf_counter() - t) / loops)
+        if fn is None:
+            for _ in range(loops):
+                checked(*args)
+        else:
+            for _ in range(loops):
+                fn(*args, stream=stream)
+        out = (time.perf_counter() - t) / loops
         stream.synchronize()
-    return statistics.median(out) * 1e6
+        return out
+
+    for fn in fns:
+        loop(fn)
+    times = [[] for _ in fns]
+    for r in range(rounds):
+        order = list(range(len(fns)))
+        if r % 2:
+            order.reverse()
+        for i in order:
+            times[i].append(loop(fns[i]))
+    return [statistics.median(t) * 1e6 for t in times]
 
 
 def main() -> None:
+    host = plugin_host()
+    dev = detect(host, "cuda:0")
     stream = torch.cuda.Stream()
-    block = 16384
-    host = torch.empty(1 << 24, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(1 << 24, dtype=torch.uint8, device="cuda")
-    for d in ("h2d", "d2h"):
-        src, dst = (host, dev) if d == "h2d" else (dev, host)
-        resolved = kvswap.resolve(d, block_bytes=block)
-        print(f"{d}: routes {[r.impl for r in resolved.plan.routes]}, impls {resolved.impls}")
-        for n in (1, 16, 256):
-            s = torch.arange(n, dtype=torch.int64).numpy() * block * 2 + src.data_ptr()
-            t = torch.arange(n, dtype=torch.int64).numpy() * block * 2 + dst.data_ptr()
-            args = (s, t, torch.full((n,), block, dtype=torch.int64).numpy())
-            row = {"resolved": per_call(resolved, args, stream)}
-            for name in resolved.impls:
-                forced = kvswap.resolve(d, block_bytes=block, policy=kvswap.Policy(force=name))
-                row[name] = per_call(forced, args, stream)
-            taken = resolved.assign(*args)[0][0]
-            print(f"  n={n:<4} " + "  ".join(f"{k} {v:.1f} us" for k, v in row.items())
-                  + f"  -> resolved takes {taken}: {row[taken] / row['resolved']:.3f} of its speed")
+    pinned = torch.empty(1 << 26, dtype=torch.uint8, pin_memory=True)
+    gpu = torch.empty(1 << 26, dtype=torch.uint8, device="cuda")
+    with torch.cuda.stream(stream):
+        for d in ("h2d", "d2h"):
+            src, dst = (pinned, gpu) if d == "h2d" else (gpu, pinned)
+            resolved, resolved2 = (kvswap.resolve(d, block_bytes=BLOCK) for _ in range(2))
+            print(f"{d}: {len(resolved.plan.routes)} routes; microseconds per call")
+            print(f"  {'n':>5} {'route':<18} {'resolved':>9} {'resolved2':>9} {'forced':>9} {'forced2':>9} "
+                  f"{'bound':>9} {'checked':>9}  resolved/forced")
+            for n in (1, 4, 16, 256):
+                s = torch.arange(n, dtype=torch.int64).numpy() * BLOCK * 2 + src.data_ptr()
+                t = torch.arange(n, dtype=torch.int64).numpy() * BLOCK * 2 + dst.data_ptr()
+                args = (s, t, torch.full((n,), BLOCK, dtype=torch.int64).numpy())
+                ((impl, sms, _),) = resolved.assign(*args)
+                forced, forced2 = (bound_at(d, dev, "cuda:0", host, impl, sms) if sms
+                                   else kvswap.resolve(d, policy=kvswap.Policy(force=impl)) for _ in range(2))
+                bound = resolved._fns[(impl, sms)]
+                us = per_call([resolved, resolved2, forced, forced2, lambda *a, stream: bound(*a, stream), None],
+                              args, stream)
+                route = f"{impl}@{sms}" if sms else impl
+                print(f"  {n:>5} {route:<18} " + " ".join(f"{u:>9.2f}" for u in us)
+                      + f"  {us[2] / us[0]:.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One command on the lent GPU machine: the gpu-marked tests, calibration (profile, plot,
 # decisions), the bench and the backends' benchmark scripts, each step's output under $OUT.
-#   bash tests/bench/gpu_session.sh tests calibrate bench benches
+#   bash tests/bench/gpu_session.sh tests calibrate bench benches overhead
 # CAL_ARGS (default --quick) and STEP_TIMEOUT (seconds per step, default 280) tune it;
-# PROFILE names a profile for the benches step (default: the resolver's own search).
+# PROFILE names a profile for the overhead step (default: the resolver's own search).
 # The GPU machine's python lacks platformdirs: carry its wheel in .whl/ (README: Testing).
 set -uo pipefail
 OUT=${OUT:-/tmp/kvswap-out}
@@ -37,10 +37,14 @@ for step in "$@"; do
     benches)
       # Their own result files go elsewhere: at most 8 files come back from $OUT.
       { OUT=/tmp/benches timeout "$T" python3 tests/bench/bench_cuda_batch.py
-        OUT=/tmp/benches timeout "$T" python3 tests/bench/bench_triton.py
-        python3 tests/bench/bench_swapfn_overhead.py
-        KVSWAP_PROFILE=${PROFILE:-} timeout "$T" python3 tests/bench/bench_same_route.py; } >"$OUT/benches.log" 2>&1
+        OUT=/tmp/benches timeout "$T" python3 tests/bench/bench_triton.py; } >"$OUT/benches.log" 2>&1
       echo "benches exit $?"; tail -n 80 "$OUT/benches.log" ;;
+    overhead)
+      # What a resolved SwapFn costs against forced ones on the same route: host time per
+      # call, and the bench's own timer on copies of one route.
+      { KVSWAP_PROFILE=${PROFILE:-} timeout "$T" python3 tests/bench/bench_swapfn_overhead.py
+        KVSWAP_PROFILE=${PROFILE:-} timeout "$T" python3 tests/bench/bench_same_route.py; } >"$OUT/overhead.log" 2>&1
+      echo "overhead exit $?"; tail -n 60 "$OUT/overhead.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -25,6 +25,11 @@ class TransferFn(Protocol):
     def __call__(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream: Any) -> None: ...
 
 
+def same_addresses(addrs: np.ndarray) -> np.ndarray:
+    """The host address translation where host and device share addresses: none."""
+    return addrs
+
+
 @dataclass(frozen=True)
 class BindContext:
     """Everything a factory may use to bind tuned parameters once, at resolve time.
@@ -32,13 +37,14 @@ class BindContext:
     :ivar params: tuned parameters chosen by the resolver for this route (``num_sms`` for
         kernels), already capped by the policy.
     :ivar translate_host: maps host addresses to addresses the device can dereference in a
-        kernel (identity where host and device share addresses).
+        kernel; :func:`same_addresses` (compare with ``is`` to skip the work) where host and
+        device share addresses.
     """
 
     direction: Direction
     device: DeviceInfo
     params: Mapping[str, Any] = field(default_factory=dict)
-    translate_host: Callable[[np.ndarray], np.ndarray] = lambda addrs: addrs
+    translate_host: Callable[[np.ndarray], np.ndarray] = same_addresses
 
 
 def _always(device: DeviceInfo) -> Optional[str]:

@@ -7,7 +7,7 @@ from dataclasses import replace
 from typing import Any, Iterable, Optional, Union
 
 from .errors import ConfigurationError, ResolutionError
-from .impl import BindContext, CopyImpl
+from .impl import BindContext, CopyImpl, same_addresses
 from .lookup import find_calibration
 from .plan import Candidate, Plan, Route
 from .platform import detect
@@ -172,7 +172,7 @@ def _translator(host: PluginHost, device: DeviceInfo) -> Any:
             host.drop(plugin, f"kvswap_host_address_translator returned {fn!r}, not a callable")
             continue
         return fn
-    return lambda addrs: addrs
+    return same_addresses
 
 
 def resolve(

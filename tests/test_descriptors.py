@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from kvswap import InvalidTransferError
-from kvswap.descriptors import as_int64, coalesce, first_overlap, normalize
+from kvswap.descriptors import SMALL_BATCH, as_int64, checked, coalesce, first_overlap, normalize
 
 
 def test_as_int64_is_zero_copy_for_int64_and_refuses_the_rest():
@@ -60,3 +60,24 @@ def test_first_overlap_and_normalize():
     assert first_overlap(np.array([20, 0, 15]), np.array([10, 10, 10])) in {(2, 0), (0, 2)}
     s, d, n = normalize([1], [2], [3])
     assert s.dtype == d.dtype == n.dtype == np.int64
+
+
+@pytest.mark.parametrize("count", [1, SMALL_BATCH, SMALL_BATCH + 1, 300])  # both ways of reducing
+def test_checked_finds_the_extremes_and_names_the_bad_descriptor(count):
+    rng = np.random.default_rng(count)
+    src = rng.integers(1, 1 << 40, count, dtype=np.int64)
+    dst = rng.integers(1, 1 << 40, count, dtype=np.int64)
+    sizes = rng.integers(1, 1 << 20, count, dtype=np.int64)
+    s, d, n, smallest, largest = checked(src, dst, sizes)
+    assert (smallest, largest) == (int(sizes.min()), int(sizes.max()))
+    assert type(smallest) is int and type(largest) is int and s is src and n is sizes
+    i = int(rng.integers(count))
+    for what, arrays, value, message in (
+        ("sizes", (src, dst, sizes), 0, rf"sizes\[{i}\]=0: every size must be >= 1 byte"),
+        ("src", (src, dst, sizes), 0, rf"src_ptrs\[{i}\]=0 is not a valid address"),
+        ("dst", (src, dst, sizes), -8, rf"dst_ptrs\[{i}\]=-8 is not a valid address"),
+    ):
+        bad = [a.copy() for a in arrays]
+        bad[("src", "dst", "sizes").index(what)][i] = value
+        with pytest.raises(InvalidTransferError, match=message):
+            checked(*bad)

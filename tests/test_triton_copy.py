@@ -305,6 +305,30 @@ def _fake_pool(monkeypatch: pytest.MonkeyPatch):
     return pool, made, staging
 
 
+def test_launchers_of_one_device_share_one_staging_pool() -> None:
+    from kvswap.backends.triton_generic import staging
+
+    def translate(addrs):
+        return addrs + 1
+
+    assert staging.shared_pool(0) is staging.shared_pool(0)
+    assert staging.shared_pool(1) is not staging.shared_pool(0)
+    assert staging.shared_pool(0, translate) is staging.shared_pool(0, translate)
+    assert staging.shared_pool(0, translate) is not staging.shared_pool(0)  # mapped buffers apart
+    assert staging.shared_pool(0, translate)._translate is translate
+
+
+def test_the_identity_translation_costs_a_kernel_route_nothing_per_call() -> None:
+    from kvswap.impl import same_addresses
+
+    ctx = BindContext(Direction.H2D, cpu_device(), {"num_sms": 2, "precompile": ()})
+    assert ctx.translate_host is same_addresses
+    fn = tg.bind(ctx)
+    assert fn._translate_src is None and fn._translate_dst is None
+    mapped = tg.bind(BindContext(Direction.D2H, cpu_device(), {"num_sms": 2, "precompile": ()}, lambda a: a))
+    assert mapped._translate_dst is not None and mapped._translate_src is None
+
+
 def test_staging_buffer_reused_only_after_its_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     pool, made, staging = _fake_pool(monkeypatch)
     a = pool.take(30)

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 from kvswap import hookimpl
 from kvswap.descriptors import first_overlap, normalize
 from kvswap.errors import ConfigurationError, InvalidTransferError
-from kvswap.impl import BindContext, CopyImpl
+from kvswap.impl import BindContext, CopyImpl, same_addresses
 from kvswap.types import DeviceInfo, Direction
 
 from .launch import DEFAULT_PLANS, KernelCopy, Launch, Tile, TilePlan, interpreting
@@ -85,12 +85,14 @@ def bind(ctx: BindContext) -> KernelCopy:
     """
     num_sms = ctx.params.get("num_sms", 8)
     host_src = ctx.direction is Direction.H2D
+    # No translation where host and device share addresses: no per-call work for it.
+    translate = None if ctx.translate_host is same_addresses else ctx.translate_host
     fn = KernelCopy(
         num_sms=int(num_sms),
         device_index=_device_index(ctx.device),
         tiles=TilePlan.from_params(ctx.params, DEFAULT_PLANS[str(ctx.direction)]),
-        translate_src=ctx.translate_host if host_src else None,
-        translate_dst=None if host_src else ctx.translate_host,
+        translate_src=translate if host_src else None,
+        translate_dst=None if host_src else translate,
     )
     fn.prepare(ctx.params.get("precompile", PRECOMPILE_BLOCKS))
     return fn

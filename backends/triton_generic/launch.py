@@ -200,10 +200,10 @@ class KernelCopy:
         self.variants: Any = None  # compiled.Variants of the device (GPU only)
         if device_index is not None:
             from .compiled import variants
-            from .staging import StagingPool, Streams
+            from .staging import Streams, shared_pool
 
             # The staging buffers are host memory a kernel reads: map them like host data.
-            self._pool = StagingPool(device_index, translate_src or translate_dst)
+            self._pool = shared_pool(device_index, translate_src or translate_dst)
             self._streams = Streams(device_index)
             self.variants = variants(device_index)
         self._launches: dict[tuple[int, int, int], Launch] = {}

@@ -10,6 +10,7 @@ Imported only from the launch path; torch loads in the methods.
 """
 from __future__ import annotations
 
+import threading
 from collections import deque
 from typing import Any, Callable, Optional
 
@@ -47,6 +48,8 @@ class Staging:
 
 class StagingPool:
     """Staging buffers of one device, each reused only once its last kernel finished.
+    Launchers share one per device (:func:`shared_pool`), so ``take`` and ``give`` hold
+    a lock.
 
     :param device_index: the GPU the events and device buffers belong to.
     :param translate: maps host addresses to ones a kernel may use (ROCm can map pinned
@@ -58,6 +61,7 @@ class StagingPool:
         self._translate = translate
         # Oldest first: buffers go back in the order their kernels were enqueued.
         self._free: deque[Staging] = deque()
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._free)
@@ -65,16 +69,17 @@ class StagingPool:
     def take(self, count: int) -> Staging:
         """A free buffer of at least ``count`` elements (made if none is; never waits)."""
         free = self._free
-        for _ in range(min(PROBES, len(free))):
-            entry = free[0]
-            if not entry.done.query():
-                # Busy: look behind it next time too (another stream's buffers may be free).
-                free.rotate(-1)
-                continue
-            free.popleft()
-            if entry.capacity >= count:
-                return entry
-            # Free but too small: let it go; a larger one replaces it.
+        with self._lock:
+            for _ in range(min(PROBES, len(free))):
+                entry = free[0]
+                if not entry.done.query():
+                    # Busy: look behind it next time too (another stream's buffers may be free).
+                    free.rotate(-1)
+                    continue
+                free.popleft()
+                if entry.capacity >= count:
+                    return entry
+                # Free but too small: let it go; a larger one replaces it.
         # None free: make another rather than wait. Waiting would stall the engine's host
         # thread behind every transfer in flight (an engine may queue dozens behind a busy
         # stream); the pool grows to the most transfers ever in flight, a few KiB each.
@@ -82,7 +87,8 @@ class StagingPool:
 
     def give(self, entry: Staging) -> None:
         """Return ``entry`` once its kernel (and event) are enqueued."""
-        self._free.append(entry)
+        with self._lock:
+            self._free.append(entry)
 
     def device_buffer(self, entry: Staging) -> Any:
         """``entry``'s device buffer, made on first need (same size, same event)."""
@@ -101,6 +107,24 @@ class StagingPool:
         if self._translate is not None:
             ptr = int(np.asarray(self._translate(np.array([ptr], dtype=np.int64)))[0])
         return Staging(host, ptr, torch.cuda.Event())
+
+
+_POOLS: dict[tuple[int, Any], StagingPool] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def shared_pool(device_index: int, translate: Optional[Callable[[np.ndarray], np.ndarray]] = None) -> StagingPool:
+    """The staging pool every launcher on ``device_index`` (with this ``translate``)
+    shares. One pool, not one per bound function: a resolved function binds its kernel
+    once per SM tier, an engine resolves both directions, and each pool would keep its own
+    pinned buffers (and reading descriptors from buffers placed differently made two
+    bindings of one route time up to 2% apart on the H200)."""
+    key = (device_index, translate)
+    with _POOLS_LOCK:
+        pool = _POOLS.get(key)
+        if pool is None:
+            pool = _POOLS[key] = StagingPool(device_index, translate)
+        return pool
 
 
 class Streams:

@@ -59,7 +59,7 @@ TIER_NOISE = 0.02
 # than this and twice the standard error of the two timings: a closer call is a tie, and
 # ties go to the route that takes no SMs. Tiny batches are all host work (10-20 us), and
 # their order moved by up to 5% between two runs on the H200.
-MIN_BATCH_MARGIN = 0.02
+MIN_BATCH_MARGIN = 0.01
 
 Key = tuple[str, str, Optional[int]]  # (impl, kind, num_sms)
 

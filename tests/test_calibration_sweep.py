@@ -227,3 +227,37 @@ def test_rounds_for_scales_to_the_time_allowed():
     assert rounds_for(Fixed(), calls, 5, 1.0, 120, 0) == 120  # the cap
     assert rounds_for(Fixed(), calls, 5, 0.001, 1000, 0) == 5  # never below the minimum
     assert rounds_for(Fixed(), calls, 5, 0.0, 1000, 0) == 5  # not asked for
+
+
+def test_a_disturbed_point_is_timed_once_more_and_the_steadier_timings_kept():
+    from kvswap.calibration import sweep as sweep_module
+
+    class Disturbed(LedgerTimer):
+        """The ledger's costs, with every second call of the first ``noisy`` measurements
+        taking 1.3x or 0.7x as long (MAD 30%)."""
+
+        def __init__(self, ledger, noisy):
+            super().__init__(ledger)
+            self.noisy, self.calls = noisy, 0
+
+        def measure(self, calls, repeats, warmup=1):
+            out = super().measure(calls, repeats, warmup)
+            self.calls += 1
+            if self.calls > self.noisy:
+                return out
+            return [[t * (1.0 if i % 2 == 0 else 1.3 if i % 4 == 1 else 0.7) for i, t in enumerate(row)] for row in out]
+
+    ledger = Ledger()
+    host = create_plugin_host(entry_points=[], extra=[("model", ModelPlatform(ledger))])
+    sweep = Sweep("modelplat:0", tiny(repeats=8), ["h2d"], host=host)
+    sweep.timer = Disturbed(ledger, noisy=1)
+    batch = Sweep.prepare(sweep)[kvswap.Direction.H2D]
+    sweep.pools = sweep_module.Pools(sweep.dev, MiB * 16, 0)
+    got = sweep.measure(batch, sweep.pools.batch(kvswap.Direction.H2D, 4 * KiB, 4), BATCH)
+    assert sweep.timer.calls == 2 and all(m.spread == 0.0 for m in got)  # the retry, steady, kept
+    sweep.timer = Disturbed(ledger, noisy=10)
+    got = sweep.measure(batch, sweep.pools.batch(kvswap.Direction.H2D, 4 * KiB, 4), BATCH)
+    assert sweep.timer.calls == 2 and all(m.spread > sweep_module.RETRY_SPREAD for m in got)  # once, no more
+    sweep.timer = Disturbed(ledger, noisy=0)
+    sweep.measure(batch, sweep.pools.batch(kvswap.Direction.H2D, 4 * KiB, 4), BATCH)
+    assert sweep.timer.calls == 1  # a steady point is timed once

@@ -10,14 +10,16 @@ Per direction:
   one size). Fewer SMs leave more for compute (FACTS.md: a copy kernel on 8 SMs cost a
   GEMM up to 57%), so nothing beyond the knee is worth taking.
 * **Route per block size**: the fastest of the batch routes and the kernel *at the knee*,
-  ties to the route that takes no SMs. ``by_size`` says it for each measured size;
+  where the kernel must be faster by more than ``KERNEL_MARGIN`` (the resolver's rule:
+  ties, and near-ties, go to the route that takes no SMs). ``by_size`` says it for each
+  measured size;
   ``routes`` for each of the resolver's block-size classes, ranked from the curves the
   profile holds exactly as the resolver ranks them, so ``explain()`` shows what the fit
   decided.
 * **Minimum batch**: the batch-size threshold under which the batch route is used
   instead of the kernel, chosen to minimise the summed slowdown against the faster of
   the two over the measured batch sizes; ties go to the larger threshold. A batch size
-  where the kernel wins by less than ``MIN_BATCH_MARGIN`` and the timings' noise counts as
+  where the kernel wins by less than ``KERNEL_MARGIN`` and the timings' noise counts as
   a tie. One noisy point cannot move it the way "first batch where the kernel won" would. It is fitted per
   measured block size (``min_batch_by_size``, which the resolver interpolates: the
   threshold moves with the block size by an order of magnitude) and over all of them
@@ -35,7 +37,7 @@ import math
 from collections import defaultdict
 from typing import Any, Iterable, Optional
 
-from kvswap.resolver import EDGES
+from kvswap.resolver import EDGES, KERNEL_MARGIN
 from kvswap.thresholds import Calibration, Curve
 from kvswap.types import Direction
 
@@ -56,10 +58,10 @@ TIER_TOLERANCE = 0.01
 # one batch size is more likely the run-to-run noise of short calls than a feature.
 TIER_NOISE = 0.02
 # The kernel takes a batch size from the batch route only when it is faster there by more
-# than this and twice the standard error of the two timings: a closer call is a tie, and
-# ties go to the route that takes no SMs. Tiny batches are all host work (10-20 us), and
-# their order moved by up to 5% between two runs on the H200.
-MIN_BATCH_MARGIN = 0.01
+# than KERNEL_MARGIN (the resolver's, for block sizes) and twice the standard error of the
+# two timings: a closer call is a tie, and ties go to the route that takes no SMs. Tiny
+# batches are all host work (10-20 us), and their order moved by up to 5% between two runs
+# on the H200.
 
 Key = tuple[str, str, Optional[int]]  # (impl, kind, num_sms)
 
@@ -115,7 +117,7 @@ def choose_routes(table: dict[Key, dict[int, float]], knee: Optional[int]) -> li
     out = []
     for b in sizes:
         rows = [
-            (-g, kind == "kernel", impl, kind, sms, g)
+            (-(g / (1.0 + KERNEL_MARGIN) if kind == "kernel" else g), kind == "kernel", impl, kind, sms, g)
             for (impl, kind, sms), row in table.items()
             if (g := row.get(b)) is not None and (kind == "batch" or (kind == "kernel" and sms == knee))
         ]
@@ -147,7 +149,8 @@ def resolver_routes(curve_docs: list[dict[str, Any]], direction: str, knee: Opti
                 continue
             g = cal.predict(impl, kind, Direction.parse(direction), rep, sms)
             if g is not None:
-                ranked.append((-g, kind == "kernel", impl, kind, sms))
+                rank = g / (1.0 + KERNEL_MARGIN) if kind == "kernel" else g
+                ranked.append((-rank, kind == "kernel", impl, kind, sms))
         if not ranked:
             continue
         _, _, impl, kind, sms = min(ranked)
@@ -194,7 +197,7 @@ Timed = tuple[float, float, int]  # (median seconds, spread, repeats) of one mea
 def batch_points(ms: Iterable[Measurement], direction: str) -> list[tuple[int, int, float, float]]:
     """``(block, n, kernel seconds, batch seconds)`` from the batch sweep: the fastest of
     each kind, the kernel's taken as the batch route's where it wins by no more than
-    ``MIN_BATCH_MARGIN`` and twice the noise (a tie, which :func:`min_batch` gives to the
+    ``KERNEL_MARGIN`` and twice the noise (a tie, which :func:`min_batch` gives to the
     batch route)."""
     kern: dict[tuple[int, int], Timed] = {}
     dma: dict[tuple[int, int], Timed] = {}
@@ -211,7 +214,7 @@ def batch_points(ms: Iterable[Measurement], direction: str) -> list[tuple[int, i
         if key not in dma:
             continue
         k, b = kern[key], dma[key]
-        tie = b[0] / k[0] <= 1.0 + MIN_BATCH_MARGIN + 2 * standard_error(k, b)
+        tie = b[0] / k[0] <= 1.0 + KERNEL_MARGIN + 2 * standard_error(k, b)
         out.append((*key, max(k[0], b[0]) if tie else k[0], b[0]))
     return out
 

@@ -23,6 +23,11 @@ EDGES = (1,) + tuple(
     sorted({KiB << i for i in range(13)} | {3 * (KiB << i) // 2 for i in range(12)})
 )
 
+# A route that takes SMs takes a block size, or a batch size, from one that takes none only
+# when it is predicted (measured) faster by more than this: its SMs are taken from compute,
+# and between two runs on the H200 routes this close swapped places by up to 4%.
+KERNEL_MARGIN = 0.02
+
 
 def collect_impls(host: PluginHost, platform: str) -> list[tuple[str, CopyImpl]]:
     """``(plugin, impl)`` registered for ``platform``; a name registered twice keeps the
@@ -79,8 +84,9 @@ def _rank(
 ) -> list[tuple[CopyImpl, Optional[float]]]:
     """Usable impls that can take ``size``, best first, with predicted GB/s.
 
-    Unknown predictions rank last; ties go to the route that takes no SMs, then by name,
-    so registration order never decides.
+    Unknown predictions rank last; a route that takes SMs ranks above one that takes none
+    only when faster by more than ``KERNEL_MARGIN``; ties go to the route that takes no
+    SMs, then by name, so registration order never decides.
     """
     rows = []
     for impl in usable:
@@ -90,6 +96,8 @@ def _rank(
         score = None if g is None else g
         if score is not None and policy.prefer == "low_interference":
             score *= 1.0 - cal.slowdown_of(impl.name, impl.kind)
+        if score is not None and impl.uses_sms:
+            score /= 1.0 + KERNEL_MARGIN
         rows.append((score is None, -(score or 0.0), impl.uses_sms, impl.name, impl, g))
     rows.sort(key=lambda r: r[:4])
     return [(r[4], r[5]) for r in rows]

@@ -158,8 +158,8 @@ def test_a_kernel_win_inside_the_margin_or_the_noise_is_a_tie_the_batch_route_ta
 
     clear = {1: 30.0, 2: 30.0, 4: 30.0, 8: 30.0, 16: 30.0}  # wins from 4 descriptors, by 25% there
     assert dec(clear) == [[4 * KiB, 4]]
-    # by less than MIN_BATCH_MARGIN at 4: a tie, so 4 descriptors stay on the batch route
-    assert dec({**clear, 4: 40.0 / (1.0 + fit.MIN_BATCH_MARGIN - 0.005)}) == [[4 * KiB, 8]]
+    # by less than KERNEL_MARGIN at 4: a tie, so 4 descriptors stay on the batch route
+    assert dec({**clear, 4: 40.0 / (1.0 + fit.KERNEL_MARGIN - 0.005)}) == [[4 * KiB, 8]]
     # by 4% at 4: a win without noise, a tie where 41 rounds spread 10% (2 SE = 4.1%)
     won = {**clear, 4: 40.0 / 1.04}
     assert dec(won, 0.0, 41) == [[4 * KiB, 4]]

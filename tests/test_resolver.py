@@ -13,6 +13,7 @@ from kvswap import (
     ResolutionError, hookimpl,
 )
 from kvswap.plugins import create_plugin_host
+from kvswap.resolver import KERNEL_MARGIN
 from kvswap.reference import host_copy
 
 from fakes import address, scattered
@@ -164,6 +165,23 @@ def test_ranking_follows_predicted_bandwidth_not_registration_order(order):
     assert by_size[4096] == "acme.kern"  # 45 GB/s beats 5
     assert by_size[262144] == "acme.dma"  # 50 beats 48, and the DMA takes no SMs
     assert fn.plan.params["acme.kern"] == {"num_sms": 8}
+
+
+@pytest.mark.parametrize("kernel_gbps, route", [
+    (50.0 * (1 + KERNEL_MARGIN) - 0.1, "acme.dma"),  # faster, but within the margin: no SMs taken
+    (50.0 * (1 + KERNEL_MARGIN) + 0.1, "acme.kern"),  # beyond it
+])
+def test_a_kernel_takes_a_block_size_from_a_route_without_sms_only_beyond_the_margin(kernel_gbps, route):
+    impls = [recording_impl("acme.dma"), recording_impl("acme.kern", kind="kernel")]
+    cal = cpu_cal([("acme.dma", [(4096, 5.0), (262144, 50.0)], None), ("acme.kern", [(4096, 45.0), (262144, kernel_gbps)], 8)])
+    host = create_plugin_host(entry_points=[], env={}, extra=[("p", Offer(impls, cal))])
+    fn = kvswap.resolve("h2d", device="cpu", host=host, block_bytes=[4096, 262144])
+    def route_of(b):
+        return next(r for r in fn.plan.routes if r.min_bytes <= b and (r.max_bytes is None or b <= r.max_bytes))
+
+    assert (route_of(4096).impl, route_of(262144).impl) == ("acme.kern", route)
+    if route == "acme.dma":  # explain() shows the prediction itself, not the discounted rank
+        assert dict(route_of(262144).predicted)["acme.kern"] == pytest.approx(kernel_gbps, abs=0.01)
 
 
 def test_routes_split_mixed_sizes_and_small_batches_by_route():

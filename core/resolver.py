@@ -25,7 +25,9 @@ EDGES = (1,) + tuple(
 
 # A route that takes SMs takes a block size, or a batch size, from one that takes none only
 # when it is predicted (measured) faster by more than this: its SMs are taken from compute,
-# and between two runs on the H200 routes this close swapped places by up to 4%.
+# and between two runs on the H200 routes this close swapped places by up to 4%. A guard
+# against measurement noise, so it applies to measured calibrations only: thresholds that
+# are published or guessed (``calibrated=False``) are taken as they are drawn.
 KERNEL_MARGIN = 0.02
 
 
@@ -85,9 +87,10 @@ def _rank(
     """Usable impls that can take ``size``, best first, with predicted GB/s.
 
     Unknown predictions rank last; a route that takes SMs ranks above one that takes none
-    only when faster by more than ``KERNEL_MARGIN``; ties go to the route that takes no
-    SMs, then by name, so registration order never decides.
+    only when faster by more than ``KERNEL_MARGIN`` (on a measured calibration); ties go to
+    the route that takes no SMs, then by name, so registration order never decides.
     """
+    margin = KERNEL_MARGIN if cal.calibrated else 0.0
     rows = []
     for impl in usable:
         if not (impl.accepts_size(size) if exact else impl.accepts_range(size)):
@@ -97,7 +100,7 @@ def _rank(
         if score is not None and policy.prefer == "low_interference":
             score *= 1.0 - cal.slowdown_of(impl.name, impl.kind)
         if score is not None and impl.uses_sms:
-            score /= 1.0 + KERNEL_MARGIN
+            score /= 1.0 + margin
         rows.append((score is None, -(score or 0.0), impl.uses_sms, impl.name, impl, g))
     rows.sort(key=lambda r: r[:4])
     return [(r[4], r[5]) for r in rows]

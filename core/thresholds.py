@@ -7,12 +7,30 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 from .errors import InvalidImplError
 from .types import Direction
 
 SCOPES = ("device", "family", "platform")  # most specific first
+
+
+def at_log_size(points: Sequence[tuple[int, float]], block_bytes: int, log_values: bool = False) -> float:
+    """The value of ``points`` (``(block_bytes, value)``, ascending) at ``block_bytes``:
+    linear in log block size between neighbours (and in log value with ``log_values``),
+    the end value beyond either end."""
+    if block_bytes <= points[0][0]:
+        return points[0][1]
+    if block_bytes >= points[-1][0]:
+        return points[-1][1]
+    x = math.log(block_bytes)
+    for (b0, v0), (b1, v1) in zip(points, points[1:]):
+        if block_bytes <= b1:
+            t = (x - math.log(b0)) / (math.log(b1) - math.log(b0))
+            if log_values:
+                return math.exp(math.log(v0) + t * (math.log(v1) - math.log(v0)))
+            return v0 + t * (v1 - v0)
+    raise AssertionError("unreachable")
 
 
 @dataclass(frozen=True)
@@ -42,17 +60,7 @@ class Curve:
         object.__setattr__(self, "points", pts)
 
     def gbps(self, block_bytes: int) -> float:
-        pts = self.points
-        if block_bytes <= pts[0][0]:
-            return pts[0][1]
-        if block_bytes >= pts[-1][0]:
-            return pts[-1][1]
-        x = math.log(block_bytes)
-        for (b0, g0), (b1, g1) in zip(pts, pts[1:]):
-            if block_bytes <= b1:
-                t = (x - math.log(b0)) / (math.log(b1) - math.log(b0))
-                return g0 + t * (g1 - g0)
-        raise AssertionError("unreachable")
+        return at_log_size(self.points, block_bytes)
 
 
 @dataclass(frozen=True)
@@ -177,16 +185,7 @@ class Calibration:
         pts = self.min_batch_by_size.get(str(direction))
         if not pts or block_bytes is None:
             return int(self.kernel_min_batch.get(str(direction), default))
-        if block_bytes <= pts[0][0] or len(pts) == 1:
-            return pts[0][1]
-        if block_bytes >= pts[-1][0]:
-            return pts[-1][1]
-        x = math.log(block_bytes)
-        for (b0, n0), (b1, n1) in zip(pts, pts[1:]):
-            if block_bytes <= b1:
-                t = (x - math.log(b0)) / (math.log(b1) - math.log(b0))
-                return max(1, round(math.exp(math.log(n0) + t * (math.log(n1) - math.log(n0)))))
-        raise AssertionError("unreachable")
+        return max(1, round(at_log_size(pts, block_bytes, log_values=True)))
 
     def slowdown_of(self, impl: str, kind: str) -> float:
         return float(self.slowdown.get(impl, self.slowdown.get(kind, 0.0)))

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kvswap import DeviceInfo, Direction
+from kvswap import DeviceInfo, Direction, Policy
+from kvswap.backends import triton_generic
+from kvswap.backends.cuda.batch import CUDA_BATCH
 from kvswap.backends.cuda import defaults, device, driver
 from kvswap.lookup import find_calibration
 from kvswap.platform import cpu_device
@@ -200,3 +202,12 @@ def test_h100_curves_cross_at_28_kib():
         assert kernel_lead(4 * KiB) > 0 and kernel_lead(27 * KiB) > 0
         assert kernel_lead(28 * KiB) == pytest.approx(0)
         assert kernel_lead(29 * KiB) < 0 and kernel_lead(256 * KiB) < 0
+
+
+def test_published_h100_thresholds_resolve_as_published_without_the_measurement_margin():
+    from kvswap.resolver import _rank
+
+    impls = [CUDA_BATCH, triton_generic.copy_impl()]
+    for size, route in ((27 * KiB, "triton.kernel"), (28 * KiB - 1, "triton.kernel"), (28 * KiB, "cuda.batch")):
+        ranked = _rank(impls, defaults.H100, Direction.H2D, Policy(), size, True, 12)
+        assert ranked[0][0].name == route, size

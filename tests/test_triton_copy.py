@@ -6,8 +6,10 @@ GPU); on a GPU machine the same cases run on the device in ``test_triton_gpu.py`
 """
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
+import weakref
 
 import numpy as np
 import pytest
@@ -316,6 +318,12 @@ def test_launchers_of_one_device_share_one_staging_pool() -> None:
     assert staging.shared_pool(0, translate) is staging.shared_pool(0, translate)
     assert staging.shared_pool(0, translate) is not staging.shared_pool(0)  # mapped buffers apart
     assert staging.shared_pool(0, translate)._translate is translate
+    # a pool mapped through a translator goes with it (plugins may make one per resolve)
+    mapped = staging.shared_pool(0, lambda addrs: addrs + 2)
+    ref = weakref.ref(mapped)
+    del mapped
+    gc.collect()
+    assert ref() is None
 
 
 def test_the_identity_translation_costs_a_kernel_route_nothing_per_call() -> None:

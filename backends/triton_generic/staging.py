@@ -11,6 +11,7 @@ Imported only from the launch path; torch loads in the methods.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import deque
 from typing import Any, Callable, Optional
 
@@ -58,13 +59,19 @@ class StagingPool:
 
     def __init__(self, device_index: int, translate: Optional[Callable[[np.ndarray], np.ndarray]] = None) -> None:
         self.device_index = device_index
-        self._translate = translate
+        # Weak: a shared pool is kept per translator only while that translator lives (its
+        # launchers hold it), so the pool must not be what keeps it alive.
+        self._translate_ref = None if translate is None else weakref.ref(translate)
         # Oldest first: buffers go back in the order their kernels were enqueued.
         self._free: deque[Staging] = deque()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._free)
+
+    @property
+    def _translate(self) -> Optional[Callable[[np.ndarray], np.ndarray]]:
+        return None if self._translate_ref is None else self._translate_ref()
 
     def take(self, count: int) -> Staging:
         """A free buffer of at least ``count`` elements (made if none is; never waits)."""
@@ -102,14 +109,20 @@ class StagingPool:
     def _new(self, count: int) -> Staging:
         import torch
 
+        translate = self._translate
+        if translate is None and self._translate_ref is not None:
+            raise RuntimeError("staging pool outlived the address translator its buffers are mapped through")
         host = torch.empty(max(_pow2_at_least(count), MIN_ELEMS), dtype=torch.int64, pin_memory=True)
         ptr = host.data_ptr()
-        if self._translate is not None:
-            ptr = int(np.asarray(self._translate(np.array([ptr], dtype=np.int64)))[0])
+        if translate is not None:
+            ptr = int(np.asarray(translate(np.array([ptr], dtype=np.int64)))[0])
         return Staging(host, ptr, torch.cuda.Event())
 
 
-_POOLS: dict[tuple[int, Any], StagingPool] = {}
+_POOLS: dict[int, StagingPool] = {}
+# Pools whose buffers are mapped through a translator live as long as it does: a plugin may
+# make a translator per resolve, and a pool held past it would keep its pinned buffers.
+_MAPPED: "weakref.WeakKeyDictionary[Any, dict[int, StagingPool]]" = weakref.WeakKeyDictionary()
 _POOLS_LOCK = threading.Lock()
 
 
@@ -119,11 +132,11 @@ def shared_pool(device_index: int, translate: Optional[Callable[[np.ndarray], np
     once per SM tier, an engine resolves both directions, and each pool would keep its own
     pinned buffers (and reading descriptors from buffers placed differently made two
     bindings of one route time up to 2% apart on the H200)."""
-    key = (device_index, translate)
     with _POOLS_LOCK:
-        pool = _POOLS.get(key)
+        pools = _POOLS if translate is None else _MAPPED.setdefault(translate, {})
+        pool = pools.get(device_index)
         if pool is None:
-            pool = _POOLS[key] = StagingPool(device_index, translate)
+            pool = pools[device_index] = StagingPool(device_index, translate)
         return pool
 
 

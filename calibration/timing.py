@@ -1,9 +1,20 @@
 """How kvswap times a copy: CUDA events on an accelerator, ``perf_counter`` on the host.
 
 Every measurement goes through :meth:`Timer.measure`: warm-up calls first (a Triton kernel
-compiles on its first launch; the driver sets up on its first batch), then ``repeats``
-rounds in which each call is timed once. Interleaving the calls of a comparison in rounds
-spreads clock and thermal drift over all of them instead of biasing the last one.
+compiles on its first launch; the driver sets up on its first batch), then rounds in which
+each call runs a block of its own: ``SETTLE`` untimed calls, then up to ``KEEP`` timed ones.
+Interleaving the calls of a comparison in rounds spreads clock and thermal drift over all of
+them instead of biasing the last one.
+
+The block is there because a call's time depends on what ran before it, two and more calls
+back. On the H200 (tests/bench/bench_context.py, docs/results/h200-context.txt), host->device
+8 KiB x 4 took 15.6 us on the batch route after two calls of itself and 17.4 us after two of
+the kernel; the kernel took 17.5 us after itself and 19.9 us after the batch route. Timed one
+call per contender per round, a route's time depended on the other contenders: calibration,
+which times the kernel at five SM counts against one batch route, measured the kernel 6-12%
+better against the batch route than the bench did at the same points, and gave it batch sizes
+the bench then found it losing. After ``SETTLE`` calls of itself, each route is timed as an
+engine sees it when it calls that route step after step, whatever else is being compared.
 """
 from __future__ import annotations
 
@@ -37,14 +48,33 @@ def standard_error(a: tuple[float, float, int], b: tuple[float, float, int]) -> 
 
 def rounds_for(timer: Any, calls: Sequence[Call], repeats: int, point_seconds: float, max_repeats: int,
                warmup: int) -> int:
-    """How many rounds to time ``calls`` for: ``repeats``, or more, up to ``max_repeats``,
-    so that all the rounds together take about ``point_seconds``. Short calls stray by a
-    few % from round to round (host work of 10-20 us): more rounds make their medians
-    steady enough to tell apart gains of 1%. Probes one round (three, median)."""
+    """How many timed calls of each of ``calls`` to take: ``repeats``, or more, up to
+    ``max_repeats``, so that the timed calls together take about ``point_seconds`` (the
+    untimed ones of :func:`schedule` add SETTLE/KEEP of that). Short calls stray by a few %
+    from call to call (host work of 10-20 us): more of them make their medians steady enough
+    to tell apart gains of 1%. Probes three of each (median)."""
     if not point_seconds or not calls or max_repeats <= repeats:
         return repeats
     probe = sum(median(t) for t in timer.measure(calls, 3, warmup))
     return max(repeats, min(max_repeats, int(point_seconds / max(probe, 1e-9))))
+
+
+# Per contender and round: this many untimed calls, then this many timed (fewer in the last
+# round). Two calls of the batch route still left a trace of a kernel before them (0.5 us).
+SETTLE, KEEP = 3, 5
+
+
+def schedule(count: int, repeats: int, rng: random.Random) -> list[tuple[int, bool]]:
+    """The calls of one measurement in order, as ``(index, timed)``: rounds in a fresh
+    random order of the ``count`` calls (``rng``: the timer's, see :class:`_Shuffled`), each
+    call a block of ``SETTLE`` untimed calls then up to ``KEEP`` timed, until each call has
+    ``repeats`` timed ones."""
+    out: list[tuple[int, bool]] = []
+    order = _Shuffled(count, rng)
+    for done in range(0, repeats, KEEP):
+        for i in order.next():
+            out += [(i, False)] * SETTLE + [(i, True)] * min(KEEP, repeats - done)
+    return out
 
 
 def on_host(device: DeviceInfo) -> bool:
@@ -53,9 +83,9 @@ def on_host(device: DeviceInfo) -> bool:
 
 
 class _Shuffled:
-    """A fresh order of the calls for every round: what ran just before a call changes its
-    time (warm caches, a busy GPU), and a fixed order would give that advantage to the
-    same contender every round. ``rng`` is the timer's, seeded once (runs repeat) and
+    """A fresh order of the calls for every round: what ran before a call's block can still
+    change its time a little, and a fixed order would give that advantage to the same
+    contender every round. ``rng`` is the timer's, seeded once (runs repeat) and
     carried from one measurement to the next: restarting it per measurement replayed the
     same orders at every point of a bench, which biased one contender by 5-7% at all the
     short calls alike (seen on the H200)."""
@@ -85,12 +115,11 @@ class HostTimer:
                 call(None)
         out: list[list[float]] = [[] for _ in calls]
         clock = time.perf_counter
-        order = _Shuffled(len(calls), self._rng)
-        for _ in range(repeats):
-            for i in order.next():
-                call = calls[i]
-                t0 = clock()
-                call(None)
+        for i, timed in schedule(len(calls), repeats, self._rng):
+            call = calls[i]
+            t0 = clock()
+            call(None)
+            if timed:
                 out[i].append(max(clock() - t0, 1e-9))
         return out
 
@@ -138,17 +167,19 @@ class DeviceTimer:
                     for call in calls:
                         call(self.stream)
                 self.stream.synchronize()
-                order = _Shuffled(len(calls), self._rng)
-                for _ in range(repeats):
-                    for i in order.next():
-                        call = calls[i]
-                        start = torch.cuda.Event(enable_timing=True)
-                        end = torch.cuda.Event(enable_timing=True)
+                for i, timed in schedule(len(calls), repeats, self._rng):
+                    call = calls[i]
+                    if not timed:
                         self.stream.synchronize()
-                        start.record(self.stream)
                         call(self.stream)
-                        end.record(self.stream)
-                        pairs[i].append((start, end))
+                        continue
+                    start = torch.cuda.Event(enable_timing=True)
+                    end = torch.cuda.Event(enable_timing=True)
+                    self.stream.synchronize()
+                    start.record(self.stream)
+                    call(self.stream)
+                    end.record(self.stream)
+                    pairs[i].append((start, end))
             finally:
                 # Never leave copies in flight into buffers the caller may free or reuse.
                 self.stream.synchronize()

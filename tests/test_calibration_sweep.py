@@ -186,19 +186,68 @@ def test_measurements_record_their_spread_and_old_profiles_still_read():
 
 
 def test_the_timer_carries_its_shuffle_from_one_measurement_to_the_next():
-    from kvswap.calibration.timing import HostTimer
+    from kvswap.calibration.timing import KEEP, SETTLE, HostTimer
 
     def orders(timer):
         log = []
         calls = [(lambda i: lambda stream: log.append(i))(i) for i in range(6)]
         timer.measure(calls, repeats=4, warmup=0)
-        return log
+        return log[::SETTLE + 4]  # one entry per block
 
+    assert KEEP >= 4
     timer = HostTimer()
     first, second = orders(timer), orders(timer)
-    assert sorted(first) == sorted(second) == sorted(list(range(6)) * 4)
+    assert sorted(first) == sorted(second) == list(range(6))
     assert first != second  # a replayed order would favour the same contender at every point
     assert orders(HostTimer()) == first  # seeded: runs repeat
+
+
+def test_the_schedule_runs_each_call_in_blocks_settled_before_they_are_timed():
+    import random
+
+    from kvswap.calibration.timing import KEEP, SETTLE, schedule
+
+    repeats = 2 * KEEP + 2
+    got = schedule(3, repeats, random.Random(0))
+    for i in range(3):
+        assert sum(1 for j, timed in got if j == i and timed) == repeats
+    left, pos, rounds = {i: repeats for i in range(3)}, 0, []
+    while pos < len(got):  # block by block: SETTLE untimed calls of one route, then its timed ones
+        i = got[pos][0]
+        want = min(KEEP, left[i])
+        assert got[pos:pos + SETTLE + want] == [(i, False)] * SETTLE + [(i, True)] * want
+        left[i] -= want
+        rounds.append(i)
+        pos += SETTLE + want
+    assert all(v == 0 for v in left.values())
+    assert [sorted(rounds[r:r + 3]) for r in range(0, 9, 3)] == [[0, 1, 2]] * 3 and len(rounds) == 9
+
+
+def test_a_route_times_the_same_whatever_it_is_compared_with(monkeypatch):
+    """A call's cost depends on the two calls before it (seen on the H200: a route is
+    slower after another route). Timed in blocks, each route measures its cost after
+    itself, alone or among others; timed once a round, it did not."""
+    from kvswap.calibration import timing
+
+    clock = [0.0]
+    history: list[str] = []
+
+    def route(name, own, foreign):
+        def call(stream):
+            strangers = sum(1 for h in history[-2:] if h != name)
+            clock[0] += own + foreign * strangers
+            history.append(name)
+        return call
+
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
+    a, b, c = route("a", 10.0, 3.0), route("b", 12.0, 1.0), route("c", 12.0, 1.0)
+    alone = [timing.median(t) for t in timing.HostTimer().measure([a], 12, 1)]
+    mixed = [timing.median(t) for t in timing.HostTimer().measure([a, b, c], 12, 1)]
+    assert alone == [10.0] and mixed == [10.0, 12.0, 12.0]
+    monkeypatch.setattr(timing, "SETTLE", 0)
+    monkeypatch.setattr(timing, "KEEP", 1)
+    mixed = [timing.median(t) for t in timing.HostTimer().measure([a, b, c], 12, 1)]
+    assert mixed[0] > 10.0  # the old schedule: "a" paid for its neighbours
 
 
 def test_short_batch_sweep_points_get_more_rounds_up_to_the_cap():

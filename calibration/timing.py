@@ -6,15 +6,16 @@ each call runs a block of its own: ``SETTLE`` untimed calls, then up to ``KEEP``
 Interleaving the calls of a comparison in rounds spreads clock and thermal drift over all of
 them instead of biasing the last one.
 
-The block is there because a call's time depends on what ran before it, two and more calls
+The block is there because a call's time depends on what ran before it, even four calls
 back. On the H200 (tests/bench/bench_context.py, docs/results/h200-context.txt), host->device
-8 KiB x 4 took 15.6 us on the batch route after two calls of itself and 17.4 us after two of
-the kernel; the kernel took 17.5 us after itself and 19.9 us after the batch route. Timed one
+8 KiB x 4 took 15.2 us on the batch route after four calls of itself and 17.3 us after four of
+the kernel; the kernel took 17.2 us after itself and 20.1 us after the batch route. Timed one
 call per contender per round, a route's time depended on the other contenders: calibration,
-which times the kernel at five SM counts against one batch route, measured the kernel 6-12%
-better against the batch route than the bench did at the same points, and gave it batch sizes
-the bench then found it losing. After ``SETTLE`` calls of itself, each route is timed as an
-engine sees it when it calls that route step after step, whatever else is being compared.
+which times the kernel at five SM counts against one batch route, put the batch route at
+1.01 x the kernel's time at 8 KiB x 4 where the bench, with other contenders, put it at 0.92,
+and gave the kernel batch sizes the bench then found it losing. Timed in blocks, the two
+harnesses agree within 1% at every point measured: each route is timed as an engine sees it
+when it calls that route step after step, whatever else is being compared.
 """
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ def rounds_for(timer: Any, calls: Sequence[Call], repeats: int, point_seconds: f
 
 
 # Per contender and round: this many untimed calls, then this many timed (fewer in the last
-# round). Two calls of the batch route still left a trace of a kernel before them (0.5 us).
+# round). The first timed call of a block still shows a trace of what ran before it (about
+# 0.5 us at 8 KiB x 4); the later ones do not.
 SETTLE, KEEP = 3, 5
 
 

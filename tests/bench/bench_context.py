@@ -12,7 +12,8 @@ One process times host->device points, the batch route against the kernel at its
    against the kernel at five SM counts). A schedule is right when the two harnesses agree,
    and agree with part 1's routes timed after themselves: a route's time must not depend
    on which other routes are being compared;
-3. the same point over fresh random draws of its blocks (does the choice of slots matter?).
+3. the same point over fresh random draws of its blocks (does the choice of slots matter?);
+4. both directions on pools of 1, 2 and 4 GiB (calibration's pools are 1 GiB, the bench's 2).
 
     python tests/bench/bench_context.py [knee]
 """
@@ -22,6 +23,7 @@ import sys
 
 KiB, MiB = 1024, 1 << 20
 POINTS = ((8 * KiB, 4), (32 * KiB, 4), (32 * KiB, 16), (128 * KiB, 4), (128 * KiB, 16), (16 * KiB, 64))
+POOL_POINTS = (("d2h", 32 * KiB, 16), ("d2h", 64 * KiB, 16), ("d2h", 32 * KiB, 64), ("h2d", 32 * KiB, 16))
 HISTORIES = ("SSSS", "OSSS", "OOSS", "OSS", "OS", "O", "OOOO")  # S: the timed route itself, O: the other
 
 
@@ -119,6 +121,22 @@ def main() -> int:
         print(f"{f'{p[0] // KiB}K x{p[1]}':<12}" + "".join(f"{r:>7.2f}" for r in ratios)
               + f"   min {min(ratios):.2f} max {max(ratios):.2f}", flush=True)
 
+    print("\n4. batch route / kernel time by pool size (current schedule, 201 timed calls each)", flush=True)
+    del sweep, pools, batches
+    print(f"{'pool':<8}" + "".join(f"{f'{dd} {b // KiB}K x{n}':>22}" for dd, b, n in POOL_POINTS))
+    for gib in (1, 2, 4, 1):
+        pool = Pools(dev, gib << 30, gib)
+        row = []
+        for dd, b, n in POOL_POINTS:
+            batch = pool.batch(dd, b, n)
+            fb = (kvswap.resolve(dd, policy=kvswap.Policy(force="cuda.batch")),
+                  bound_at(dd, dev, "cuda:0", host, "triton.kernel", knee))
+            t = timer.measure([(lambda f: lambda s: f(batch.src, batch.dst, batch.sizes, stream=s))(f) for f in fb],
+                              201, 2)
+            row.append((median(t[0]), median(t[1])))
+        print(f"{gib} GiB   " + "".join(f"{a * 1e6:>8.1f}/{k * 1e6:<6.1f}({a / k:.2f})" for a, k in row), flush=True)
+        del pool
+        torch.cuda.empty_cache()
     return 0
 
 

@@ -83,7 +83,7 @@ def _candidates(d: str, dev: Any, device: Any, host: PluginHost, resolved: dict[
     """Every available impl bound as the resolver binds it (``force``), and each kernel
     also at every SM count a resolved function's batch tiers use: ``label -> (fn, SMs)``."""
     base = next(iter(resolved.values()))
-    tiers = {(r.impl, k) for fn in resolved.values() for r in fn.plan.routes for _, k in r.sms_by_batch}
+    tiers = {(r.impl, k) for fn in resolved.values() for r in fn.plan.routes for _, k in r.sms_by_batch if k}
     cands: dict[str, tuple[Any, Optional[int]]] = {}
     for c in base.plan.candidates:
         if not c.available:

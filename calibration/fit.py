@@ -30,6 +30,14 @@ Per direction:
   is used for, a step function from batch size to SM count (``kernel_sms_by_batch``): the
   fewest SMs within ``TIER_TOLERANCE`` of the fastest count measured at each batch size,
   where one noisy batch size cannot open a tier of its own (see :func:`sms_by_batch`).
+* **The kernel's batch window where the batch route is the route**: the route per block
+  size is fitted at a large batch, where the batch route can win a block size whose small
+  batches a kernel on more SMs still copies sooner (the H100: 512 KiB blocks in batches of
+  1-64 took up to 1.6x as long on the batch route as on the kernel on 24 SMs). Per such
+  measured size, the batch sizes the kernel takes (:func:`kernel_window`, a tie going to
+  the batch route), with their SM tiers, and 0 SMs (the batch route) for the others: the
+  row ``[[1, 0], [4, 24], [181, 0]]`` gives batches of 4-180 to the kernel on 24 SMs. A
+  size where the kernel takes no batch gets ``[[1, 0]]``.
 """
 from __future__ import annotations
 
@@ -219,6 +227,47 @@ def batch_points(ms: Iterable[Measurement], direction: str) -> list[tuple[int, i
     return out
 
 
+def kernel_window(points: Iterable[tuple[int, int, float, float]]) -> Optional[tuple[int, int]]:
+    """The batch sizes a kernel takes from the batch route at a block size the batch route
+    wins at large batches, from ``(block, n, t_kernel, t_batch)``: ``(first, last)``
+    measured sizes of the run of batch sizes that minimises the summed ``t_chosen /
+    min(t_kernel, t_batch)``, or None where the kernel takes none. Ties go to the shorter
+    run (fewer batches on SMs), then the earlier one."""
+    pts = sorted((n, tk, tb) for _, n, tk, tb in points)
+    if not pts:
+        return None
+    base = [tb / min(tk, tb) for _, tk, tb in pts]
+    gain = [(tk - tb) / min(tk, tb) for _, tk, tb in pts]  # what giving n to the kernel adds
+    best: tuple[float, int, int, int] = (sum(base), 0, 0, 0)  # (cost, length, start, end)
+    for i in range(len(pts)):
+        for j in range(i + 1, len(pts) + 1):
+            cost = sum(base) + sum(gain[i:j])
+            key = (cost, j - i, i, j)
+            if cost < best[0] * (1 - 1e-9) or (cost <= best[0] * (1 + 1e-9) and key[1:] < best[1:]):
+                best = key
+    _, length, i, j = best
+    return (pts[i][0], pts[j - 1][0]) if length else None
+
+
+def window_tiers(ns: list[int], window: Optional[tuple[int, int]], tiers: list[list[int]]) -> list[list[int]]:
+    """The tiers row of a block size the batch route wins at large batches: 0 SMs outside
+    ``window``, ``tiers`` (fitted over the window's batch sizes) inside; a boundary after
+    the window at the geometric midpoint to the next measured size, as between tiers."""
+    if window is None or not tiers:
+        return [[1, 0]]
+    first, last = window
+    row = ([[1, 0]] if first > 1 else []) + [[max(first, n), k] for n, k in tiers]
+    later = [n for n in ns if n > last]
+    row.append([max(last + 1, round(math.sqrt(last * later[0]))) if later else last + 1, 0])
+    merged: list[list[int]] = []
+    for n, k in row:
+        if merged and merged[-1][0] == n:
+            merged[-1][1] = k
+        elif not merged or merged[-1][1] != k:
+            merged.append([n, k])
+    return merged
+
+
 def kernel_batch_times(ms: Iterable[Measurement], direction: str) -> dict[int, dict[int, dict[int, Timed]]]:
     """The fastest kernel impl's ``(seconds, spread, repeats)`` per block size, batch size
     and SM count, from the batch sweep of ``direction``."""
@@ -298,17 +347,24 @@ def fit_direction(ms: list[Measurement], direction: str, tolerance: float = TOLE
         min_batch_by_size=[],
         kernel_sms_by_batch=[],
     )
+    points = batch_points(ms, direction)
+    kernel_sizes = {r["block_bytes"] for r in uses_kernel}
     if uses_kernel:
-        points = batch_points(ms, direction)
-        out["kernel_min_batch"] = min_batch(points)
-        for b in sorted({p[0] for p in points}):
+        out["kernel_min_batch"] = min_batch(p for p in points if p[0] in kernel_sizes)
+        for b in sorted({p[0] for p in points} & kernel_sizes):
             out["min_batch_by_size"].append([b, min_batch(p for p in points if p[0] == b)])
-        kernel_from = dict(out["min_batch_by_size"])
-        for b, rows in sorted(kernel_batch_times(ms, direction).items()):
+    kernel_from = dict(out["min_batch_by_size"])
+    for b, rows in sorted(kernel_batch_times(ms, direction).items()):
+        if b in kernel_sizes:
             used = {n: row for n, row in rows.items() if n >= kernel_from.get(b, 1)}
             tiers = sms_by_batch(used, knee or 1)
-            if tiers:
-                out["kernel_sms_by_batch"].append([b, tiers])
+        else:  # the batch route's size: the kernel only inside its window
+            mine = [p for p in points if p[0] == b]
+            window = kernel_window(mine)
+            inside = {n: row for n, row in rows.items() if window and window[0] <= n <= window[1]}
+            tiers = window_tiers(sorted(p[1] for p in mine), window, sms_by_batch(inside, knee or 1))
+        if tiers:
+            out["kernel_sms_by_batch"].append([b, tiers])
     return out
 
 

@@ -46,7 +46,9 @@ def describe_decision(d: str, dec: dict[str, Any]) -> list[str]:
     if tiers:
         lines.append("  kernel SMs by batch size, where they differ from the knee:")
         for b, t in tiers:
-            steps = ", ".join(f"{k} SMs from {n}" if n > 1 else f"{k} SMs" for n, k in t)
+            if not any(k for _, k in t):
+                continue  # a batch route's size the kernel takes no batch of
+            steps = ", ".join((f"{k} SMs" if k else "batch route") + (f" from {n}" if n > 1 else "") for n, k in t)
             lines.append(f"    {human_bytes(b)} blocks: {steps}")
     if dec.get("crossover_bytes"):
         lines.append(f"  crossover: batch route from {human_bytes(dec['crossover_bytes'])} blocks")

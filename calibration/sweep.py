@@ -351,28 +351,34 @@ class Sweep:
 
     def batch_sweep(self, direction: Direction, bounds: list[Bound]) -> None:
         """The kernel at its knee and at ``tier_counts - 1`` multiples of it (:func:`tier_sms`)
-        against the best batch route, over batch sizes, at the block sizes where the kernel is the
-        route (or ``batch_sweep_blocks`` of them, evenly spread)."""
+        against the best batch route, over batch sizes up to the size sweep's bytes per call:
+        at the block sizes where the kernel is the route (or ``batch_sweep_blocks`` of them,
+        evenly spread), and at every one where the batch route is (its small batches may still
+        go to the kernel: :func:`~.fit.kernel_window`)."""
         assert self.pools is not None
         d, s = str(direction), self.settings
         decision = fit.fit_direction(self.result.measurements, d, s.knee_tolerance)
         table = fit.size_table(self.result.measurements, d)
+        knee = decision.get("kernel_sms")
         kernel_at = [r for r in decision["by_size"] if r["kind"] == "kernel"]
-        if not kernel_at:
+        if not knee:
             return
         k = self.settings.batch_sweep_blocks or len(kernel_at)
         picks = [kernel_at[round(i * (len(kernel_at) - 1) / max(k - 1, 1))] for i in range(min(k, len(kernel_at)))]
         picks = list({r["block_bytes"]: r for r in picks}.values())  # evenly spread, ends included
+        picks += [r for r in decision["by_size"] if r["kind"] == "batch"]
         plan = []
         for r in picks:
             b = r["block_bytes"]
             dma = [(row[b], impl) for (impl, kind, _), row in table.items() if kind == "batch" and b in row]
-            if not dma:
+            kern = [(row[b], impl) for (impl, kind, sms), row in table.items() if kind == "kernel" and sms == knee and b in row]
+            if not dma or not kern:
                 continue
-            best = max(dma)[1]
-            tiers = tier_sms(self.settings.sm_counts, r["num_sms"], self.settings.tier_counts)
-            contenders = [x for x in bounds if (x.impl == r["impl"] and x.num_sms in tiers) or (x.impl, x.num_sms) == (best, None)]
-            ns = [n for n in self.settings.batch_sizes if n <= self.pools.slots(b)]
+            best, kernel = max(dma)[1], max(kern)[1]
+            tiers = tier_sms(self.settings.sm_counts, knee, self.settings.tier_counts)
+            contenders = [x for x in bounds if (x.impl == kernel and x.num_sms in tiers) or (x.impl, x.num_sms) == (best, None)]
+            most = min(self.pools.slots(b), max(1, s.size_sweep_bytes // b))
+            ns = [n for n in self.settings.batch_sizes if n <= most]
             plan.append((b, contenders, ns))
         self.progress.add(sum(len(ns) for _, _, ns in plan))
         for b, contenders, ns in plan:

@@ -27,10 +27,13 @@ class Route:
     :ivar predicted: ``(impl, GB/s or None)`` for every usable candidate at ``at_bytes``,
         best first, as the ranking saw them.
     :ivar min_batch: below this many descriptors ``small_batch_impl`` is used instead.
+    :ivar small_batch_impl: for a kernel ``impl``, the route that takes no SMs, for the
+        batches the kernel does not win: below ``min_batch``, and in tiers of 0 SMs.
     :ivar fallbacks: where descriptors go that ``impl``'s constraints refuse (alignment).
     :ivar sms_by_batch: for a kernel ``impl``, ``((from_batch, num_sms), ...)``: a batch of
         ``n`` descriptors runs on the SMs of the last tier with ``from_batch <= n`` (the
-        first below all); empty: the SMs ``impl`` was bound with (``Plan.params``).
+        first below all), and a tier of 0 SMs on ``small_batch_impl``; empty: the SMs
+        ``impl`` was bound with (``Plan.params``).
     """
 
     min_bytes: int
@@ -113,7 +116,7 @@ def _explain_lines(p: Plan) -> list[str]:
         status = "available" if c.available else f"rejected: {c.reason}"
         bound = p.params.get(c.name)
         extra = f", bound with {', '.join(f'{k}={v}' for k, v in bound.items())}" if bound else ""
-        tiers = sorted({k for r in p.routes if r.impl == c.name for _, k in r.sms_by_batch}
+        tiers = sorted({k for r in p.routes if r.impl == c.name for _, k in r.sms_by_batch if k}
                        - {(bound or {}).get("num_sms")})
         if tiers:
             extra += f" (and {', '.join(map(str, tiers))} SMs for the batch tiers of its routes)"
@@ -127,15 +130,16 @@ def _explain_lines(p: Plan) -> list[str]:
         if pred:
             line += f"  (GB/s predicted at {human_bytes(r.at_bytes)}: {pred})"
         lines.append(line)
-        if r.small_batch_impl:
+        if r.small_batch_impl and r.min_batch > 1:
             lines.append(f"    {'':<28}    batches under {r.min_batch} descriptors -> {r.small_batch_impl}")
         for i, (start, sms) in enumerate(r.sms_by_batch):
-            lo = max(start, r.min_batch) if i else r.min_batch if r.small_batch_impl else 1
+            lo = max(start if i else 1, r.min_batch if r.small_batch_impl else 1)
             end = r.sms_by_batch[i + 1][0] if i + 1 < len(r.sms_by_batch) else None
             if end is not None and end <= lo:
                 continue
             which = f"{lo}+" if end is None else f"{lo}-{end - 1}"
-            lines.append(f"    {'':<28}    batches of {which} descriptors -> {r.impl} on {sms} SMs")
+            to = f"{r.impl} on {sms} SMs" if sms else r.small_batch_impl
+            lines.append(f"    {'':<28}    batches of {which} descriptors -> {to}")
         if r.fallbacks and _constrained(p, r.impl):
             lines.append(f"    {'':<28}    descriptors {r.impl} refuses -> {', '.join(r.fallbacks)}")
     for note in p.notes:

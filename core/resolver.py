@@ -75,11 +75,12 @@ def _num_sms(cal: Calibration, direction: Direction, policy: Policy, device: Dev
 
 def _sms_by_batch(cal: Calibration, direction: Direction, policy: Policy, device: DeviceInfo,
                   size: int, num_sms: int) -> tuple[tuple[int, int], ...]:
-    """The calibration's SM tiers at ``size``, capped like the knee, equal neighbours
-    merged; empty when every tier comes to the knee (``num_sms``)."""
+    """The calibration's SM tiers at ``size``, capped like the knee (0, the route that
+    takes no SMs, stays 0), equal neighbours merged; empty when every tier comes to the
+    knee (``num_sms``)."""
     out: list[tuple[int, int]] = []
     for start, k in cal.sms_tiers(direction, size):
-        k = _sm_cap(k, policy, device)
+        k = _sm_cap(k, policy, device) if k else 0
         if not out or out[-1][1] != k:
             out.append((start, k))
     return () if all(k == num_sms for _, k in out) else tuple(out)
@@ -124,19 +125,33 @@ def _routes(
         if not ranked:
             continue
         best = ranked[0][0]
-        small = next((impl for impl, _ in ranked[1:] if not impl.uses_sms), None) if best.uses_sms else None
+        # Tiers buy throughput with SMs: a low-interference policy keeps the knee.
+        tiers = _sms_by_batch(cal, direction, policy, device, rep, num_sms) if policy.prefer == "throughput" else ()
+        min_batch = None
+        if best.uses_sms:
+            small = next((impl for impl, _ in ranked[1:] if not impl.uses_sms), None)
+        else:
+            # Ranked at a large batch, a route without SMs can still lose the small batches
+            # of this size to a kernel: a tier of 0 SMs says the calibration measured where.
+            kernel = next((impl for impl, _ in ranked[1:] if impl.uses_sms), None)
+            small = best
+            if kernel is not None and any(k == 0 for _, k in tiers) and any(k for _, k in tiers):
+                best, min_batch = kernel, 0
+            else:
+                small, tiers = None, ()
+        if small is None:  # no route without SMs to give 0-SM tiers to: they keep the knee
+            tiers = tuple((n, k or num_sms) for n, k in tiers)
+            tiers = () if all(k == num_sms for _, k in tiers) else tiers
         route = Route(
             min_bytes=lo,
             max_bytes=hi,
             impl=best.name,
             at_bytes=rep,
             predicted=tuple((impl.name, None if g is None else round(g, 2)) for impl, g in ranked),
-            min_batch=cal.min_batch(direction, block_bytes=rep) if small else 0,
+            min_batch=(cal.min_batch(direction, block_bytes=rep) if min_batch is None else min_batch) if small else 0,
             small_batch_impl=small.name if small else None,
-            fallbacks=tuple(impl.name for impl, _ in ranked[1:]),
-            # Tiers buy throughput with SMs: a low-interference policy keeps the knee.
-            sms_by_batch=_sms_by_batch(cal, direction, policy, device, rep, num_sms)
-            if best.uses_sms and policy.prefer == "throughput" else (),
+            fallbacks=tuple(impl.name for impl, _ in ranked if impl is not best),
+            sms_by_batch=tiers,
         )
         prev = routes[-1] if routes else None
         decided = ("impl", "small_batch_impl", "min_batch", "fallbacks", "sms_by_batch")
@@ -154,12 +169,12 @@ def _bind_tiers(
     direction: Direction, dev: DeviceInfo, translate: Any, notes: list[str],
 ) -> tuple[tuple[Route, ...], dict[tuple[str, int], Any]]:
     """Bind each kernel once more per SM count its routes' batch tiers name besides the
-    one it is bound with. A binding that fails takes the tiers out of the routes that
-    name it (they keep the knee), with a note."""
+    one it is bound with. A tier whose binding fails runs on the SMs the kernel is bound
+    with (its knee), with a note."""
     impls = {i.name: i for i in usable}
     tiered: dict[tuple[str, int], Any] = {}
     failed: set[tuple[str, int]] = set()
-    wanted = {(r.impl, k) for r in routes for _, k in r.sms_by_batch}
+    wanted = {(r.impl, k) for r in routes for _, k in r.sms_by_batch if k}
     for name, k in sorted(wanted):
         if params.get(name, {}).get("num_sms") == k:
             continue
@@ -173,10 +188,12 @@ def _bind_tiers(
             notes.append(f"{name}: could not be bound at {k} SMs for its batch tiers "
                          f"({type(e).__name__}: {e}); those batches use its knee")
     if failed:
-        routes = tuple(replace(r, sms_by_batch=()) if any((r.impl, k) in failed for _, k in r.sms_by_batch) else r
-                       for r in routes)
-        kept = {(r.impl, k) for r in routes for _, k in r.sms_by_batch}
-        tiered = {key: fn for key, fn in tiered.items() if key in kept}
+        def knee(r: Route) -> Route:
+            at = params.get(r.impl, {}).get("num_sms")
+            tiers = tuple((n, at if (r.impl, k) in failed else k) for n, k in r.sms_by_batch)
+            return replace(r, sms_by_batch=() if all(k == at for _, k in tiers) else tiers)
+
+        routes = tuple(knee(r) for r in routes)
     return routes, tiered
 
 

@@ -47,16 +47,17 @@ class SwapFn:
                                               tuple[tuple[str, Optional[int]], ...]]:
         """What ``route`` does by batch size, decided once: ``(starts, fns, plain, keys)``,
         one entry per step, ``starts`` ascending from 0; a batch of ``n`` descriptors takes
-        the last step whose start is ``<= n`` (the small-batch impl below ``min_batch``,
-        the kernel's SM tiers above). ``keys`` are ``(impl, num_sms)``."""
+        the last step whose start is ``<= n`` (the small-batch impl below ``min_batch``
+        and in tiers of 0 SMs, the kernel's SM tiers elsewhere). ``keys`` are ``(impl, num_sms)``."""
         base = route.min_batch if route.small_batch_impl else 0
         steps: list[tuple[int, str, Optional[int]]] = []
         for start in sorted({0, base} | {t for t, _ in route.sms_by_batch if t > base}):
-            if route.small_batch_impl and start < base:
+            tier = route.sms_for(start)
+            if route.small_batch_impl and (start < base or tier == 0):
                 name, sms = route.small_batch_impl, self._sms[route.small_batch_impl]
             else:
                 name = route.impl
-                sms = route.sms_for(start) or self._sms[name]
+                sms = tier or self._sms[name]
             if not steps or steps[-1][1:] != (name, sms):
                 steps.append((start, name, sms))
         return (tuple(start for start, _, _ in steps), tuple(self._fns[(n, k)] for _, n, k in steps),

@@ -83,8 +83,12 @@ class Calibration:
         ``(block_bytes, ((from_batch, num_sms), ...))``. A kernel copying ``n`` blocks runs
         on the SMs of the last tier whose ``from_batch <= n`` (the first tier below its
         ``from_batch``): medium batches finish sooner on more SMs than the knee, which is
-        fitted where the link is already full. A block size between measured ones takes
-        the tiers of the nearest (over log sizes). Without tiers: ``kernel_sms`` for all.
+        fitted where the link is already full. A tier of 0 SMs sends its batches to the
+        route that takes no SMs: where that route wins a block size at large batches but the
+        kernel wins its small ones, a row such as ``((1, 24), (181, 0))`` gives batches under
+        181 to the kernel on 24 SMs (rows without a 0 tier apply only where the kernel is
+        the block size's route). A block size between measured ones takes the tiers of the
+        nearest (over log sizes). Without tiers: ``kernel_sms`` for all.
     :param slowdown: fraction of compute throughput lost while a route runs, keyed by impl
         name or by kind (``"batch"``, ``"kernel"``); used by ``prefer="low_interference"``.
     :param ceiling_gbps: per direction, the contiguous copy ceiling when measured.
@@ -138,7 +142,7 @@ class Calibration:
                 table = ()
             if not table or any(b < 1 for b, _ in table) or len({b for b, _ in table}) != len(table):
                 raise bad("kernel_sms_by_batch values must be (block_bytes >= 1, ((from_batch, num_sms), ...)) "
-                          "rows, one per block size, each with tiers of distinct from_batch >= 1 and num_sms >= 1")
+                          "rows, one per block size, each with tiers of distinct from_batch >= 1 and num_sms >= 0")
             tiers[str(Direction.parse(k))] = table
         object.__setattr__(self, "kernel_sms_by_batch", tiers)
         if any(not 0 <= v < 1 for v in self.slowdown.values()):
@@ -201,9 +205,10 @@ class Calibration:
 
 
 def _tiers(steps: Any) -> tuple[tuple[int, int], ...]:
-    """Checked SM tiers: ``(from_batch, num_sms)`` pairs, sorted, distinct, all >= 1."""
+    """Checked SM tiers: ``(from_batch, num_sms)`` pairs, sorted, distinct, batches >= 1,
+    SMs >= 0 (0: the route that takes no SMs)."""
     out = tuple(sorted((int(n), int(k)) for n, k in steps))
-    if not out or any(n < 1 or k < 1 for n, k in out) or len({n for n, _ in out}) != len(out):
+    if not out or any(n < 1 or k < 0 for n, k in out) or len({n for n, _ in out}) != len(out):
         raise ValueError("bad tiers")
     return out
 

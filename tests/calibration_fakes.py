@@ -69,15 +69,18 @@ class ModelPlatform:
     """Plugin: detects ``modelplat:0`` and registers ``model.batch`` and ``model.kernel``
     (or other ``names``; plus, on request, routes that raise, copy nothing, or refuse
     large blocks). With ``fill_s``, the kernel pays a per-call cost that shrinks with its
-    SM count, so medium batches want more SMs than the knee."""
+    SM count, so medium batches want more SMs than the knee. With ``batch_setup_s``, each
+    batch call pays a fixed cost, so small batches of large blocks go faster on the kernel."""
 
     IDENTITY = "modelplat-model-device-16cu"
 
     def __init__(self, ledger: Ledger, broken: bool = False,
-                 names: tuple[str, str] = ("model.batch", "model.kernel"), fill_s: float = 0.0) -> None:
+                 names: tuple[str, str] = ("model.batch", "model.kernel"), fill_s: float = 0.0,
+                 batch_setup_s: float = 0.0) -> None:
         self.ledger = ledger
         self.broken = broken
         self.fill_s = fill_s
+        self.batch_setup_s = batch_setup_s
         self.batch_name, self.kernel_name = names
         self.bound_sms: list[int] = []
 
@@ -107,7 +110,9 @@ class ModelPlatform:
     def kvswap_register_copy_impls(self, platform: str, register: Callable[[CopyImpl], None]) -> None:
         if platform != "modelplat":
             return
-        register(CopyImpl(self.batch_name, "batch", ("modelplat",), BOTH, lambda ctx: self._route(batch_cost, None)))
+        setup = self.batch_setup_s  # a fixed cost per batch call: small batches of large blocks pay it
+        register(CopyImpl(self.batch_name, "batch", ("modelplat",), BOTH,
+                          lambda ctx: self._route(lambda d, b, n, s: batch_cost(d, b, n, s) + setup, None)))
         register(CopyImpl(self.kernel_name, "kernel", ("modelplat",), BOTH, self._kernel))
         if not self.broken:
             return

@@ -339,3 +339,48 @@ def test_a_partial_run_carries_the_other_directions_tiers_over():
     carried = fit.profile_fields(ms, [], ["h2d"], prior=prior)["decisions"]["d2h"]
     assert carried["kernel_sms_by_batch"] == [[4096, [[1, 4], [300, 16]]]]
     assert carried["min_batch_by_size"] == [[4096, 16]]
+
+
+def test_the_kernel_window_of_a_batch_routed_size_is_the_run_of_batches_it_wins():
+    def pts(winners, ns=(1, 4, 16, 64, 256)):  # the kernel 10% faster where it wins, else 10% slower
+        return [(512 * KiB, n, 0.9 if n in winners else 1.1, 1.0) for n in ns]
+
+    assert fit.kernel_window(pts({1, 4})) == (1, 4)
+    assert fit.kernel_window(pts({4, 16, 64})) == (4, 64)
+    assert fit.kernel_window(pts(set())) is None
+    assert fit.kernel_window(pts({1, 4, 16, 64, 256})) == (1, 256)
+    # one lost batch size inside a run costs less than it gains: the run holds
+    assert fit.kernel_window(pts({1, 4, 64, 256}, ns=(1, 4, 16, 64, 256))) == (1, 256)
+    ties = [(512 * KiB, n, 1.0, 1.0) for n in (1, 4, 16)]  # a tie goes to the batch route
+    assert fit.kernel_window(ties) is None
+    assert fit.kernel_window([]) is None
+
+
+def test_window_tiers_put_the_batch_route_around_the_kernels_tiers():
+    ns = [1, 4, 16, 64, 256]
+    assert fit.window_tiers(ns, (4, 64), [[1, 8], [32, 24]]) == [[1, 0], [4, 8], [32, 24], [128, 0]]
+    assert fit.window_tiers(ns, (1, 4), [[1, 24]]) == [[1, 24], [8, 0]]
+    assert fit.window_tiers(ns, (1, 256), [[1, 24]]) == [[1, 24], [257, 0]]
+    assert fit.window_tiers(ns, None, []) == [[1, 0]]
+
+
+def test_a_batch_routed_size_gets_its_window_and_no_minimum_batch():
+    """Synthetic: 512 KiB goes to the batch route by size, yet the kernel on 16 SMs wins its
+    batches of 1-16; 4 KiB is the kernel's from 4 descriptors."""
+    ms = [Measurement("h2d", "size", "dma", "batch", None, 4 * KiB, 4096, 4096 * 4 * KiB / 5e9, 5),
+          Measurement("h2d", "size", "kern", "kernel", 4, 4 * KiB, 4096, 4096 * 4 * KiB / 45e9, 5),
+          Measurement("h2d", "size", "dma", "batch", None, 512 * KiB, 512, 512 * 512 * KiB / 52e9, 5),
+          Measurement("h2d", "size", "kern", "kernel", 4, 512 * KiB, 512, 512 * 512 * KiB / 50e9, 5)]
+    for n in (1, 4, 16, 64, 256):
+        for b, t_dma, t_kern in ((4 * KiB, 10e-6 + n * 0.8e-6, 14e-6 + n * 0.1e-6),
+                                 (512 * KiB, 30e-6 + n * 10e-6, 8e-6 + n * 10.4e-6)):
+            ms.append(Measurement("h2d", "batch", "dma", "batch", None, b, n, t_dma, 41))
+            for k in (4, 16):
+                slower = 1.0 if k == 16 or b == 4 * KiB else 1.2
+                ms.append(Measurement("h2d", "batch", "kern", "kernel", k, b, n, t_kern * slower, 41))
+    dec = fit.fit_direction(ms, "h2d")
+    assert [r["impl"] for r in dec["by_size"]] == ["kern", "dma"]
+    assert dec["min_batch_by_size"] == [[4 * KiB, 16]]
+    rows = dict(dec["kernel_sms_by_batch"])
+    # 512 KiB: the kernel 22 us faster a call, 0.4 us slower a block: it wins up to 55 blocks
+    assert rows[512 * KiB] == [[1, 16], [32, 0]]

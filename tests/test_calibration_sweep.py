@@ -28,9 +28,9 @@ def tiny(**over) -> Settings:
     return Settings(**base)
 
 
-def model_sweep(broken: bool = False, **over):
+def model_sweep(broken: bool = False, batch_setup_s: float = 0.0, **over):
     ledger = Ledger()
-    plat = ModelPlatform(ledger, broken=broken)
+    plat = ModelPlatform(ledger, broken=broken, batch_setup_s=batch_setup_s)
     host = create_plugin_host(entry_points=[], extra=[("model", plat)])
     sweep = Sweep("modelplat:0", tiny(**over), ["h2d", "d2h"], host=host)
     sweep.timer = LedgerTimer(ledger)
@@ -54,7 +54,9 @@ def test_sweep_binds_each_sm_count_and_fits_the_model():
         # at 64 KiB from n > 34; of the measured 1, 4, 64 the threshold is 64
         assert dec["kernel_min_batch"] == 64
         batch_blocks = {m.block_bytes for m in result.measurements if m.direction == d and m.stage == BATCH}
-        assert batch_blocks == {2 * KiB, 64 * KiB}  # first and last size where the kernel is the route
+        # first and last size where the kernel is the route, and the batch route's size (256 KiB)
+        assert batch_blocks == {2 * KiB, 64 * KiB, 256 * KiB}
+        assert dict(dec["kernel_sms_by_batch"])[256 * KiB] == [[1, 0]]  # the kernel takes none of its batches
         assert [r["impl"] for r in dec["by_size"]] == ["model.kernel"] * 4 + ["model.batch"]
         # between 64 KiB (45 GB/s) and 256 KiB (52) the batch curve passes the kernel's 49.3 GB/s
         # at ~152 KiB; the resolver's class [128, 192) KiB is ranked at ~157 KiB: batch from 128 KiB
@@ -83,6 +85,27 @@ def test_profile_from_a_sweep_is_what_the_resolver_decides_by():
         sizes = np.full(64, 4 * KiB, dtype=np.int64)
         assert [n for n, _, _ in fn.assign(addr[:4], addr[:4] + 8 * KiB, sizes[:4])] == ["model.batch"]
         assert [n for n, _, _ in fn.assign(addr, addr + 8 * KiB, sizes)] == ["model.kernel"]
+
+
+def test_small_batches_of_a_batch_routed_size_go_to_the_kernel_where_it_was_measured_faster():
+    # A batch call that costs 8 us more: at 256 KiB the batch route still wins 64 blocks
+    # (331 against 341 us) but loses 1 and 4 to the kernel's 5 us launch (13 against 10 us).
+    result, plat, host = model_sweep(batch_setup_s=8e-6)
+    doc = store.make_document(result.device, measurements=[m.to_dict() for m in result.measurements],
+                              **fit.profile_fields(result.measurements, [], ["h2d", "d2h"]))
+    dec = doc["decisions"]["h2d"]
+    assert next(r for r in dec["by_size"] if r["block_bytes"] == 256 * KiB)["impl"] == "model.batch"
+    assert dict(dec["kernel_sms_by_batch"])[256 * KiB] == [[1, 8], [16, 0]]
+    assert 256 * KiB not in dict(dec["min_batch_by_size"])  # a kernel size's threshold, not this one's
+    store.save(doc, store.default_path(result.device))
+    fn = kvswap.resolve("h2d", device="modelplat:0", host=host, block_bytes=256 * KiB)
+    route = next(r for r in fn.plan.routes if r.at_bytes == 256 * KiB)
+    assert (route.impl, route.small_batch_impl, route.sms_by_batch) == ("model.kernel", "model.batch", ((1, 8), (16, 0)))
+    addr = np.arange(1, 65, dtype=np.int64) * (1 << 20)
+    sizes = np.full(64, 256 * KiB, dtype=np.int64)
+    assert [n for n, _, _ in fn.assign(addr[:4], addr[:4] + 512 * KiB, sizes[:4])] == ["model.kernel"]
+    assert [n for n, _, _ in fn.assign(addr, addr + 512 * KiB, sizes)] == ["model.batch"]
+    assert "batches of 16+ descriptors -> model.batch" in fn.explain()
 
 
 def test_routes_that_raise_or_copy_nothing_are_reported_and_skipped():

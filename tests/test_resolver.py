@@ -422,10 +422,61 @@ def test_a_tier_that_cannot_be_bound_leaves_the_knee_and_a_note():
     assert log == [500] and np.array_equal(dst, expected(src, np.full_like(dst, POISON), so, do, sizes))
 
 
+# 256 KiB goes to acme.dma by size (50 against 48 GB/s), but its row says the kernel on 24
+# SMs wins batches of 4-199 there: a tier of 0 SMs is the route that takes no SMs.
+ZERO_TIERS = {"h2d": [[4096, [[1, 8]]], [262144, [[1, 0], [4, 24], [200, 0]]]]}
+
+
+def test_a_zero_sm_tier_gives_a_batch_routed_size_to_the_kernel_only_where_it_was_measured_to_win():
+    log = []
+    fn = kvswap.resolve("h2d", device="cpu", host=tier_host(log, kernel_sms_by_batch=ZERO_TIERS),
+                        block_bytes=262144)
+    route = next(r for r in fn.plan.routes if r.at_bytes == 262144)
+    assert (route.impl, route.small_batch_impl, route.min_batch) == ("acme.kern", "acme.dma", 0)
+    assert route.sms_by_batch == ((1, 0), (4, 24), (200, 0))
+    assert route.fallbacks[0] == "acme.dma" and "acme.kern" not in route.fallbacks
+    assert route.predicted[0][0] == "acme.dma"  # ranked by size, the batch route still leads
+    rng = np.random.default_rng(11)
+    for n, want_log, want_dma in [(2, [], 2), (4, [(24, 4)], None), (199, [(24, 199)], None),
+                                  (200, [], 200), (230, [], 230)]:
+        sizes = np.full(n, 262144, dtype=np.int64)
+        src, dst, so, do = host_batch(rng, sizes, pool=(n + 8) * 262144, slot=262144)
+        want = expected(src, dst, so, do, sizes)
+        log.clear()
+        LOG.clear()
+        fn(address(src) + so, address(dst) + do, sizes)
+        assert log == want_log and LOG == ([("acme.dma", want_dma)] if want_dma else []), n
+        assert np.array_equal(dst, want), n
+    text = fn.explain()
+    assert "batches of 1-3 descriptors -> acme.dma" in text
+    assert "batches of 4-199 descriptors -> acme.kern on 24 SMs" in text
+    assert "batches of 200+ descriptors -> acme.dma" in text and "batches under 0 " not in text
+    # A row without a 0 tier was fitted where the kernel is the route: the batch route keeps 256 KiB.
+    plain = kvswap.resolve("h2d", device="cpu", host=tier_host([], kernel_sms_by_batch=TIERS), block_bytes=262144)
+    assert next(r for r in plain.plan.routes if r.at_bytes == 262144).impl == "acme.dma"
+    # Tiers buy throughput with SMs: a low-interference policy keeps the batch route there.
+    quiet = kvswap.resolve("h2d", device="cpu", host=tier_host([], kernel_sms_by_batch=ZERO_TIERS),
+                           block_bytes=262144, policy=Policy(prefer="low_interference"))
+    route = next(r for r in quiet.plan.routes if r.at_bytes == 262144)
+    assert (route.impl, route.small_batch_impl, route.sms_by_batch) == ("acme.dma", None, ())
+
+
+def test_zero_sm_tiers_keep_the_knee_where_no_route_without_sms_is_usable():
+    from kvswap.platform import detect
+    from kvswap.resolver import _routes
+
+    cal = cpu_cal([("acme.kern", KERNEL, 8)], kernel_sms={"h2d": 8}, kernel_sms_by_batch=ZERO_TIERS)
+    dev = detect(create_plugin_host(entry_points=[], env={}), "cpu")
+    (route,) = [r for r in _routes([tiered_kernel([])], cal, kvswap.Direction.H2D, Policy(), (262144,), 8, dev)
+                if r.at_bytes == 262144]
+    assert (route.impl, route.small_batch_impl) == ("acme.kern", None)
+    assert route.sms_by_batch == ((1, 8), (4, 24), (200, 8))
+
+
 @pytest.mark.parametrize("bad", [
     {"h2d": [[4096, []]]},  # no tiers
     {"h2d": [[4096, [[0, 8]]]]},  # from_batch < 1
-    {"h2d": [[4096, [[1, 0]]]]},  # no SMs
+    {"h2d": [[4096, [[1, -1]]]]},  # SMs below 0
     {"h2d": [[4096, [[1, 8], [1, 16]]]]},  # one start twice
     {"h2d": [[4096, [[1, 8]]], [4096, [[1, 16]]]]},  # one block size twice
     {"h2d": [["x", [[1, 8]]]]},

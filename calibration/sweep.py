@@ -2,9 +2,10 @@
 
 Stages, per direction: the contiguous ceiling; every available route over block sizes at
 a large batch (kernels at several SM counts); then, at the block sizes where the kernel
-wins at its SM knee, the kernel at the knee and at a few multiples of it (``tier_sms``)
-against the best batch route over batch sizes (the minimum batch, and the SM tiers by
-batch size); optionally
+wins at its SM knee, and at those where the batch route wins, the kernel at the knee and at
+a few multiples of it (``tier_sms``) against the best batch route over batch sizes (the
+minimum batch and the SM tiers by batch size; where the batch route wins, the batch sizes
+the kernel still takes); optionally
 the compute slowdown each route causes beside a GEMM. Routes are bound through
 ``kvswap.resolve(..., policy=Policy(force=name))`` exactly as an engine gets them, with a
 calibration override that binds kernels at exactly the SM count being measured. A route

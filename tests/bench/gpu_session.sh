@@ -2,7 +2,7 @@
 # One command on the lent GPU machine: the gpu-marked tests, calibration (profile, plot,
 # decisions), the bench and the backends' benchmark scripts, each step's output under $OUT.
 #   bash tests/bench/gpu_session.sh tests calibrate bench benches overhead
-# CAL_ARGS (default --quick) and STEP_TIMEOUT (seconds per step, default 280) tune it;
+# CAL_ARGS (unset: --quick; set it empty for the full grid) and STEP_TIMEOUT (seconds per step, default 280) tune it;
 # PROFILE names a profile for the overhead step (default: the resolver's own search).
 # The GPU machine's python lacks platformdirs: carry its wheel in .whl/ (README: Testing).
 set -uo pipefail
@@ -23,7 +23,7 @@ for step in "$@"; do
       tail -n 25 "$OUT/gpu_tests.log" ;;
     calibrate)
       # shellcheck disable=SC2086
-      timeout "$T" python3 -m kvswap calibrate ${CAL_ARGS:---quick} --out "$OUT/profile.json" \
+      timeout "$T" python3 -m kvswap calibrate ${CAL_ARGS---quick} --out "$OUT/profile.json" \
         --plot "$OUT/profile.png" >"$OUT/calibrate.log" 2>/tmp/calibrate.err
       echo "calibrate exit $?"; tail -n 3 /tmp/calibrate.err >>"$OUT/calibrate.log"; tail -n 60 "$OUT/calibrate.log" ;;
     bench)

@@ -236,14 +236,13 @@ def kernel_window(points: Iterable[tuple[int, int, float, float]]) -> Optional[t
     pts = sorted((n, tk, tb) for _, n, tk, tb in points)
     if not pts:
         return None
-    base = [tb / min(tk, tb) for _, tk, tb in pts]
-    gain = [(tk - tb) / min(tk, tb) for _, tk, tb in pts]  # what giving n to the kernel adds
-    best: tuple[float, int, int, int] = (sum(base), 0, 0, 0)  # (cost, length, start, end)
+    # What giving n to the kernel adds to the cost of leaving every batch on the batch route.
+    gain = [(tk - tb) / min(tk, tb) for _, tk, tb in pts]
+    best: tuple[float, int, int, int] = (0.0, 0, 0, 0)  # (added cost, length, start, end): no run
     for i in range(len(pts)):
         for j in range(i + 1, len(pts) + 1):
-            cost = sum(base) + sum(gain[i:j])
-            key = (cost, j - i, i, j)
-            if cost < best[0] * (1 - 1e-9) or (cost <= best[0] * (1 + 1e-9) and key[1:] < best[1:]):
+            key = (sum(gain[i:j]), j - i, i, j)
+            if key[0] < best[0] - 1e-9 or (key[0] <= best[0] + 1e-9 and key[1:] < best[1:]):
                 best = key
     _, length, i, j = best
     return (pts[i][0], pts[j - 1][0]) if length else None

@@ -127,18 +127,17 @@ def _routes(
         best = ranked[0][0]
         # Tiers buy throughput with SMs: a low-interference policy keeps the knee.
         tiers = _sms_by_batch(cal, direction, policy, device, rep, num_sms) if policy.prefer == "throughput" else ()
-        min_batch = None
         if best.uses_sms:
             small = next((impl for impl, _ in ranked[1:] if not impl.uses_sms), None)
+            min_batch = cal.min_batch(direction, block_bytes=rep) if small else 0
         else:
             # Ranked at a large batch, a route without SMs can still lose the small batches
             # of this size to a kernel: a tier of 0 SMs says the calibration measured where.
             kernel = next((impl for impl, _ in ranked[1:] if impl.uses_sms), None)
-            small = best
             if kernel is not None and any(k == 0 for _, k in tiers) and any(k for _, k in tiers):
-                best, min_batch = kernel, 0
+                best, small, min_batch = kernel, best, 0
             else:
-                small, tiers = None, ()
+                small, min_batch, tiers = None, 0, ()
         if small is None:  # no route without SMs to give 0-SM tiers to: they keep the knee
             tiers = tuple((n, k or num_sms) for n, k in tiers)
             tiers = () if all(k == num_sms for _, k in tiers) else tiers
@@ -148,7 +147,7 @@ def _routes(
             impl=best.name,
             at_bytes=rep,
             predicted=tuple((impl.name, None if g is None else round(g, 2)) for impl, g in ranked),
-            min_batch=(cal.min_batch(direction, block_bytes=rep) if min_batch is None else min_batch) if small else 0,
+            min_batch=min_batch,
             small_batch_impl=small.name if small else None,
             fallbacks=tuple(impl.name for impl, _ in ranked if impl is not best),
             sms_by_batch=tiers,

@@ -124,27 +124,19 @@ class Calibration:
             if any(not isinstance(v, (int, float)) or v < 0 for v in value.values()):
                 raise bad(f"{name} values must be numbers >= 0")
             object.__setattr__(self, name, value)
-        by_size = {}
-        for k, pairs in dict(self.min_batch_by_size).items():
-            try:
-                pts = tuple(sorted((int(b), int(n)) for b, n in pairs))
-            except (TypeError, ValueError):
-                pts = ()
-            if not pts or any(b < 1 or n < 1 for b, n in pts) or len({b for b, _ in pts}) != len(pts):
-                raise bad("min_batch_by_size values must be (block_bytes >= 1, batch >= 1) pairs, one per size")
-            by_size[str(Direction.parse(k))] = pts
-        object.__setattr__(self, "min_batch_by_size", by_size)
-        tiers = {}
-        for k, rows in dict(self.kernel_sms_by_batch).items():
-            try:
-                table = tuple(sorted((int(b), _tiers(steps)) for b, steps in rows))
-            except (TypeError, ValueError):
-                table = ()
-            if not table or any(b < 1 for b, _ in table) or len({b for b, _ in table}) != len(table):
-                raise bad("kernel_sms_by_batch values must be (block_bytes >= 1, ((from_batch, num_sms), ...)) "
-                          "rows, one per block size, each with tiers of distinct from_batch >= 1 and num_sms >= 0")
-            tiers[str(Direction.parse(k))] = table
-        object.__setattr__(self, "kernel_sms_by_batch", tiers)
+        for name, value, rule in (
+            ("min_batch_by_size", _batch, "(block_bytes >= 1, batch >= 1) pairs, one per size"),
+            ("kernel_sms_by_batch", _tiers, "(block_bytes >= 1, ((from_batch, num_sms), ...)) rows, one per block "
+             "size, each with tiers of distinct from_batch >= 1 and num_sms >= 0"),
+        ):
+            table = {}
+            for k, rows in dict(getattr(self, name)).items():
+                try:
+                    per_block = _per_block(rows, value)
+                except (TypeError, ValueError):
+                    raise bad(f"{name} values must be {rule}") from None
+                table[str(Direction.parse(k))] = per_block
+            object.__setattr__(self, name, table)
         if any(not 0 <= v < 1 for v in self.slowdown.values()):
             raise bad("slowdown values are fractions in [0, 1)")
 
@@ -202,6 +194,21 @@ class Calibration:
             "calibrated": self.calibrated,
             "identity": self.identity,
         }
+
+
+def _per_block(rows: Any, value: Any) -> tuple[tuple[int, Any], ...]:
+    """Checked ``(block_bytes, value(v))`` rows, sorted, one per block size >= 1."""
+    out = tuple(sorted((int(b), value(v)) for b, v in rows))
+    if not out or any(b < 1 for b, _ in out) or len({b for b, _ in out}) != len(out):
+        raise ValueError("bad rows")
+    return out
+
+
+def _batch(n: Any) -> int:
+    """A checked batch size: an int >= 1."""
+    if int(n) < 1:
+        raise ValueError("bad batch")
+    return int(n)
 
 
 def _tiers(steps: Any) -> tuple[tuple[int, int], ...]:

@@ -7,6 +7,7 @@ peer baseline. Ratios: resolved / best candidate (1.0 = no regret) and resolved 
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import asdict, dataclass
 from typing import Any, Optional, Sequence
 
@@ -17,7 +18,7 @@ from kvswap.types import Direction, Policy
 
 from . import store
 from .sweep import Progress, measurement_calibration
-from .timing import make_timer, median, on_host, rounds_for, spread, standard_error
+from .timing import make_timer, median, on_host, pooled, rounds_for, standard_error
 from .workload import Batch, Pools
 
 KiB, MiB = 1024, 1 << 20
@@ -50,6 +51,11 @@ class BenchSettings:
     # max_repeats (timing.rounds_for).
     point_seconds: float = 0.0
     max_repeats: int = 0
+    # The grid runs this many times over, each point a fresh draw of slots, and each
+    # contender keeps the median of its passes (timing.pooled); repeats, point_seconds and
+    # max_repeats are per point in all, shared among the passes. 1 by default: see
+    # Settings.batch_passes in sweep.py for what three passes did.
+    passes: int = 1
 
 
 def bench_settings(host_only: bool, block_sizes: Optional[Sequence[int]] = None,
@@ -123,9 +129,10 @@ def run_bench(device: Any, settings: BenchSettings, directions: Sequence[Any], *
         "timer": timer.label, "settings": asdict(settings), "peer_policy": PEER_POLICY,
         "calibration": {}, "ceiling_gbps": {}, "rows": [], "summary": {}, "notes": [], "failures": [],
     }
-    grid = [(b, n) for b in settings.block_sizes for n in settings.batch_sizes]
-    progress.add(len(dirs) * (len(grid) + 1))
     pools = Pools(dev, settings.pool_bytes, settings.seed)
+    grid = [(b, n) for b in settings.block_sizes for n in settings.batch_sizes if n <= pools.slots(b)]
+    passes = max(1, settings.passes)
+    progress.add(len(dirs) * (passes * len(grid) + 1))
     for d in dirs:
         t = timer.measure([pools.contiguous(d, settings.ceiling_bytes)], settings.repeats, settings.warmup)[0]
         out["ceiling_gbps"][d] = round(min(settings.ceiling_bytes, pools.pool_bytes) / median(t) / 1e9, 3)
@@ -142,11 +149,22 @@ def run_bench(device: Any, settings: BenchSettings, directions: Sequence[Any], *
             out["notes"].append(f"{d}: peer baseline not applicable here: it needs {PEER_KERNEL} and {PEER_BATCH}")
         for b in settings.block_sizes:
             for n in settings.batch_sizes:
-                progress.step(f"{d} grid")
-                if n > pools.slots(b):
+                if (b, n) not in grid:
                     out["notes"].append(f"{d}: {n} x {b} B skipped: more than the {pools.pool_bytes >> 20} MiB pool")
-                    continue
-                out["rows"].append(_point(d, pools, timer, settings, pools.batch(d, b, n), cands, resolved[b], peer, out))
+        times: dict[tuple[int, int], dict[str, list[list[float]]]] = defaultdict(lambda: defaultdict(list))
+        failed: set[tuple[int, int, str]] = set()
+        drawn: dict[tuple[int, int], Batch] = {}
+        for i in range(passes):
+            for b, n in grid:
+                progress.step(f"{d} grid" + (f" (pass {i + 1} of {passes})" if passes > 1 else ""))
+                drawn[(b, n)] = batch = pools.batch(d, b, n)
+                contenders = _contenders(d, b, n, cands, resolved[b], peer)
+                for key, t in _time_point(d, pools, timer, settings, batch, contenders, out).items():
+                    times[(b, n)][key].append(t)
+                failed |= {(b, n, f["route"]) for f in out["failures"] if (f.get("block_bytes"), f.get("batch")) == (b, n)}
+        for b, n in grid:  # a contender that failed a check at a point in any pass has no timing there
+            got = {k: t for k, t in times[(b, n)].items() if (b, n, k) not in failed}
+            out["rows"].append(_row(d, drawn[(b, n)], got, cands, resolved[b], bool(peer), out))
     for d in dirs:
         out["summary"][d] = summarize([r for r in out["rows"] if r["direction"] == d])
     return out
@@ -166,6 +184,7 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
     best_below, best_beyond = under("resolved_over_best", BAR_BEST)
     peer_below, peer_beyond = under("resolved_over_peer", BAR_PEER)
+    same = same_work(rows)
     return {
         "points": len(rows),
         "min_resolved_over_best": min((r["resolved_over_best"] for r in rows if r["resolved_over_best"]), default=None),
@@ -173,17 +192,40 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "under_best_bar": len(best_below), "under_best_bar_beyond_noise": len(best_beyond),
         "under_peer": len(peer_below), "under_peer_beyond_noise": len(peer_beyond),
         "under_peer_same_route": sum(r["peer"]["same_route"] for r in peer_below),
+        "same_work_pairs": len(same), "same_work_min": min(same, default=None), "same_work_max": max(same, default=None),
     }
+
+
+def same_work(rows: Sequence[dict[str, Any]]) -> list[float]:
+    """Resolved over a contender doing the very same work (the candidate bound to its
+    route, or the peer on its own route), at every point that has one: 1.0 but for the
+    noise, so their range is how far apart this run timed identical copies."""
+    out = []
+    for r in rows:
+        res = r["resolved"]["gbps"]
+        twin = r["candidates"].get(r["resolved"]["route"])
+        if res and twin and twin["gbps"]:
+            out.append(round(res / twin["gbps"], 4))
+        if r["peer"] and r["peer"]["same_route"] and r["resolved_over_peer"]:
+            out.append(r["resolved_over_peer"])
     return out
 
 
-def _point(d: str, pools: Pools, timer: Any, s: BenchSettings, batch: Batch, cands: dict[str, tuple[Any, Any]],
-           resolved: Any, peer: dict[tuple[str, Optional[int]], Any], out: dict[str, Any]) -> dict[str, Any]:
-    contenders: list[tuple[str, Any]] = [(name, fn) for name, (fn, _) in sorted(cands.items())]
-    contenders.append(("resolved", resolved))
-    peer_key = peer_route(d, batch.block_bytes, batch.n) if peer else None
-    if peer_key:
-        contenders.append(("peer", peer[peer_key]))
+def _contenders(d: str, block_bytes: int, n: int, cands: dict[str, tuple[Any, Any]], resolved: Any,
+                peer: dict[tuple[str, Optional[int]], Any]) -> list[tuple[str, Any]]:
+    """What one point times: every candidate, the resolved function and the peer's route."""
+    out: list[tuple[str, Any]] = [(name, fn) for name, (fn, _) in sorted(cands.items())]
+    out.append(("resolved", resolved))
+    if peer:
+        out.append(("peer", peer[peer_route(d, block_bytes, n)]))
+    return out
+
+
+def _time_point(d: str, pools: Pools, timer: Any, s: BenchSettings, batch: Batch,
+                contenders: list[tuple[str, Any]], out: dict[str, Any]) -> dict[str, list[float]]:
+    """One pass of one point: each contender's copy checked byte for byte into poisoned
+    destinations (a failure is recorded and the contender left out), then all of them timed
+    interleaved; seconds per call by contender."""
     ok = []
     for key, fn in contenders:
         call = (lambda f: lambda stream: f(batch.src, batch.dst, batch.sizes, stream=stream))(fn)
@@ -193,16 +235,28 @@ def _point(d: str, pools: Pools, timer: Any, s: BenchSettings, batch: Batch, can
         except Exception as e:
             out["failures"].append({"direction": d, "route": key, "block_bytes": batch.block_bytes, "batch": batch.n,
                                     "error": f"{type(e).__name__}: {e}"})
+    if not ok:
+        return {}
     calls = [c for _, c in ok]
-    repeats = rounds_for(timer, calls, s.repeats, s.point_seconds, s.max_repeats, s.warmup)
-    times = dict(zip([k for k, _ in ok], timer.measure(calls, repeats, 0))) if ok else {}
-    timed = {k: (median(t), spread(t), len(t)) for k, t in times.items()}
-    gbps = {k: round(batch.nbytes / t[0] / 1e9, 3) for k, t in timed.items()}
+    passes = max(1, s.passes)
+    repeats = max(1, -(-s.repeats // passes))
+    most = max(repeats, s.max_repeats // passes) if s.max_repeats else 0
+    repeats = rounds_for(timer, calls, repeats, s.point_seconds / passes, most, s.warmup)
+    return dict(zip([k for k, _ in ok], timer.measure(calls, repeats, 0)))
+
+
+def _row(d: str, batch: Batch, times: dict[str, list[list[float]]], cands: dict[str, tuple[Any, Any]],
+         resolved: Any, has_peer: bool, out: dict[str, Any]) -> dict[str, Any]:
+    """A point's row from its contenders' timings over the passes (``batch``: its last draw)."""
+    block_bytes, n, nbytes = batch.block_bytes, batch.n, batch.nbytes
+    timed = {k: pooled(t) for k, t in times.items()}
+    gbps = {k: round(nbytes / t[0] / 1e9, 3) for k, t in timed.items()}
     cand = {name: {"impl": fn.plan.forced, "gbps": gbps[name], "num_sms": sms}
             for name, (fn, sms) in cands.items() if name in gbps}
     best = max(cand, key=lambda k: cand[k]["gbps"], default=None)
     res = gbps.get("resolved")
     route = _route_label(resolved, batch)
+    peer_key = peer_route(d, block_bytes, n) if has_peer else None
 
     def ratio(other: Optional[str]) -> Optional[tuple[float, float]]:
         """resolved / ``other`` and its standard error, from the two sets of timings."""
@@ -211,16 +265,15 @@ def _point(d: str, pools: Pools, timer: Any, s: BenchSettings, batch: Batch, can
         return round(res / gbps[other], 4), round(standard_error(timed["resolved"], timed[other]), 4)
 
     over_best, over_peer = ratio(best), ratio("peer")
-    row = {
-        "direction": d, "block_bytes": batch.block_bytes, "batch": batch.n,
+    return {
+        "direction": d, "block_bytes": block_bytes, "batch": n,
         "ceiling_gbps": out["ceiling_gbps"][d], "candidates": cand, "best": best,
         "resolved": {"gbps": res, "route": route},
         "peer": {"gbps": gbps["peer"], "route": label(*peer_key), "same_route": label(*peer_key) == route}
         if peer_key and "peer" in gbps else None,
-        "repeats": repeats,
+        "repeats": timed["resolved"][2] if "resolved" in timed else 0,
         "resolved_over_best": over_best[0] if over_best else None,
         "resolved_over_best_se": over_best[1] if over_best else None,
         "resolved_over_peer": over_peer[0] if over_peer else None,
         "resolved_over_peer_se": over_peer[1] if over_peer else None,
     }
-    return row

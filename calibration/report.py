@@ -149,5 +149,9 @@ def bench_report(result: dict[str, Any]) -> str:
                        f"({s['under_best_bar_beyond_noise']} by more than 2 standard errors); "
                        f"{s['under_peer']} under {BAR_PEER} x the peer ({s['under_peer_beyond_noise']} by more than "
                        f"2 standard errors; {s['under_peer_same_route']} on the peer's own route)")
+        if s.get("same_work_pairs"):
+            out.append(f"  identical work timed {s['same_work_min']:.3f}-{s['same_work_max']:.3f} x apart "
+                       f"({s['same_work_pairs']} pairs of resolved and a candidate or the peer on its very route): "
+                       "the run's noise floor")
         out.append("")
     return "\n".join(out)

@@ -15,6 +15,7 @@ on.
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -27,7 +28,7 @@ from kvswap.types import DeviceInfo, Direction, Policy
 
 from . import fit, store
 from .records import BATCH, CEILING, SIZE, Failure, Interference, Measurement
-from .timing import make_timer, median, on_host, rounds_for, spread
+from .timing import make_timer, median, on_host, pooled, rounds_for, spread
 from .workload import Batch, Pools
 
 KiB, MiB = 1024, 1 << 20
@@ -65,6 +66,17 @@ class Settings:
     # batch_max_repeats rounds (timing.rounds_for); 0: exactly batch_repeats.
     batch_point_seconds: float = 0.0
     batch_max_repeats: int = 0
+    # The batch sweep runs its whole grid this many times, each point a fresh draw of
+    # slots, and keeps the median of the passes per route (timing.pooled); the rounds and
+    # seconds above are shared among the passes. Why it stays 1: a slow spell of the
+    # machine (about a second, every route slowed unevenly) or the slots drawn (the batch
+    # route moves by up to 7%, the kernel by 1%) can set one point off, and passes outvote
+    # that (tests/bench/bench_draws.py, docs/results/h100-draws.txt); but three passes on
+    # the H100 and H200 gave no better decisions than one, and the bench timed identical
+    # copies further apart (0.90-1.03 against 0.97-1.02): either medians taken pass by pass
+    # lose the pairing of routes timed side by side, or those runs met a noisier machine
+    # (docs/results/passes.txt).
+    batch_passes: int = 1
     interference: bool = False
     interference_all_sms: bool = False
     knee_tolerance: float = fit.TOLERANCE
@@ -300,9 +312,27 @@ class Sweep:
 
     def measure(self, bounds: Sequence[Bound], batch: Batch, stage: str, repeats: Optional[int] = None,
                 point_seconds: float = 0.0, max_repeats: int = 0) -> list[Measurement]:
-        """Time every route in ``bounds`` on ``batch``, interleaved (``repeats`` rounds,
-        default the settings', or more for short calls: :func:`~.timing.rounds_for`);
-        skip retired ones."""
+        """Time every route in ``bounds`` on ``batch`` (:meth:`timings`) and record them."""
+        got = self.timings(bounds, batch, repeats, point_seconds, max_repeats)
+        return self.record(stage, batch, [(b, [t]) for b, t in got])
+
+    def record(self, stage: str, batch: Batch, runs: Sequence[tuple[Bound, list[list[float]]]]) -> list[Measurement]:
+        """One measurement per route of its timings, taken in one pass or several
+        (:func:`~.timing.pooled`), at ``batch``'s direction, block size and batch size."""
+        d = str(batch.direction)
+        out = []
+        for b, passes in runs:
+            seconds, spread_, repeats = pooled(passes)
+            out.append(Measurement(d, stage, b.impl, b.kind, b.num_sms, batch.block_bytes, batch.n, seconds, repeats,
+                                   round(spread_, 5)))
+        self.result.measurements.extend(out)
+        return out
+
+    def timings(self, bounds: Sequence[Bound], batch: Batch, repeats: Optional[int] = None,
+                point_seconds: float = 0.0, max_repeats: int = 0) -> list[tuple[Bound, list[float]]]:
+        """Seconds per call of every route in ``bounds`` on ``batch``, interleaved
+        (``repeats`` rounds, default the settings', or more for short calls:
+        :func:`~.timing.rounds_for`); retired routes skipped, failing ones retired."""
         d = str(batch.direction)
         live = [b for b in bounds if (d, b.impl, b.num_sms) not in self._dead and b.accepts(batch.block_bytes)]
         live = [b for b in live if self._checked(b, batch)]
@@ -326,13 +356,7 @@ class Sweep:
                 except Exception as e:
                     self._fail(batch.direction, b.impl, b.num_sms, batch.block_bytes, e)
                     live.remove(b)
-        out = [
-            Measurement(d, stage, b.impl, b.kind, b.num_sms, batch.block_bytes, batch.n, median(t), len(t),
-                        round(spread(t), 5))
-            for b, t in zip(live, times)
-        ]
-        self.result.measurements.extend(out)
-        return out
+        return list(zip(live, times))
 
     def ceiling(self, direction: Direction) -> None:
         assert self.pools is not None
@@ -355,7 +379,9 @@ class Sweep:
         against the best batch route, over batch sizes up to the size sweep's bytes per call:
         at the block sizes where the kernel is the route (or ``batch_sweep_blocks`` of them,
         evenly spread), and at every one where the batch route is (its small batches may still
-        go to the kernel: :func:`~.fit.kernel_window`)."""
+        go to the kernel: :func:`~.fit.kernel_window`). The grid runs ``batch_passes`` times
+        over, a fresh draw of each point every time; the rounds and seconds per point are
+        shared among the passes."""
         assert self.pools is not None
         d, s = str(direction), self.settings
         decision = fit.fit_direction(self.result.measurements, d, s.knee_tolerance)
@@ -381,12 +407,23 @@ class Sweep:
             most = min(self.pools.slots(b), max(1, s.size_sweep_bytes // b))
             ns = [n for n in self.settings.batch_sizes if n <= most]
             plan.append((b, contenders, ns))
-        self.progress.add(sum(len(ns) for _, _, ns in plan))
-        for b, contenders, ns in plan:
-            for n in ns:
-                self.measure(contenders, self.pools.batch(direction, b, n), BATCH, s.batch_repeats,
-                             s.batch_point_seconds, s.batch_max_repeats)
-                self.progress.step(f"{direction} batch sizes")
+        passes = max(1, s.batch_passes)
+        repeats = max(1, -(-(s.batch_repeats or s.repeats) // passes))
+        most = max(repeats, s.batch_max_repeats // passes) if s.batch_max_repeats else 0
+        self.progress.add(passes * sum(len(ns) for _, _, ns in plan))
+        runs: dict[tuple[int, int], dict[str, list[list[float]]]] = defaultdict(lambda: defaultdict(list))
+        drawn: dict[tuple[int, int], Batch] = {}
+        for i in range(passes):
+            for b, contenders, ns in plan:
+                for n in ns:
+                    drawn[(b, n)] = batch = self.pools.batch(direction, b, n)
+                    for bound, t in self.timings(contenders, batch, repeats, s.batch_point_seconds / passes, most):
+                        runs[(b, n)][bound.label].append(t)
+                    self.progress.step(f"{direction} batch sizes" + (f" (pass {i + 1} of {passes})" if passes > 1 else ""))
+        routes = {x.label: x for _, contenders, _ in plan for x in contenders}
+        for key, got in runs.items():  # a route retired in a later pass keeps none of its passes
+            self.record(BATCH, drawn[key], [(routes[label], t) for label, t in got.items()
+                                            if (d, routes[label].impl, routes[label].num_sms) not in self._dead])
 
     def interference(self, direction: Direction, bounds: list[Bound]) -> None:
         from .interference import measure_interference

@@ -40,6 +40,22 @@ def spread(values: Sequence[float]) -> float:
     return float(statistics.median(abs(v - mid) for v in values)) / mid if mid > 0 else 0.0
 
 
+def pooled(passes: Sequence[Sequence[float]]) -> tuple[float, float, int]:
+    """One contender's timings from several passes over a grid, each pass a fresh random
+    draw of the point's slots at another moment of the run: ``(seconds, spread, repeats)``.
+    ``seconds`` is the median of the passes' medians: of three passes, one through a slow
+    spell of the machine, or through slots the copy engine handles slowly, is outvoted by
+    the other two. ``spread`` is that of all the timings around it, so the standard error
+    counts the passes' disagreement too."""
+    kept = [p for p in passes if p]
+    if not kept:
+        raise ValueError("no timings to pool")
+    mid = median([median(p) for p in kept])
+    every = [t for p in kept for t in p]
+    mad = float(statistics.median(abs(t - mid) for t in every))
+    return mid, (mad / mid if mid > 0 else 0.0), len(every)
+
+
 def standard_error(a: tuple[float, float, int], b: tuple[float, float, int]) -> float:
     """The standard error of the ratio of two medians, each given as ``(median, spread,
     repeats)``: that of a median of r samples is about 1.86 x MAD / sqrt(r)."""

@@ -65,6 +65,22 @@ class LedgerTimer:
         return out
 
 
+class SpellTimer(LedgerTimer):
+    """The ledger's costs, with a slow spell of the machine: the ``length`` measurements
+    from the ``start``-th (counting from 0) take ``factor`` times as long, every route
+    alike. ``start=None``: no spell."""
+
+    def __init__(self, ledger: Ledger, start: Optional[int] = None, length: int = 1, factor: float = 1.5) -> None:
+        super().__init__(ledger)
+        self.start, self.length, self.factor, self.count = start, length, factor, 0
+
+    def measure(self, calls: list, repeats: int, warmup: int = 1) -> list[list[float]]:
+        out = super().measure(calls, repeats, warmup)
+        slow = self.start is not None and self.start <= self.count < self.start + self.length
+        self.count += 1
+        return [[t * self.factor for t in row] for row in out] if slow else out
+
+
 class ModelPlatform:
     """Plugin: detects ``modelplat:0`` and registers ``model.batch`` and ``model.kernel``
     (or other ``names``; plus, on request, routes that raise, copy nothing, or refuse

@@ -136,3 +136,50 @@ def test_the_summary_counts_points_under_each_bar_and_those_beyond_the_noise():
     assert "0.970 ±0.008" in text and "0.970 ±0.008 =" not in text
     assert "2 under 0.97 x the best candidate (1 by more than 2 standard errors)" in text
     assert "3 under 1.0 x the peer (1 by more than 2 standard errors; 1 on the peer's own route)" in text
+    # identical work: each row's resolved route "x" is also a candidate; the second's peer runs it too
+    assert (s["same_work_pairs"], s["same_work_min"], s["same_work_max"]) == (5, 0.96, 1.0)
+    assert "identical work timed 0.960-1.000 x apart (5 pairs" in text
+
+
+def test_bench_passes_outvote_a_slow_spell_and_draw_fresh_slots(peer_named_device, monkeypatch):
+    """Each point is drawn afresh and timed once per pass; a slow spell over a stretch of
+    one pass moves the points it hits when the grid runs once, and none when it runs three
+    times over."""
+    from calibration_fakes import SpellTimer
+    from kvswap.calibration import workload
+
+    draws: list[tuple[int, int, bytes]] = []
+    draw = workload.Pools.batch
+
+    def recorded(self, direction, b, n):
+        got = draw(self, direction, b, n)
+        draws.append((b, n, got.src_off.tobytes() + got.dst_off.tobytes()))
+        return got
+
+    monkeypatch.setattr(workload.Pools, "batch", recorded)
+    grid = dict(block_sizes=(4 * KiB, 64 * KiB), batch_sizes=(1, 16, 64), pool_bytes=32 * MiB, ceiling_bytes=MiB,
+                repeats=3, warmup=0)
+
+    def bench(passes, spell):
+        timer = SpellTimer(peer_named_device.ledger, *spell)
+        monkeypatch.setattr(bench_module, "make_timer", lambda device: timer)
+        draws.clear()
+        out = run_bench("modelplat:0", BenchSettings(**grid, passes=passes), ["h2d"])
+        assert out["failures"] == []
+        return {(r["block_bytes"], r["batch"]): r for r in out["rows"]}, timer.count
+
+    calm, calls = bench(3, (None,))
+    assert calls == 1 + 3 * 6 and len(draws) == 3 * 6  # the ceiling, then each point once a pass
+    for b, n in calm:
+        if n >= 16:
+            assert len({d for bb, nn, d in draws if (bb, nn) == (b, n)}) == 3
+        assert calm[(b, n)]["repeats"] == 3  # 3 timed calls a point in all: one a pass
+    spell = (1 + 2, 2)  # the third and fourth points of the first pass
+    assert bench(3, spell)[0] == calm
+    once, _ = bench(1, (None,))
+    slowed, _ = bench(1, spell)
+    moved = [k for k in once if slowed[k]["resolved"]["gbps"] != once[k]["resolved"]["gbps"]]
+    assert moved == [(4 * KiB, 64), (64 * KiB, 1)]
+    for k in moved:
+        assert slowed[k]["resolved"]["gbps"] == pytest.approx(once[k]["resolved"]["gbps"] / 1.5, rel=1e-3)
+        assert slowed[k]["resolved_over_best"] == pytest.approx(once[k]["resolved_over_best"], rel=1e-3)

@@ -333,3 +333,64 @@ def test_a_disturbed_point_is_timed_once_more_and_the_steadier_timings_kept():
     sweep.timer = Disturbed(ledger, noisy=0)
     sweep.measure(batch, sweep.pools.batch(kvswap.Direction.H2D, 4 * KiB, 4), BATCH)
     assert sweep.timer.calls == 1  # a steady point is timed once
+
+
+def test_batch_sweep_passes_outvote_a_slow_spell_and_draw_fresh_slots():
+    """A slow spell over a stretch of the batch sweep shorter than a pass moves the points
+    it hits when the grid runs once, and none of them when it runs three times over, each
+    point a fresh draw of slots every pass."""
+    from calibration_fakes import SpellTimer
+    from kvswap.calibration import sweep as sweep_module
+
+    def batch_sweep(passes, spell):
+        ledger = Ledger()
+        host = create_plugin_host(entry_points=[], extra=[("model", ModelPlatform(ledger))])
+        sweep = Sweep("modelplat:0", tiny(batch_passes=passes, batch_sweep_blocks=None), ["h2d"], host=host)
+        sweep.timer = LedgerTimer(ledger)
+        bounds = sweep.prepare()[kvswap.Direction.H2D]
+        sweep.pools = sweep_module.Pools(sweep.dev, MiB * 16, 0)
+        sweep.size_sweep(kvswap.Direction.H2D, bounds)
+        draws: list[tuple[int, int, bytes]] = []
+        draw = sweep.pools.batch
+
+        def recorded(direction, b, n):
+            got = draw(direction, b, n)
+            draws.append((b, n, got.src_off.tobytes() + got.dst_off.tobytes()))
+            return got
+
+        sweep.pools.batch = recorded
+        sweep.timer = SpellTimer(ledger, *spell)
+        sweep.batch_sweep(kvswap.Direction.H2D, bounds)
+        got = {(m.impl, m.num_sms, m.block_bytes, m.batch): m for m in sweep.result.measurements if m.stage == BATCH}
+        return got, draws, sweep.timer.count
+
+    calm, draws, calls = batch_sweep(3, (None,))
+    points = len({(b, n) for b, n, _ in draws})
+    assert calls == 3 * points and len(draws) == 3 * points  # one timing and one fresh draw per point and pass
+    for b, n in {(b, n) for b, n, _ in draws if n >= 4}:
+        assert len({d for bb, nn, d in draws if (bb, nn) == (b, n)}) == 3
+    assert {m.repeats for m in calm.values()} == {3}  # tiny asks for 2 timed calls a point: 1 a pass, at least
+    spell = (points // 2, 3)  # three points in a row, all in the first pass
+    assert batch_sweep(3, spell)[0] == calm
+    once, _, _ = batch_sweep(1, (None,))
+    slowed = batch_sweep(1, spell)[0]
+    moved = {key[2:] for key, m in slowed.items() if m.seconds != once[key].seconds}
+    assert len(moved) == 3
+    for key, m in slowed.items():
+        assert m.seconds == pytest.approx(once[key].seconds * (1.5 if key[2:] in moved else 1.0))
+
+
+def test_pooled_keeps_the_middle_pass_and_counts_how_far_the_passes_disagree():
+    from kvswap.calibration import timing
+
+    calm = [1.00, 1.02, 0.98, 1.01, 0.99]
+    slow = [1.4 * t for t in calm]  # a pass through a slow spell
+    other = [1.03, 1.05, 1.01, 1.04, 1.02]  # another draw of slots: 3% slower
+    seconds, spread, repeats = timing.pooled([calm, slow, other])
+    assert seconds == pytest.approx(1.03) and repeats == 15
+    assert timing.pooled([calm, slow, calm])[0] == timing.median(calm)  # the spell outvoted
+    assert spread > timing.spread(calm)  # the passes' disagreement counts in the standard error
+    assert timing.pooled([calm]) == (timing.median(calm), pytest.approx(timing.spread(calm)), 5)
+    assert timing.pooled([[], calm])[0] == timing.median(calm)
+    with pytest.raises(ValueError):
+        timing.pooled([[], []])

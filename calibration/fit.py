@@ -45,7 +45,7 @@ import math
 from collections import defaultdict
 from typing import Any, Iterable, Optional
 
-from kvswap.resolver import EDGES, KERNEL_MARGIN
+from kvswap.resolver import KERNEL_MARGIN, size_classes
 from kvswap.thresholds import Calibration, Curve
 from kvswap.types import Direction
 
@@ -147,9 +147,7 @@ def resolver_routes(curve_docs: list[dict[str, Any]], direction: str, knee: Opti
         Curve(c["impl"], direction, tuple(map(tuple, c["points"])), c.get("num_sms")) for c in mine))
     routes = {(c["impl"], "kernel" if c.get("num_sms") else "batch") for c in mine}
     out: list[dict[str, Any]] = []
-    for i, lo in enumerate(EDGES):
-        hi = EDGES[i + 1] - 1 if i + 1 < len(EDGES) else None
-        rep = lo if hi is None else int(math.sqrt(lo * (hi + 1)))
+    for lo, hi, rep in size_classes():
         ranked = []
         for impl, kind in routes:
             sms = knee if kind == "kernel" else None

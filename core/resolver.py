@@ -23,6 +23,20 @@ EDGES = (1,) + tuple(
     sorted({KiB << i for i in range(13)} | {3 * (KiB << i) // 2 for i in range(12)})
 )
 
+
+def size_classes() -> list[tuple[int, Optional[int], int]]:
+    """``(min_bytes, max_bytes or None, at_bytes)`` per class: from one edge to the next,
+    decided at its lower edge. The edges are the sizes calibration measures, and the block
+    sizes of KV caches are powers of two and their midpoints too, so a block of exactly an
+    edge's size gets the decision of its own measurements, not of a size between two of
+    them (whose nearest row of SM tiers can be the next edge's). The class under 1 KiB,
+    below every measurement, is decided at its geometric middle."""
+    out: list[tuple[int, Optional[int], int]] = []
+    for i, lo in enumerate(EDGES):
+        hi = EDGES[i + 1] - 1 if i + 1 < len(EDGES) else None
+        out.append((lo, hi, lo if lo >= KiB or hi is None else int(math.sqrt(lo * (hi + 1)))))
+    return out
+
 # A route that takes SMs takes a block size, or a batch size, from one that takes none only
 # when it is predicted (measured) faster by more than this: its SMs are taken from compute,
 # and routes this close can swap places between two runs. A guard against measurement
@@ -117,10 +131,9 @@ def _routes(
     sizes: tuple[int, ...], num_sms: int, device: DeviceInfo,
 ) -> tuple[Route, ...]:
     routes: list[Route] = []
-    for i, lo in enumerate(EDGES):
-        hi = EDGES[i + 1] - 1 if i + 1 < len(EDGES) else None
+    for lo, hi, at in size_classes():
         given = [s for s in sizes if s >= lo and (hi is None or s <= hi)]
-        rep = given[0] if given else (lo if hi is None else int(math.sqrt(lo * (hi + 1))))
+        rep = given[0] if given else at
         ranked = _rank(usable, cal, direction, policy, rep, bool(given), num_sms)
         if not ranked:
             continue

@@ -484,3 +484,25 @@ def test_zero_sm_tiers_keep_the_knee_where_no_route_without_sms_is_usable():
 def test_malformed_batch_tiers_are_refused(bad):
     with pytest.raises(kvswap.InvalidImplError, match="kernel_sms_by_batch"):
         cpu_cal([("acme.kern", KERNEL, 8)], kernel_sms_by_batch=bad)
+
+
+def test_a_function_for_every_size_decides_a_measured_size_as_the_function_for_that_size():
+    """resolve() without block sizes covers each class of sizes from one measured size to the
+    next with one decision; at the class's own measured size (block sizes of KV caches are
+    powers of two and their midpoints, which is the grid calibration measures) it must be
+    the decision of that size's rows, not of a size between two rows."""
+    rows = dict(min_batch_by_size={"h2d": [[4096, 4], [8192, 16], [131072, 8], [196608, 64]]},
+                kernel_sms_by_batch={"h2d": [[4096, [[1, 8], [100, 24]]], [8192, [[1, 8], [300, 16]]],
+                                             [131072, [[1, 8], [50, 24]]], [196608, [[1, 8], [200, 16]]],
+                                             [262144, [[1, 0], [4, 24], [200, 0]]]]})
+    host = tier_host([], **rows)
+    every = kvswap.resolve("h2d", device="cpu", host=host)
+    for b in (4096, 8192, 131072, 196608, 262144):
+        one = kvswap.resolve("h2d", device="cpu", host=host, block_bytes=b)
+        for n in (1, 3, 5, 10, 20, 60, 150, 250, 400, 3000):
+            src = 4096 + np.arange(n, dtype=np.int64) * b
+            dst, sizes = src + (1 << 40), np.full(n, b, dtype=np.int64)
+            got = [(name, k) for name, k, _ in every.assign(src, dst, sizes)]
+            assert got == [(name, k) for name, k, _ in one.assign(src, dst, sizes)], (b, n)
+    text = every.explain()
+    assert "128 KiB <= block < 192 KiB" in text and "batches under 8 descriptors -> acme.dma" in text

@@ -3,10 +3,10 @@
 Not a test. A profile keeps every raw measurement, so a change to the fitting rules (not
 to what is measured) needs no new run on the device: this rewrites ``decisions``,
 ``curves``, ``ceiling_gbps`` and ``slowdown`` of PROFILE from its own ``measurements`` and
-``interference``, records the refit in ``notes``, writes OUT (default: PROFILE itself), and
-prints the report ``kvswap calibrate`` prints.
+``interference``, records the refit in ``notes``, writes OUT (default: PROFILE itself),
+prints the report ``kvswap calibrate`` prints, and draws the plot again to PLOT if given.
 
-    python tests/bench/refit_profile.py PROFILE [OUT]
+    python tests/bench/refit_profile.py PROFILE [OUT [PLOT.png]]
 """
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ def main(argv: list[str]) -> int:
     from kvswap.calibration.records import Interference, Measurement
     from kvswap.calibration.report import calibration_report
 
-    if len(argv) not in (1, 2):
+    if len(argv) not in (1, 2, 3):
         print(__doc__, file=sys.stderr)
         return 2
     src = Path(argv[0])
-    out = Path(argv[1]) if len(argv) == 2 else src
+    out = Path(argv[1]) if len(argv) >= 2 else src
     doc = store.read(src)
     ms = [Measurement.from_dict(m) for m in doc["measurements"]]
     records = [Interference.from_dict(r) for r in doc.get("interference", [])]
@@ -35,6 +35,10 @@ def main(argv: list[str]) -> int:
     store.save(doc, out)
     print(calibration_report(doc))
     print(f"\nprofile written to {out}")
+    if len(argv) == 3:
+        from kvswap.calibration.plot import plot_profile
+
+        print(f"plot written to {plot_profile(doc, Path(argv[2]))}")
     return 0
 
 

@@ -18,7 +18,7 @@ from kvswap.types import Direction, Policy
 
 from . import store
 from .sweep import Progress, measurement_calibration
-from .timing import make_timer, median, on_host, pooled, rounds_for, standard_error
+from .timing import make_timer, median, on_host, per_pass, pooled, rounds_for, standard_error
 from .workload import Batch, Pools
 
 KiB, MiB = 1024, 1 << 20
@@ -238,10 +238,8 @@ def _time_point(d: str, pools: Pools, timer: Any, s: BenchSettings, batch: Batch
     if not ok:
         return {}
     calls = [c for _, c in ok]
-    passes = max(1, s.passes)
-    repeats = max(1, -(-s.repeats // passes))
-    most = max(repeats, s.max_repeats // passes) if s.max_repeats else 0
-    repeats = rounds_for(timer, calls, repeats, s.point_seconds / passes, most, s.warmup)
+    repeats, seconds, most = per_pass(s.repeats, s.point_seconds, s.max_repeats, s.passes)
+    repeats = rounds_for(timer, calls, repeats, seconds, most, s.warmup)
     return dict(zip([k for k, _ in ok], timer.measure(calls, repeats, 0)))
 
 

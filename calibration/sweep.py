@@ -28,7 +28,7 @@ from kvswap.types import DeviceInfo, Direction, Policy
 
 from . import fit, store
 from .records import BATCH, CEILING, SIZE, Failure, Interference, Measurement
-from .timing import make_timer, median, on_host, pooled, rounds_for, spread
+from .timing import make_timer, median, on_host, per_pass, pooled, rounds_for, spread
 from .workload import Batch, Pools
 
 KiB, MiB = 1024, 1 << 20
@@ -408,8 +408,7 @@ class Sweep:
             ns = [n for n in self.settings.batch_sizes if n <= most]
             plan.append((b, contenders, ns))
         passes = max(1, s.batch_passes)
-        repeats = max(1, -(-(s.batch_repeats or s.repeats) // passes))
-        most = max(repeats, s.batch_max_repeats // passes) if s.batch_max_repeats else 0
+        repeats, seconds, most = per_pass(s.batch_repeats or s.repeats, s.batch_point_seconds, s.batch_max_repeats, passes)
         self.progress.add(passes * sum(len(ns) for _, _, ns in plan))
         runs: dict[tuple[int, int], dict[str, list[list[float]]]] = defaultdict(lambda: defaultdict(list))
         drawn: dict[tuple[int, int], Batch] = {}
@@ -417,7 +416,7 @@ class Sweep:
             for b, contenders, ns in plan:
                 for n in ns:
                     drawn[(b, n)] = batch = self.pools.batch(direction, b, n)
-                    for bound, t in self.timings(contenders, batch, repeats, s.batch_point_seconds / passes, most):
+                    for bound, t in self.timings(contenders, batch, repeats, seconds, most):
                         runs[(b, n)][bound.label].append(t)
                     self.progress.step(f"{direction} batch sizes" + (f" (pass {i + 1} of {passes})" if passes > 1 else ""))
         routes = {x.label: x for _, contenders, _ in plan for x in contenders}

@@ -56,6 +56,14 @@ def pooled(passes: Sequence[Sequence[float]]) -> tuple[float, float, int]:
     return mid, (mad / mid if mid > 0 else 0.0), len(every)
 
 
+def per_pass(repeats: int, point_seconds: float, max_repeats: int, passes: int) -> tuple[int, float, int]:
+    """A point's ``repeats``, ``point_seconds`` and ``max_repeats`` (what it gets in all)
+    shared among ``passes``: what each pass asks :func:`rounds_for` for."""
+    passes = max(1, passes)
+    each = max(1, -(-repeats // passes))
+    return each, point_seconds / passes, max(each, max_repeats // passes) if max_repeats else 0
+
+
 def standard_error(a: tuple[float, float, int], b: tuple[float, float, int]) -> float:
     """The standard error of the ratio of two medians, each given as ``(median, spread,
     repeats)``: that of a median of r samples is about 1.86 x MAD / sqrt(r)."""

@@ -395,3 +395,6 @@ def test_pooled_keeps_the_middle_pass_and_counts_how_far_the_passes_disagree():
     assert timing.pooled([[], calm])[0] == timing.median(calm)
     with pytest.raises(ValueError):
         timing.pooled([[], []])
+    # a point's rounds, seconds and cap, shared among its passes
+    assert timing.per_pass(41, 0.3, 801, 3) == (14, pytest.approx(0.1), 267)
+    assert timing.per_pass(2, 0.0, 0, 3) == (1, 0.0, 0) and timing.per_pass(41, 0.3, 801, 1) == (41, 0.3, 801)

@@ -7,7 +7,6 @@ peer baseline. Ratios: resolved / best candidate (1.0 = no regret) and resolved 
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import asdict, dataclass
 from typing import Any, Optional, Sequence
 
@@ -18,7 +17,7 @@ from kvswap.types import Direction, Policy
 
 from . import store
 from .sweep import Progress, measurement_calibration
-from .timing import make_timer, median, on_host, per_pass, pooled, rounds_for, standard_error
+from .timing import in_passes, make_timer, median, on_host, per_pass, pooled, rounds_for, standard_error
 from .workload import Batch, Pools
 
 KiB, MiB = 1024, 1 << 20
@@ -151,17 +150,16 @@ def run_bench(device: Any, settings: BenchSettings, directions: Sequence[Any], *
             for n in settings.batch_sizes:
                 if (b, n) not in grid:
                     out["notes"].append(f"{d}: {n} x {b} B skipped: more than the {pools.pool_bytes >> 20} MiB pool")
-        times: dict[tuple[int, int], dict[str, list[list[float]]]] = defaultdict(lambda: defaultdict(list))
-        failed: set[tuple[int, int, str]] = set()
         drawn: dict[tuple[int, int], Batch] = {}
-        for i in range(passes):
-            for b, n in grid:
-                progress.step(f"{d} grid" + (f" (pass {i + 1} of {passes})" if passes > 1 else ""))
-                drawn[(b, n)] = batch = pools.batch(d, b, n)
-                contenders = _contenders(d, b, n, cands, resolved[b], peer)
-                for key, t in _time_point(d, pools, timer, settings, batch, contenders, out).items():
-                    times[(b, n)][key].append(t)
-                failed |= {(b, n, f["route"]) for f in out["failures"] if (f.get("block_bytes"), f.get("batch")) == (b, n)}
+
+        def time_point(point: tuple[int, int], i: int) -> dict[str, list[float]]:
+            b, n = point
+            progress.step(f"{d} grid" + (f" (pass {i + 1} of {passes})" if passes > 1 else ""))
+            drawn[point] = batch = pools.batch(d, b, n)
+            return _time_point(d, pools, timer, settings, batch, _contenders(d, b, n, cands, resolved[b], peer), out)
+
+        times = in_passes(grid, passes, time_point)
+        failed = {(f["block_bytes"], f["batch"], f["route"]) for f in out["failures"] if f["direction"] == d and "batch" in f}
         for b, n in grid:  # a contender that failed a check at a point in any pass has no timing there
             got = {k: t for k, t in times[(b, n)].items() if (b, n, k) not in failed}
             out["rows"].append(_row(d, drawn[(b, n)], got, cands, resolved[b], bool(peer), out))

@@ -45,15 +45,15 @@ import math
 from collections import defaultdict
 from typing import Any, Iterable, Optional
 
-from kvswap.resolver import KERNEL_MARGIN, size_classes
+from kvswap.resolver import KERNEL_MARGIN, SIZE_CLASSES
 from kvswap.thresholds import Calibration, Curve
 from kvswap.types import Direction
 
 from .records import BATCH, CEILING, SIZE, Interference, Measurement
 from .timing import standard_error
 
-# "Within a few % of peak": what the knee may give up for fewer SMs. 3%, the regret the
-# resolver is allowed against the best route (issue 6's bar), so the knee never costs more.
+# "Within a few % of peak": what the knee may give up for fewer SMs, on the geometric mean
+# over the kernel's block sizes (:func:`sm_knee`), so one size may fall further behind.
 TOLERANCE = 0.05
 
 # How far below the fastest SM count a batch-size tier may stay for fewer SMs. Tiers are
@@ -65,11 +65,6 @@ TIER_TOLERANCE = 0.01
 # when that count is within TIER_TOLERANCE + TIER_NOISE of the fastest there: one tier for
 # one batch size is more likely the run-to-run noise of short calls than a feature.
 TIER_NOISE = 0.02
-# The kernel takes a batch size from the batch route only when it is faster there by more
-# than KERNEL_MARGIN (the resolver's, for block sizes) and twice the standard error of the
-# two timings: a closer call is a tie, and ties go to the route that takes no SMs. Tiny
-# batches are all host work (10-20 us), and their order moved by up to 5% between two runs
-# on the H200.
 
 Key = tuple[str, str, Optional[int]]  # (impl, kind, num_sms)
 
@@ -147,7 +142,7 @@ def resolver_routes(curve_docs: list[dict[str, Any]], direction: str, knee: Opti
         Curve(c["impl"], direction, tuple(map(tuple, c["points"])), c.get("num_sms")) for c in mine))
     routes = {(c["impl"], "kernel" if c.get("num_sms") else "batch") for c in mine}
     out: list[dict[str, Any]] = []
-    for lo, hi, rep in size_classes():
+    for lo, hi, rep in SIZE_CLASSES:
         ranked = []
         for impl, kind in routes:
             sms = knee if kind == "kernel" else None
@@ -203,8 +198,10 @@ Timed = tuple[float, float, int]  # (median seconds, spread, repeats) of one mea
 def batch_points(ms: Iterable[Measurement], direction: str) -> list[tuple[int, int, float, float]]:
     """``(block, n, kernel seconds, batch seconds)`` from the batch sweep: the fastest of
     each kind, the kernel's taken as the batch route's where it wins by no more than
-    ``KERNEL_MARGIN`` and twice the noise (a tie, which :func:`min_batch` gives to the
-    batch route)."""
+    ``KERNEL_MARGIN`` (the resolver's, for block sizes) and twice the standard error of
+    the two timings: a closer call is a tie, which :func:`min_batch` gives to the route
+    that takes no SMs. Tiny batches are all host work (10-20 us), and their order moved by
+    up to 5% between two runs on the H200."""
     kern: dict[tuple[int, int], Timed] = {}
     dma: dict[tuple[int, int], Timed] = {}
     for m in ms:

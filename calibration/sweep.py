@@ -15,7 +15,6 @@ on.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -28,7 +27,7 @@ from kvswap.types import DeviceInfo, Direction, Policy
 
 from . import fit, store
 from .records import BATCH, CEILING, SIZE, Failure, Interference, Measurement
-from .timing import make_timer, median, on_host, per_pass, pooled, rounds_for, spread
+from .timing import in_passes, make_timer, median, on_host, per_pass, pooled, rounds_for, spread
 from .workload import Batch, Pools
 
 KiB, MiB = 1024, 1 << 20
@@ -410,19 +409,20 @@ class Sweep:
         passes = max(1, s.batch_passes)
         repeats, seconds, most = per_pass(s.batch_repeats or s.repeats, s.batch_point_seconds, s.batch_max_repeats, passes)
         self.progress.add(passes * sum(len(ns) for _, _, ns in plan))
-        runs: dict[tuple[int, int], dict[str, list[list[float]]]] = defaultdict(lambda: defaultdict(list))
+        contenders_at = {(b, n): contenders for b, contenders, ns in plan for n in ns}
         drawn: dict[tuple[int, int], Batch] = {}
-        for i in range(passes):
-            for b, contenders, ns in plan:
-                for n in ns:
-                    drawn[(b, n)] = batch = self.pools.batch(direction, b, n)
-                    for bound, t in self.timings(contenders, batch, repeats, seconds, most):
-                        runs[(b, n)][bound.label].append(t)
-                    self.progress.step(f"{direction} batch sizes" + (f" (pass {i + 1} of {passes})" if passes > 1 else ""))
+
+        def time_point(point: tuple[int, int], i: int) -> dict[str, list[float]]:
+            drawn[point] = batch = self.pools.batch(direction, *point)
+            got = self.timings(contenders_at[point], batch, repeats, seconds, most)
+            self.progress.step(f"{direction} batch sizes" + (f" (pass {i + 1} of {passes})" if passes > 1 else ""))
+            return {bound.label: t for bound, t in got}
+
         routes = {x.label: x for _, contenders, _ in plan for x in contenders}
-        for key, got in runs.items():  # a route retired in a later pass keeps none of its passes
-            self.record(BATCH, drawn[key], [(routes[label], t) for label, t in got.items()
-                                            if (d, routes[label].impl, routes[label].num_sms) not in self._dead])
+        for point, got in in_passes(list(contenders_at), passes, time_point).items():
+            # a route retired in a later pass keeps none of its passes
+            self.record(BATCH, drawn[point], [(routes[label], t) for label, t in got.items()
+                                              if (d, routes[label].impl, routes[label].num_sms) not in self._dead])
 
     def interference(self, direction: Direction, bounds: list[Bound]) -> None:
         from .interference import measure_interference

@@ -23,20 +23,23 @@ import math
 import random
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from collections import defaultdict
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 from kvswap.types import DeviceInfo
 
 Call = Callable[[Any], None]  # call(stream): enqueue one copy on ``stream`` (None on the host)
+P, K = TypeVar("P"), TypeVar("K")  # a grid point, a contender's key
 
 
 def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 
 
-def spread(values: Sequence[float]) -> float:
-    """The median absolute deviation of ``values`` as a fraction of their median."""
-    mid = median(values)
+def spread(values: Sequence[float], mid: Optional[float] = None) -> float:
+    """The median absolute deviation of ``values`` around ``mid`` (default: their median)
+    as a fraction of ``mid``."""
+    mid = median(values) if mid is None else mid
     return float(statistics.median(abs(v - mid) for v in values)) / mid if mid > 0 else 0.0
 
 
@@ -52,8 +55,21 @@ def pooled(passes: Sequence[Sequence[float]]) -> tuple[float, float, int]:
         raise ValueError("no timings to pool")
     mid = median([median(p) for p in kept])
     every = [t for p in kept for t in p]
-    mad = float(statistics.median(abs(t - mid) for t in every))
-    return mid, (mad / mid if mid > 0 else 0.0), len(every)
+    return mid, spread(every, mid), len(every)
+
+
+def in_passes(points: Sequence[P], passes: int, time_point: Callable[[P, int], dict[K, list[float]]]
+              ) -> dict[P, dict[K, list[list[float]]]]:
+    """Time every point ``passes`` times over, the whole grid before any point again (so a
+    point's passes lie apart in time): ``time_point(point, pass)`` gives its timings by
+    contender; the result holds, per point and contender, one list per pass, for
+    :func:`pooled`."""
+    out: dict[P, dict[K, list[list[float]]]] = {p: defaultdict(list) for p in points}
+    for i in range(max(1, passes)):
+        for p in points:
+            for key, t in time_point(p, i).items():
+                out[p][key].append(t)
+    return out
 
 
 def per_pass(repeats: int, point_seconds: float, max_repeats: int, passes: int) -> tuple[int, float, int]:

@@ -24,18 +24,16 @@ EDGES = (1,) + tuple(
 )
 
 
-def size_classes() -> list[tuple[int, Optional[int], int]]:
-    """``(min_bytes, max_bytes or None, at_bytes)`` per class: from one edge to the next,
-    decided at its lower edge. The edges are the sizes calibration measures, and the block
-    sizes of KV caches are powers of two and their midpoints too, so a block of exactly an
-    edge's size gets the decision of its own measurements, not of a size between two of
-    them (whose nearest row of SM tiers can be the next edge's). The class under 1 KiB,
-    below every measurement, is decided at its geometric middle."""
-    out: list[tuple[int, Optional[int], int]] = []
-    for i, lo in enumerate(EDGES):
-        hi = EDGES[i + 1] - 1 if i + 1 < len(EDGES) else None
-        out.append((lo, hi, lo if lo >= KiB or hi is None else int(math.sqrt(lo * (hi + 1)))))
-    return out
+# ``(min_bytes, max_bytes or None, at_bytes)`` per class: from one edge to the next, decided
+# at its lower edge. The edges are the sizes calibration measures, and the block sizes of KV
+# caches are powers of two and their midpoints too, so a block of exactly an edge's size gets
+# the decision of its own measurements, not of a size between two of them (whose nearest row
+# of SM tiers can be the next edge's). The class under 1 KiB, below every measurement, is
+# decided at its geometric middle.
+SIZE_CLASSES: tuple[tuple[int, Optional[int], int], ...] = tuple(
+    (lo, hi, lo if lo >= KiB else int(math.sqrt(lo * (hi + 1))))
+    for lo, hi in zip(EDGES, [e - 1 for e in EDGES[1:]] + [None])
+)
 
 # A route that takes SMs takes a block size, or a batch size, from one that takes none only
 # when it is predicted (measured) faster by more than this: its SMs are taken from compute,
@@ -87,17 +85,22 @@ def _num_sms(cal: Calibration, direction: Direction, policy: Policy, device: Dev
     return _sm_cap(cal.sms(direction), policy, device)
 
 
+def _tiers_at(tiers: Iterable[tuple[int, int]], knee: Optional[int]) -> tuple[tuple[int, int], ...]:
+    """``tiers`` with equal neighbours merged; empty when every tier runs on ``knee``, the
+    SMs the kernel is bound with (no tiers: the knee for every batch)."""
+    out: list[tuple[int, int]] = []
+    for start, k in tiers:
+        if not out or out[-1][1] != k:
+            out.append((start, k))
+    return () if all(k == knee for _, k in out) else tuple(out)
+
+
 def _sms_by_batch(cal: Calibration, direction: Direction, policy: Policy, device: DeviceInfo,
                   size: int, num_sms: int) -> tuple[tuple[int, int], ...]:
     """The calibration's SM tiers at ``size``, capped like the knee (0, the route that
-    takes no SMs, stays 0), equal neighbours merged; empty when every tier comes to the
-    knee (``num_sms``)."""
-    out: list[tuple[int, int]] = []
-    for start, k in cal.sms_tiers(direction, size):
-        k = _sm_cap(k, policy, device) if k else 0
-        if not out or out[-1][1] != k:
-            out.append((start, k))
-    return () if all(k == num_sms for _, k in out) else tuple(out)
+    takes no SMs, stays 0): :func:`_tiers_at` the knee ``num_sms``."""
+    return _tiers_at(((start, _sm_cap(k, policy, device) if k else 0)
+                      for start, k in cal.sms_tiers(direction, size)), num_sms)
 
 
 def _rank(
@@ -131,7 +134,7 @@ def _routes(
     sizes: tuple[int, ...], num_sms: int, device: DeviceInfo,
 ) -> tuple[Route, ...]:
     routes: list[Route] = []
-    for lo, hi, at in size_classes():
+    for lo, hi, at in SIZE_CLASSES:
         given = [s for s in sizes if s >= lo and (hi is None or s <= hi)]
         rep = given[0] if given else at
         ranked = _rank(usable, cal, direction, policy, rep, bool(given), num_sms)
@@ -152,8 +155,7 @@ def _routes(
             else:
                 small, min_batch, tiers = None, 0, ()
         if small is None:  # no route without SMs to give 0-SM tiers to: they keep the knee
-            tiers = tuple((n, k or num_sms) for n, k in tiers)
-            tiers = () if all(k == num_sms for _, k in tiers) else tiers
+            tiers = _tiers_at(((n, k or num_sms) for n, k in tiers), num_sms)
         route = Route(
             min_bytes=lo,
             max_bytes=hi,
@@ -202,8 +204,8 @@ def _bind_tiers(
     if failed:
         def knee(r: Route) -> Route:
             at = params.get(r.impl, {}).get("num_sms")
-            tiers = tuple((n, at if (r.impl, k) in failed else k) for n, k in r.sms_by_batch)
-            return replace(r, sms_by_batch=() if all(k == at for _, k in tiers) else tiers)
+            return replace(r, sms_by_batch=_tiers_at(((n, at if (r.impl, k) in failed else k)
+                                                      for n, k in r.sms_by_batch), at))
 
         routes = tuple(knee(r) for r in routes)
     return routes, tiered

@@ -3,7 +3,8 @@
 At each (direction, block size, batch) point, in one process and interleaved in rounds:
 every available impl bound exactly as the resolver binds it, the SwapFn ``resolve()``
 returns for that block size, and the policy of the original Triton fast path in vLLM as a
-peer baseline. Ratios: resolved / best candidate (1.0 = no regret) and resolved / peer.
+peer baseline. Ratios: resolved / best candidate (1.0 = no regret) and resolved / peer, each
+from the rounds in which the two were timed together (:func:`~.timing.paired`).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from kvswap.types import Direction, Policy
 
 from . import store
 from .sweep import Progress, measurement_calibration
-from .timing import in_passes, make_timer, median, on_host, per_pass, pooled, rounds_for, standard_error
+from .timing import in_passes, make_timer, median, on_host, paired, per_pass, pooled, rounds_for
 from .workload import Batch, Pools
 
 KiB, MiB = 1024, 1 << 20
@@ -50,15 +51,16 @@ class BenchSettings:
     # max_repeats (timing.rounds_for).
     point_seconds: float = 0.0
     max_repeats: int = 0
-    # The grid runs this many times over, each point a fresh draw of slots, and each
-    # contender keeps the median of its passes (timing.pooled); repeats, point_seconds and
-    # max_repeats are per point in all, shared among the passes. 1 by default: see
-    # Settings.batch_passes in sweep.py for what three passes did.
+    # The grid runs this many times over, each point a fresh draw of slots: a contender's
+    # GB/s is the median of its passes (timing.pooled), a ratio the median over the rounds
+    # of every pass (timing.paired); repeats, point_seconds and max_repeats are per point
+    # in all, shared among the passes.
     passes: int = 1
 
 
 def bench_settings(host_only: bool, block_sizes: Optional[Sequence[int]] = None,
-                   batch_sizes: Optional[Sequence[int]] = None, repeats: Optional[int] = None) -> BenchSettings:
+                   batch_sizes: Optional[Sequence[int]] = None, repeats: Optional[int] = None,
+                   passes: int = 1) -> BenchSettings:
     if host_only:  # the host reference copies one block at a time in Python: keep it small
         blocks, batches, pool, ceiling, reps = (4 * KiB, 16 * KiB, 64 * KiB), (1, 16, 256), 16 * MiB, 8 * MiB, 3
     else:
@@ -70,6 +72,7 @@ def bench_settings(host_only: bool, block_sizes: Optional[Sequence[int]] = None,
         batch_sizes=tuple(sorted(set(batch_sizes or batches))),
         pool_bytes=pool, ceiling_bytes=ceiling, repeats=repeats or reps, warmup=2,
         point_seconds=0.0 if host_only or repeats else 0.2, max_repeats=0 if host_only or repeats else 801,
+        passes=passes,
     )
 
 
@@ -200,10 +203,9 @@ def same_work(rows: Sequence[dict[str, Any]]) -> list[float]:
     noise, so their range is how far apart this run timed identical copies."""
     out = []
     for r in rows:
-        res = r["resolved"]["gbps"]
         twin = r["candidates"].get(r["resolved"]["route"])
-        if res and twin and twin["gbps"]:
-            out.append(round(res / twin["gbps"], 4))
+        if twin and twin.get("resolved_over"):
+            out.append(twin["resolved_over"])
         if r["peer"] and r["peer"]["same_route"] and r["resolved_over_peer"]:
             out.append(r["resolved_over_peer"])
     return out
@@ -243,31 +245,39 @@ def _time_point(d: str, pools: Pools, timer: Any, s: BenchSettings, batch: Batch
 
 def _row(d: str, batch: Batch, times: dict[str, list[list[float]]], cands: dict[str, tuple[Any, Any]],
          resolved: Any, has_peer: bool, out: dict[str, Any]) -> dict[str, Any]:
-    """A point's row from its contenders' timings over the passes (``batch``: its last draw)."""
+    """A point's row from its contenders' timings over the passes (``batch``: its last draw).
+    GB/s from each contender's own timings (:func:`~.timing.pooled`); every ratio to the
+    resolved function from the rounds they were timed in together (:func:`~.timing.paired`),
+    and the best candidate is the one resolved is slowest against."""
     block_bytes, n, nbytes = batch.block_bytes, batch.n, batch.nbytes
-    timed = {k: pooled(t) for k, t in times.items()}
-    gbps = {k: round(nbytes / t[0] / 1e9, 3) for k, t in timed.items()}
-    cand = {name: {"impl": fn.plan.forced, "gbps": gbps[name], "num_sms": sms}
-            for name, (fn, sms) in cands.items() if name in gbps}
-    best = max(cand, key=lambda k: cand[k]["gbps"], default=None)
-    res = gbps.get("resolved")
+    gbps = {k: round(nbytes / pooled(t)[0] / 1e9, 3) for k, t in times.items()}
+
+    def over(other: str) -> Optional[tuple[float, float]]:
+        """resolved / ``other`` in GB/s and its standard error."""
+        if "resolved" not in times or other not in times:
+            return None
+        ratio, se = paired(times[other], times["resolved"])
+        return round(ratio, 4), round(se, 4)
+
+    cand = {}
+    for name, (fn, sms) in cands.items():
+        if name in gbps:
+            ratio = over(name)
+            cand[name] = {"impl": fn.plan.forced, "gbps": gbps[name], "num_sms": sms,
+                          "resolved_over": ratio[0] if ratio else None}
+    rated = [k for k in cand if cand[k]["resolved_over"] is not None]
+    best = (min(rated, key=lambda k: cand[k]["resolved_over"]) if rated
+            else max(cand, key=lambda k: cand[k]["gbps"], default=None))
     route = _route_label(resolved, batch)
     peer_key = peer_route(d, block_bytes, n) if has_peer else None
-
-    def ratio(other: Optional[str]) -> Optional[tuple[float, float]]:
-        """resolved / ``other`` and its standard error, from the two sets of timings."""
-        if not res or other is None or other not in gbps:
-            return None
-        return round(res / gbps[other], 4), round(standard_error(timed["resolved"], timed[other]), 4)
-
-    over_best, over_peer = ratio(best), ratio("peer")
+    over_best, over_peer = (over(best) if best else None), over("peer")
     return {
         "direction": d, "block_bytes": block_bytes, "batch": n,
         "ceiling_gbps": out["ceiling_gbps"][d], "candidates": cand, "best": best,
-        "resolved": {"gbps": res, "route": route},
+        "resolved": {"gbps": gbps.get("resolved"), "route": route},
         "peer": {"gbps": gbps["peer"], "route": label(*peer_key), "same_route": label(*peer_key) == route}
         if peer_key and "peer" in gbps else None,
-        "repeats": timed["resolved"][2] if "resolved" in timed else 0,
+        "repeats": sum(map(len, times["resolved"])) if "resolved" in times else 0,
         "resolved_over_best": over_best[0] if over_best else None,
         "resolved_over_best_se": over_best[1] if over_best else None,
         "resolved_over_peer": over_peer[0] if over_peer else None,

@@ -34,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=positive, metavar="N",
                    help="timed rounds per point (median reported); default on a GPU: 41, and more for "
                    "short calls, up to 801, so that each point times about 0.2 s")
+    p.add_argument("--passes", type=positive, metavar="N", default=1,
+                   help="time the grid N times over, each point on a fresh random draw of slots every "
+                   "time, the rounds above shared among the passes (default 1)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigurationError(f"--json {str(args.json)!r} is a directory; name the file to write")
     host = plugin_host()
     dev = detect(host, args.device)
-    settings = bench_settings(on_host(dev), args.block_bytes, args.batches, args.repeats)
+    settings = bench_settings(on_host(dev), args.block_bytes, args.batches, args.repeats, args.passes)
     if on_host(dev):
         print(f"kvswap bench: no accelerator on {dev.name!r}; measuring HOST MEMORY COPIES (host.reference)",
               file=sys.stderr)

@@ -58,6 +58,31 @@ def pooled(passes: Sequence[Sequence[float]]) -> tuple[float, float, int]:
     return mid, spread(every, mid), len(every)
 
 
+def paired(num: Sequence[Sequence[float]], den: Sequence[Sequence[float]]) -> tuple[float, float]:
+    """How many times as long the calls timed in ``num`` took as those in ``den``, from
+    timings taken together: one list per pass for each, as :meth:`DeviceTimer.measure`
+    returned them in the same measurement (each round gives every call up to ``KEEP``
+    timed calls, so the two lists split into the same rounds). ``(ratio, standard error)``:
+    the median over every round of every pass of the ratio of the round's medians.
+
+    A ratio of medians taken over a whole point is thrown off by whatever changes during
+    it: a slow spell of the machine (20-30% for about a second) or timings with two modes,
+    where a median lands in either. Identical work timed that way came out up to 2.7%
+    apart in one bench (docs/results/passes.txt). Within a round the two calls ran a few
+    microseconds apart, in the same state of the machine, so the ratio of each round
+    keeps only what tells the calls apart."""
+    ratios = []
+    for a, b in zip(num, den):
+        for i in range(0, min(len(a), len(b)), KEEP):
+            ra, rb = median(a[i:i + KEEP]), median(b[i:i + KEEP])
+            if ra > 0 and rb > 0:
+                ratios.append(ra / rb)
+    if not ratios:
+        raise ValueError("no rounds timed together to pair")
+    mid = median(ratios)
+    return mid, 1.86 * spread(ratios, mid) * mid / math.sqrt(len(ratios))
+
+
 def in_passes(points: Sequence[P], passes: int, time_point: Callable[[P, int], dict[K, list[float]]]
               ) -> dict[P, dict[K, list[list[float]]]]:
     """Time every point ``passes`` times over, the whole grid before any point again (so a

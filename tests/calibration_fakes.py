@@ -81,6 +81,32 @@ class SpellTimer(LedgerTimer):
         return [[t * self.factor for t in row] for row in out] if slow else out
 
 
+class ModeTimer(LedgerTimer):
+    """The ledger's costs through a machine that switches, round by round of
+    :func:`~kvswap.calibration.timing.schedule`, between a fast mode and one ``slow`` times
+    as slow. A call's block in a round is mostly in the round's mode, but one in ``flip``
+    lands in the other (the switch came between two calls of the round), and each timed
+    call is also off by up to ``jitter`` of its own: a median taken over all of a call's
+    rounds lands in either mode."""
+
+    def __init__(self, ledger: Ledger, seed: int = 0, slow: float = 1.4, flip: float = 0.1,
+                 jitter: float = 0.005) -> None:
+        import random
+
+        super().__init__(ledger)
+        self.rng, self.slow, self.flip, self.jitter = random.Random(seed), slow, flip, jitter
+
+    def measure(self, calls: list, repeats: int, warmup: int = 1) -> list[list[float]]:
+        from kvswap.calibration.timing import KEEP
+
+        rng, out = self.rng, super().measure(calls, repeats, warmup)
+        rounds = [rng.random() < 0.5 for _ in range(0, repeats, KEEP)]
+        for row in out:
+            modes = [self.slow if slow != (rng.random() < self.flip) else 1.0 for slow in rounds]
+            row[:] = [t * modes[i // KEEP] * (1 + rng.uniform(-self.jitter, self.jitter)) for i, t in enumerate(row)]
+        return out
+
+
 class ModelPlatform:
     """Plugin: detects ``modelplat:0`` and registers ``model.batch`` and ``model.kernel``
     (or other ``names``; plus, on request, routes that raise, copy nothing, or refuse

@@ -381,6 +381,45 @@ def test_batch_sweep_passes_outvote_a_slow_spell_and_draw_fresh_slots():
         assert m.seconds == pytest.approx(once[key].seconds * (1.5 if key[2:] in moved else 1.0))
 
 
+def test_paired_ratios_cancel_what_the_machine_did_to_both_calls_in_a_round():
+    import random
+
+    from kvswap.calibration import timing
+
+    rng = random.Random(3)
+    keep = timing.KEEP
+
+    def timed(base, states, last=keep):
+        """Timings of a call costing ``base`` through rounds of machine ``states``."""
+        out = []
+        for r, f in enumerate(states):
+            out += [base * f * (1 + 0.002 * (i - 2)) for i in range(keep if r < len(states) - 1 else last)]
+        return out
+
+    # passes of 9 and 6 rounds (the last of each short), every round in its own state, up to 40% slow
+    states = [[rng.uniform(1.0, 1.4) for _ in range(9)], [rng.uniform(1.0, 1.4) for _ in range(6)]]
+    a = [timed(1.10, s, last) for s, last in zip(states, (3, 2))]
+    b = [timed(1.00, s, last) for s, last in zip(states, (3, 2))]
+    ratio, se = timing.paired(a, b)
+    assert ratio == pytest.approx(1.10) and se == pytest.approx(0.0, abs=1e-6)
+    assert timing.paired(b, a)[0] == pytest.approx(1 / 1.10)
+    # identical work whose calls land in a fast or a 40% slower mode, round by round: one more
+    # slow round for ``a`` puts its median, taken apart, in the other mode; paired, the rounds agree
+    slow = [[1.4] * 22 + [1.4] + [1.0] * 22, [1.4] * 22 + [1.0] + [1.0] * 22]
+    a2, b2 = timed(1.0, slow[0]), timed(1.0, slow[1])
+    assert timing.median(a2) / timing.median(b2) > 1.35
+    assert timing.paired([a2], [b2])[0] == pytest.approx(1.0)
+    # noise that is the calls' own, not the rounds': a standard error that counts it
+    b3 = [timed(1.0, [rng.uniform(1.0, 1.4) for _ in range(200)])]
+    a3 = [[t * rng.uniform(0.95, 1.05) for t in b3[0]]]
+    ratio, se = timing.paired(a3, b3)
+    assert abs(ratio - 1.0) < 3 * se and 0.0005 < se < 0.01
+    # a pass timed for one of the two only is not paired
+    assert timing.paired(a[:1], b) == timing.paired(a[:1], b[:1])
+    with pytest.raises(ValueError):
+        timing.paired([[]], [[1.0]])
+
+
 def test_pooled_keeps_the_middle_pass_and_counts_how_far_the_passes_disagree():
     from kvswap.calibration import timing
 

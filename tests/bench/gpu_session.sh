@@ -2,7 +2,8 @@
 # One command on the lent GPU machine: the gpu-marked tests, calibration (profile, plot,
 # decisions), the bench and the backends' benchmark scripts, each step's output under $OUT.
 #   bash tests/bench/gpu_session.sh tests calibrate bench benches overhead
-# CAL_ARGS (unset: --quick; set it empty for the full grid) and STEP_TIMEOUT (seconds per step, default 280) tune it;
+# CAL_ARGS (unset: --quick; set it empty for the full grid), BENCH_ARGS (e.g. "--passes 3") and
+# STEP_TIMEOUT (seconds per step, default 280) tune it;
 # PROFILE names a profile for the overhead step (default: the resolver's own search).
 # The GPU machine's python lacks platformdirs: carry its wheel in .whl/ (README: Testing).
 set -uo pipefail
@@ -31,7 +32,8 @@ for step in "$@"; do
       [ -f "$profile" ] || profile=
       { KVSWAP_PROFILE=$profile python3 -m kvswap explain --direction h2d
         KVSWAP_PROFILE=$profile python3 -m kvswap explain --direction d2h
-        KVSWAP_PROFILE=$profile timeout "$T" python3 -m kvswap bench --json "$OUT/bench.json"
+        # shellcheck disable=SC2086
+        KVSWAP_PROFILE=$profile timeout "$T" python3 -m kvswap bench ${BENCH_ARGS-} --json "$OUT/bench.json"
       } >"$OUT/bench.log" 2>&1
       echo "bench exit $?"; tail -n 70 "$OUT/bench.log" ;;
     benches)

@@ -27,7 +27,7 @@ from kvswap.types import DeviceInfo, Direction, Policy
 
 from . import fit, store
 from .records import BATCH, CEILING, SIZE, Failure, Interference, Measurement
-from .timing import in_passes, make_timer, median, on_host, per_pass, pooled, rounds_for, spread
+from .timing import in_passes, make_timer, median, on_host, paired, per_pass, pooled, rounds_for, spread
 from .workload import Batch, Pools
 
 KiB, MiB = 1024, 1 << 20
@@ -66,15 +66,13 @@ class Settings:
     batch_point_seconds: float = 0.0
     batch_max_repeats: int = 0
     # The batch sweep runs its whole grid this many times, each point a fresh draw of
-    # slots, and keeps the median of the passes per route (timing.pooled); the rounds and
-    # seconds above are shared among the passes. Why it stays 1: a slow spell of the
+    # slots; the rounds and seconds above are shared among the passes. A slow spell of the
     # machine (about a second, every route slowed unevenly) or the slots drawn (the batch
     # route moves by up to 7%, the kernel by 1%) can set one point off, and passes outvote
-    # that (tests/bench/bench_draws.py, docs/results/h100-draws.txt); but three passes on
-    # the H100 and H200 gave no better decisions than one, and the bench timed identical
-    # copies further apart (0.90-1.03 against 0.97-1.02): either medians taken pass by pass
-    # lose the pairing of routes timed side by side, or those runs met a noisier machine
-    # (docs/results/passes.txt).
+    # that (tests/bench/bench_draws.py, docs/results/h100-draws.txt). Three passes did no
+    # better than one while each route kept the median of its own passes (timing.pooled,
+    # docs/results/passes.txt); routes are now compared round by round (Sweep.record), which
+    # is what made the bench's passes pay (docs/results/h200-bench.txt of session 6).
     batch_passes: int = 1
     interference: bool = False
     interference_all_sms: bool = False
@@ -156,6 +154,7 @@ def settings_for(device: DeviceInfo, quick: bool = False, max_sms: Optional[int]
         batch_repeats=15 if quick else 41,
         batch_point_seconds=0.01 if quick else 0.04,
         batch_max_repeats=101 if quick else 601,
+        batch_passes=1 if quick else 3,
         size_sweep_bytes=(64 if quick else 256) * MiB,
         max_batch=10000,
         pool_bytes=(512 if quick else 1024) * MiB,
@@ -316,12 +315,23 @@ class Sweep:
         return self.record(stage, batch, [(b, [t]) for b, t in got])
 
     def record(self, stage: str, batch: Batch, runs: Sequence[tuple[Bound, list[list[float]]]]) -> list[Measurement]:
-        """One measurement per route of its timings, taken in one pass or several
-        (:func:`~.timing.pooled`), at ``batch``'s direction, block size and batch size."""
+        """One measurement per route of its timings, taken side by side with the other
+        routes' in one pass or several, at ``batch``'s direction, block size and batch size.
+
+        What the fit reads is how the routes compare, so their seconds are put on one
+        footing: a reference route's own (:func:`~.timing.pooled`; the first batch route,
+        else the first route) times each route's ratio to it, taken round by round
+        (:func:`~.timing.paired`). Routes timed in the same rounds met the same state of
+        the machine, which moves every route by 10-40% from one minute to the next on the
+        lent machines (a bench against its calibration, docs/results/h100-bench.txt of
+        session 6); the spread stays each route's own."""
         d = str(batch.direction)
+        ref = next((p for b, p in runs if b.kind == "batch"), runs[0][1] if runs else None)
         out = []
         for b, passes in runs:
             seconds, spread_, repeats = pooled(passes)
+            if ref is not None and passes is not ref:
+                seconds = pooled(ref)[0] * paired(passes, ref)[0]
             out.append(Measurement(d, stage, b.impl, b.kind, b.num_sms, batch.block_bytes, batch.n, seconds, repeats,
                                    round(spread_, 5)))
         self.result.measurements.extend(out)

@@ -206,3 +206,29 @@ def test_bench_passes_outvote_a_slow_spell_and_draw_fresh_slots(peer_named_devic
     for k in moved:
         assert slowed[k]["resolved"]["gbps"] == pytest.approx(once[k]["resolved"]["gbps"] / 1.5, rel=1e-3)
         assert slowed[k]["resolved_over_best"] == pytest.approx(once[k]["resolved_over_best"], rel=1e-3)
+
+
+def test_a_gpu_bench_draws_every_point_three_times_and_the_host_one_unless_told():
+    from kvswap.calibration.bench import bench_settings
+
+    assert (bench_settings(False).passes, bench_settings(True).passes) == (3, 1)
+    assert bench_settings(False, passes=5).passes == 5
+
+
+def test_bench_cli_passes_reach_the_grid(peer_named_device, monkeypatch, capsys):
+    seen = []
+    real = bench_module.run_bench
+
+    def spy(device, settings, directions, **kw):
+        seen.append(settings.passes)
+        return real(device, settings, directions, **kw)
+
+    monkeypatch.setattr(bench_module, "run_bench", spy)
+    args = ["bench", "--device", "modelplat:0", "--directions", "h2d", "--block-bytes", "4096", "--batches", "1,16",
+            "--repeats", "2"]
+    assert main(args + ["--passes", "2"]) == 0
+    assert main(args) == 0
+    assert seen == [2, 1]  # the modelled device copies host memory: one pass by default, as on the host
+    assert "kvswap bench" in capsys.readouterr().out
+    assert main(args + ["--passes", "0"]) == 2 and len(seen) == 2  # refused before anything ran
+    assert "--passes" in capsys.readouterr().err

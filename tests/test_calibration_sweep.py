@@ -7,7 +7,7 @@ import pytest
 
 import kvswap
 from kvswap import DeviceInfo, Policy
-from kvswap.calibration import fit, store
+from kvswap.calibration import fit, store, timing
 from kvswap.calibration.records import BATCH, CEILING, SIZE
 from kvswap.calibration.sweep import Settings, Sweep, grid_sizes, settings_for
 from kvswap.plugins import create_plugin_host
@@ -164,6 +164,7 @@ def test_default_settings():
     assert settings_for(gpu, max_sms=10).sm_counts == (2, 4, 6, 8, 10)
     assert settings_for(gpu, max_sms=0).sm_counts == ()
     assert settings_for(gpu, quick=True).repeats < g.repeats
+    assert (g.batch_passes, settings_for(gpu, quick=True).batch_passes) == (3, 1)  # --quick: one pass
 
 
 def test_measurement_override_binds_exact_sm_counts_and_then_restores_lookup(tmp_path, monkeypatch):
@@ -334,6 +335,33 @@ def test_a_disturbed_point_is_timed_once_more_and_the_steadier_timings_kept():
     sweep.timer = Disturbed(ledger, noisy=0)
     sweep.measure(batch, sweep.pools.batch(kvswap.Direction.H2D, 4 * KiB, 4), BATCH)
     assert sweep.timer.calls == 1  # a steady point is timed once
+
+
+def test_routes_timed_side_by_side_are_compared_round_by_round():
+    """A machine switching between a fast and a 40% slower mode from round to round: each
+    route's median, taken apart, lands in either mode; recorded, the routes keep the ratios
+    of their modelled costs (to 1%: the calls' own jitter), on the batch route's footing."""
+    from calibration_fakes import ModeTimer
+    from kvswap.calibration import sweep as sweep_module
+
+    ledger = Ledger()
+    host = create_plugin_host(entry_points=[], extra=[("model", ModelPlatform(ledger))])
+    sweep = Sweep("modelplat:0", tiny(repeats=45), ["h2d"], host=host)
+    bounds = sweep.prepare()[kvswap.Direction.H2D]
+    sweep.pools = sweep_module.Pools(sweep.dev, MiB * 16, 0)
+    batch = sweep.pools.batch(kvswap.Direction.H2D, 4 * KiB, 64)
+    sweep.timer = LedgerTimer(ledger)
+    calm = {(m.impl, m.num_sms): m.seconds for m in sweep.measure(bounds, batch, BATCH)}
+    apart = []
+    for seed in range(4):
+        sweep.timer = ModeTimer(ledger, seed=seed)
+        got = {(m.impl, m.num_sms): m.seconds for m in sweep.measure(bounds, batch, BATCH)}
+        raw = {(b.impl, b.num_sms): timing.median(t) for b, t in sweep.timings(bounds, batch)}
+        ref = next(k for k in got if k[1] is None)
+        for k in calm:
+            assert got[k] / got[ref] == pytest.approx(calm[k] / calm[ref], rel=0.01)
+            apart.append(raw[k] / raw[ref] / (calm[k] / calm[ref]))
+    assert max(apart) > 1.3 or min(apart) < 1 / 1.3  # what the medians apart would have recorded
 
 
 def test_batch_sweep_passes_outvote_a_slow_spell_and_draw_fresh_slots():

@@ -65,8 +65,11 @@ TOLERANCE = 0.05
 TIER_TOLERANCE = 0.005
 # A batch size whose fewest-SMs-within-tolerance differs from both neighbours' takes theirs
 # when that count is within TIER_TOLERANCE + TIER_NOISE of the fastest there: one tier for
-# one batch size is more likely the run-to-run noise of short calls than a feature.
-TIER_NOISE = 0.02
+# one batch size is more likely the run-to-run noise of short calls than a feature. At 2%,
+# this gave the H100 two points 3.4-3.8% behind the best count in the bench (device->host
+# 8 KiB x 64 on 6 SMs where 12 were 1% behind 16; session 6): the slack now stays within a
+# third of the bench's 3% bar, and the timings' standard error still counts beside it.
+TIER_NOISE = 0.005
 
 Key = tuple[str, str, Optional[int]]  # (impl, kind, num_sms)
 

@@ -216,7 +216,7 @@ def batch_points(ms: Iterable[Measurement], direction: str) -> list[tuple[int, i
         if into is not None:
             key = (m.block_bytes, m.batch)
             if key not in into or m.seconds < into[key][0]:
-                into[key] = (m.seconds, m.spread, m.repeats)
+                into[key] = (m.seconds, m.compared_spread, m.repeats)
     out = []
     for key in sorted(kern):
         if key not in dma:
@@ -275,7 +275,7 @@ def kernel_batch_times(ms: Iterable[Measurement], direction: str) -> dict[int, d
         if m.direction == direction and m.stage == BATCH and m.kind == "kernel" and m.num_sms:
             row = out[m.block_bytes][m.batch]
             if m.num_sms not in row or m.seconds < row[m.num_sms][0]:
-                row[m.num_sms] = (m.seconds, m.spread, m.repeats)
+                row[m.num_sms] = (m.seconds, m.compared_spread, m.repeats)
     return {b: dict(rows) for b, rows in out.items()}
 
 

@@ -16,7 +16,11 @@ class Measurement:
     ``kind`` is the impl's kind (``"batch"``, ``"kernel"``) or ``"ceiling"`` for the
     contiguous copy; ``num_sms`` is what a kernel was bound with (None otherwise);
     ``spread`` is the median absolute deviation of the timed repeats as a fraction of
-    their median (0 where not recorded): how far one call strays.
+    their median (0 where not recorded): how far one call strays. ``paired_spread`` is
+    that of the route's round-by-round ratio to the reference route timed beside it
+    (:meth:`~.sweep.Sweep.record`; 0 for the reference itself, None in profiles written
+    before it was recorded): how far the comparison strays, without what the machine did
+    to both routes at once.
     """
 
     direction: str
@@ -29,6 +33,12 @@ class Measurement:
     seconds: float
     repeats: int
     spread: float = 0.0
+    paired_spread: Optional[float] = None
+
+    @property
+    def compared_spread(self) -> float:
+        """The spread to weigh a comparison with other routes of the same point by."""
+        return self.spread if self.paired_spread is None else self.paired_spread
 
     @property
     def nbytes(self) -> int:

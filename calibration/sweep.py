@@ -27,7 +27,7 @@ from kvswap.types import DeviceInfo, Direction, Policy
 
 from . import fit, store
 from .records import BATCH, CEILING, SIZE, Failure, Interference, Measurement
-from .timing import in_passes, make_timer, median, on_host, paired, per_pass, pooled, rounds_for, spread
+from .timing import in_passes, make_timer, median, on_host, per_pass, pooled, round_ratios, rounds_for, spread
 from .workload import Batch, Pools
 
 KiB, MiB = 1024, 1 << 20
@@ -324,16 +324,18 @@ class Sweep:
         (:func:`~.timing.paired`). Routes timed in the same rounds met the same state of
         the machine, which moves every route by 10-40% from one minute to the next on the
         lent machines (a bench against its calibration, docs/results/h100-bench.txt of
-        session 6); the spread stays each route's own."""
+        session 6). ``spread`` stays each route's own; ``paired_spread`` is that of its
+        ratio to the reference, which the fit weighs comparisons by (0 for the reference)."""
         d = str(batch.direction)
         ref = next((p for b, p in runs if b.kind == "batch"), runs[0][1] if runs else None)
         out = []
         for b, passes in runs:
             seconds, spread_, repeats = pooled(passes)
-            if ref is not None and passes is not ref:
-                seconds = pooled(ref)[0] * paired(passes, ref)[0]
+            ratios = round_ratios(passes, ref) if ref is not None and passes is not ref else []
+            if ratios:
+                seconds = pooled(ref)[0] * median(ratios)
             out.append(Measurement(d, stage, b.impl, b.kind, b.num_sms, batch.block_bytes, batch.n, seconds, repeats,
-                                   round(spread_, 5)))
+                                   round(spread_, 5), round(spread(ratios), 5) if ratios else 0.0))
         self.result.measurements.extend(out)
         return out
 

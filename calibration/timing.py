@@ -58,12 +58,24 @@ def pooled(passes: Sequence[Sequence[float]]) -> tuple[float, float, int]:
     return mid, spread(every, mid), len(every)
 
 
+def round_ratios(num: Sequence[Sequence[float]], den: Sequence[Sequence[float]]) -> list[float]:
+    """The ratio of ``num``'s median to ``den``'s in every round of every pass: timings
+    taken together, one list per pass for each, as :meth:`DeviceTimer.measure` returned
+    them in the same measurement (each round gives every call up to ``KEEP`` timed calls,
+    so the two lists split into the same rounds)."""
+    ratios = []
+    for a, b in zip(num, den):
+        for i in range(0, min(len(a), len(b)), KEEP):
+            ra, rb = median(a[i:i + KEEP]), median(b[i:i + KEEP])
+            if ra > 0 and rb > 0:
+                ratios.append(ra / rb)
+    return ratios
+
+
 def paired(num: Sequence[Sequence[float]], den: Sequence[Sequence[float]]) -> tuple[float, float]:
-    """How many times as long the calls timed in ``num`` took as those in ``den``, from
-    timings taken together: one list per pass for each, as :meth:`DeviceTimer.measure`
-    returned them in the same measurement (each round gives every call up to ``KEEP``
-    timed calls, so the two lists split into the same rounds). ``(ratio, standard error)``:
-    the median over every round of every pass of the ratio of the round's medians.
+    """How many times as long the calls timed in ``num`` took as those in ``den``, timed
+    together (:func:`round_ratios`): ``(ratio, standard error)``, the median over the
+    rounds.
 
     A ratio of medians taken over a whole point is thrown off by whatever changes during
     it: a slow spell of the machine (20-30% for about a second) or timings with two modes,
@@ -71,12 +83,7 @@ def paired(num: Sequence[Sequence[float]], den: Sequence[Sequence[float]]) -> tu
     apart in one bench (docs/results/passes.txt). Within a round the two calls ran a few
     microseconds apart, in the same state of the machine, so the ratio of each round
     keeps only what tells the calls apart."""
-    ratios = []
-    for a, b in zip(num, den):
-        for i in range(0, min(len(a), len(b)), KEEP):
-            ra, rb = median(a[i:i + KEEP]), median(b[i:i + KEEP])
-            if ra > 0 and rb > 0:
-                ratios.append(ra / rb)
+    ratios = round_ratios(num, den)
     if not ratios:
         raise ValueError("no rounds timed together to pair")
     mid = median(ratios)

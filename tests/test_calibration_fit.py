@@ -149,11 +149,12 @@ def test_min_batch_is_fitted_per_block_size():
 def test_a_kernel_win_inside_the_margin_or_the_noise_is_a_tie_the_batch_route_takes():
     ns = (1, 2, 4, 8, 16)
 
-    def dec(t_kernel: dict[int, float], spread: float = 0.0, repeats: int = 5) -> list:
+    def dec(t_kernel: dict[int, float], spread: float = 0.0, repeats: int = 5, paired=None) -> list:
         ms = grid("h2d", {4 * KiB: 4.0}, per_sm({4 * KiB: 6.5}))
         for n in ns:
-            ms += [Measurement("h2d", BATCH, "x.kernel", "kernel", 8, 4 * KiB, n, t_kernel[n], repeats, spread),
-                   Measurement("h2d", BATCH, "x.batch", "batch", None, 4 * KiB, n, 10.0 * n, repeats, spread)]
+            ms += [Measurement("h2d", BATCH, "x.kernel", "kernel", 8, 4 * KiB, n, t_kernel[n], repeats, spread, paired),
+                   Measurement("h2d", BATCH, "x.batch", "batch", None, 4 * KiB, n, 10.0 * n, repeats, spread,
+                               None if paired is None else 0.0)]
         return fit.fit_direction(ms, "h2d")["min_batch_by_size"]
 
     clear = {1: 30.0, 2: 30.0, 4: 30.0, 8: 30.0, 16: 30.0}  # wins from 4 descriptors, by 25% there
@@ -164,6 +165,11 @@ def test_a_kernel_win_inside_the_margin_or_the_noise_is_a_tie_the_batch_route_ta
     won = {**clear, 4: 40.0 / 1.04}
     assert dec(won, 0.0, 41) == [[4 * KiB, 4]]
     assert dec(won, 0.1, 41) == [[4 * KiB, 8]]
+    # the same 10% spread, but what the machine did to both routes at once: their ratio,
+    # round by round, strays by 1% (2 SE = 0.6%), and the 4% win stands (the H100's
+    # host->device 48 KiB x 16: 14-22% spreads hid a kernel 7% faster; session 6)
+    assert dec(won, 0.1, 41, paired=0.01) == [[4 * KiB, 4]]
+    assert dec(won, 0.1, 41, paired=0.1) == [[4 * KiB, 8]]
 
 
 def test_calibration_interpolates_min_batch_between_measured_sizes():

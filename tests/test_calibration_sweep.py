@@ -358,6 +358,10 @@ def test_routes_timed_side_by_side_are_compared_round_by_round():
         got = {(m.impl, m.num_sms): m.seconds for m in sweep.measure(bounds, batch, BATCH)}
         raw = {(b.impl, b.num_sms): timing.median(t) for b, t in sweep.timings(bounds, batch)}
         ref = next(k for k in got if k[1] is None)
+        recorded = sweep.result.measurements[-len(got):]
+        assert [x.paired_spread for x in recorded if x.num_sms is None] == [0.0]  # the reference
+        # the comparisons stray by the calls' own jitter, but where rounds flipped modes
+        assert timing.median([x.paired_spread for x in recorded if x.num_sms]) < 0.01
         for k in calm:
             assert got[k] / got[ref] == pytest.approx(calm[k] / calm[ref], rel=0.01)
             apart.append(raw[k] / raw[ref] / (calm[k] / calm[ref]))

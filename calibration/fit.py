@@ -60,7 +60,7 @@ TOLERANCE = 0.05
 # the throughput policy's (``Policy(prefer="low_interference")`` keeps the knee), so they
 # give up next to nothing: at 1% (and the noise), 4-8 SMs kept medium batches 1-1.5%
 # behind the peer's kernel on 12 SMs (issue 6 wants resolved at least as fast as the peer
-# everywhere; docs/results/h200-bench.txt, h100-bench.txt of session 5). Half a percent is
+# everywhere; the session-5 benches: H200 h2d 24 KiB x 256 on 8 SMs at 0.985). Half a percent is
 # what a count must lose, beyond the noise of the timings, to be passed over.
 TIER_TOLERANCE = 0.005
 # A batch size whose fewest-SMs-within-tolerance differs from both neighbours' takes theirs

@@ -72,7 +72,7 @@ class Settings:
     # that (tests/bench/bench_draws.py, docs/results/h100-draws.txt). Three passes did no
     # better than one while each route kept the median of its own passes (timing.pooled,
     # docs/results/passes.txt); routes are now compared round by round (Sweep.record), which
-    # is what made the bench's passes pay (docs/results/h200-bench.txt of session 6).
+    # is what made the bench's passes pay (docs/results/session6/README.txt).
     batch_passes: int = 1
     interference: bool = False
     interference_all_sms: bool = False
@@ -320,12 +320,13 @@ class Sweep:
 
         What the fit reads is how the routes compare, so their seconds are put on one
         footing: a reference route's own (:func:`~.timing.pooled`; the first batch route,
-        else the first route) times each route's ratio to it, taken round by round
-        (:func:`~.timing.paired`). Routes timed in the same rounds met the same state of
-        the machine, which moves every route by 10-40% from one minute to the next on the
-        lent machines (a bench against its calibration, docs/results/h100-bench.txt of
-        session 6). ``spread`` stays each route's own; ``paired_spread`` is that of its
-        ratio to the reference, which the fit weighs comparisons by (0 for the reference)."""
+        else the first route) times the median of each route's ratio to it, round by round
+        (:func:`~.timing.round_ratios`). Routes timed in the same rounds met the same state
+        of the machine, which moved every route by 10-40%, unevenly, between a calibration
+        and the bench minutes after it on the lent machines
+        (docs/results/session6/*-drift.txt). ``spread`` stays each route's own;
+        ``paired_spread`` is that of its ratio to the reference, which the fit weighs
+        comparisons by (0 for the reference)."""
         d = str(batch.direction)
         ref = next((p for b, p in runs if b.kind == "batch"), runs[0][1] if runs else None)
         out = []

@@ -266,7 +266,7 @@ def _row(d: str, batch: Batch, times: dict[str, list[list[float]]], cands: dict[
         if name in gbps:
             ratio = over(name)
             cand[name] = {"impl": fn.plan.forced, "gbps": gbps[name], "num_sms": sms,
-                          "resolved_over": ratio[0] if ratio else None}
+                          "resolved_over": ratio[0] if ratio else None, "resolved_over_se": ratio[1] if ratio else None}
     rated = [k for k in cand if cand[k]["resolved_over"] is not None]
     best = (min(rated, key=lambda k: cand[k]["resolved_over"]) if rated
             else max(cand, key=lambda k: cand[k]["gbps"], default=None))

@@ -82,6 +82,7 @@ def test_bench_ratios_pair_the_rounds_so_a_machine_switching_modes_cannot_skew_t
     assert max(apart) / min(apart) > 1.3
     for r in out["rows"]:  # paired: the modelled costs exactly, but for the calls' own 0.5%
         assert r["candidates"][r["resolved"]["route"]]["resolved_over"] == pytest.approx(1.0, abs=0.01)
+        assert r["candidates"][r["best"]]["resolved_over_se"] == r["resolved_over_best_se"]
         assert r["resolved_over_best"] == pytest.approx(1.0, abs=0.01)
         assert r["resolved_over_peer"] >= 0.99
     for d in ("h2d", "d2h"):

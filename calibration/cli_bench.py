@@ -32,8 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", type=block_list, metavar="N[,N...]",
                    help="batch sizes of the grid (default: 1-10000 on a GPU)")
     p.add_argument("--repeats", type=positive, metavar="N",
-                   help="timed rounds per point (median reported); default on a GPU: 41, and more for "
-                   "short calls, up to 801, so that each point times about 0.2 s")
+                   help="timed calls of each contender per point (GB/s: their median; ratios: the median "
+                   "of the contenders' round-by-round ratios); default on a GPU: 41, and more for short calls, "
+                   "up to 801, so that each point times about 0.2 s")
     p.add_argument("--passes", type=positive, metavar="N",
                    help="time the grid N times over, each point on a fresh random draw of slots every "
                    "time, the rounds above shared among the passes (default on a GPU: 3; on the host: 1)")

@@ -272,7 +272,8 @@ def _row(d: str, batch: Batch, times: dict[str, list[list[float]]], cands: dict[
             else max(cand, key=lambda k: cand[k]["gbps"], default=None))
     route = _route_label(resolved, batch)
     peer_key = peer_route(d, block_bytes, n) if has_peer else None
-    over_best, over_peer = (over(best) if best else None), over("peer")
+    over_best = (cand[best]["resolved_over"], cand[best]["resolved_over_se"]) if best in rated else None
+    over_peer = over("peer")
     return {
         "direction": d, "block_bytes": block_bytes, "batch": n,
         "ceiling_gbps": out["ceiling_gbps"][d], "candidates": cand, "best": best,

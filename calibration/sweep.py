@@ -329,12 +329,13 @@ class Sweep:
         comparisons by (0 for the reference)."""
         d = str(batch.direction)
         ref = next((p for b, p in runs if b.kind == "batch"), runs[0][1] if runs else None)
+        ref_seconds = pooled(ref)[0] if ref is not None else 0.0
         out = []
         for b, passes in runs:
             seconds, spread_, repeats = pooled(passes)
             ratios = round_ratios(passes, ref) if ref is not None and passes is not ref else []
             if ratios:
-                seconds = pooled(ref)[0] * median(ratios)
+                seconds = ref_seconds * median(ratios)
             out.append(Measurement(d, stage, b.impl, b.kind, b.num_sms, batch.block_bytes, batch.n, seconds, repeats,
                                    round(spread_, 5), round(spread(ratios), 5) if ratios else 0.0))
         self.result.measurements.extend(out)

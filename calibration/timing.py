@@ -95,7 +95,7 @@ def in_passes(points: Sequence[P], passes: int, time_point: Callable[[P, int], d
     """Time every point ``passes`` times over, the whole grid before any point again (so a
     point's passes lie apart in time): ``time_point(point, pass)`` gives its timings by
     contender; the result holds, per point and contender, one list per pass, for
-    :func:`pooled`."""
+    :func:`pooled` and :func:`round_ratios`."""
     out: dict[P, dict[K, list[list[float]]]] = {p: defaultdict(list) for p in points}
     for i in range(max(1, passes)):
         for p in points:

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from kvswap.cli import add_device, block_list, directions, positive
+from kvswap.cli import add_device, block_list, directions, non_negative, positive
 from kvswap.errors import ConfigurationError
 from kvswap.types import Direction
 
@@ -38,6 +38,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--passes", type=positive, metavar="N",
                    help="time the grid N times over, each point on a fresh random draw of slots every "
                    "time, the rounds above shared among the passes (default on a GPU: 3; on the host: 1)")
+    p.add_argument("--confirm", type=non_negative, metavar="N",
+                   help="after the grid, time each point under a bar (resolved under 0.97 x the best candidate, "
+                   "or under 1.0 x the peer where the peer takes another route) N passes more on fresh draws, "
+                   "against the same best candidate, and report those ratios beside the grid's: the worst of many "
+                   "points is mostly the draw that came out lowest (default on a GPU: 3; on the host: 1; 0: off)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigurationError(f"--json {str(args.json)!r} is a directory; name the file to write")
     host = plugin_host()
     dev = detect(host, args.device)
-    settings = bench_settings(on_host(dev), args.block_bytes, args.batches, args.repeats, args.passes)
+    settings = bench_settings(on_host(dev), args.block_bytes, args.batches, args.repeats, args.passes,
+                              args.confirm)
     if on_host(dev):
         print(f"kvswap bench: no accelerator on {dev.name!r}; measuring HOST MEMORY COPIES (host.reference)",
               file=sys.stderr)

@@ -149,6 +149,23 @@ def bench_report(result: dict[str, Any]) -> str:
                        f"({s['under_best_bar_beyond_noise']} by more than 2 standard errors); "
                        f"{s['under_peer']} under {BAR_PEER} x the peer ({s['under_peer_beyond_noise']} by more than "
                        f"2 standard errors; {s['under_peer_same_route']} on the peer's own route)")
+        again = [r for r in rows if r.get("confirm")]
+        if again:
+            k = again[0]["confirm"]["passes"]
+            out.append(f"  timed again after the grid, on fresh draws ({k} pass{'es' if k != 1 else ''} each; "
+                       "resolved against the same best candidate, and the peer where it takes another route):")
+            for r in again:
+                c = r["confirm"]
+                line = (f"    {human_bytes(r['block_bytes'])} x {r['batch']}: res/best {_ratio(r, 'resolved_over_best', '-')}"
+                        f" -> {_ratio(c, 'resolved_over_best', '-')} ({c['best']})")
+                if c.get("resolved_over_peer") is not None:
+                    line += (f"; res/peer {_ratio(r, 'resolved_over_peer', 'n/a')} -> "
+                             f"{_ratio(c, 'resolved_over_peer', 'n/a')} ({r['peer']['route']})")
+                out.append(line)
+            out.append(f"  of those {s['confirmed_points']}: {s['confirmed_under_best_bar']} still under {BAR_BEST} x the "
+                       f"best candidate ({s['confirmed_under_best_bar_beyond_noise']} by more than 2 standard errors); "
+                       f"{s['confirmed_under_peer']} still under {BAR_PEER} x the peer on another route "
+                       f"({s['confirmed_under_peer_beyond_noise']} by more than 2 standard errors)")
         if s.get("same_work_pairs"):
             out.append(f"  identical work timed {s['same_work_min']:.3f}-{s['same_work_max']:.3f} x apart "
                        f"({s['same_work_pairs']} pairs of resolved and a candidate or the peer on its very route): "

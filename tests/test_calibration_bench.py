@@ -233,3 +233,91 @@ def test_bench_cli_passes_reach_the_grid(peer_named_device, monkeypatch, capsys)
     assert "kvswap bench" in capsys.readouterr().out
     assert main(args + ["--passes", "0"]) == 2 and len(seen) == 2  # refused before anything ran
     assert "--passes" in capsys.readouterr().err
+
+
+class LowDrawTimer(LedgerTimer):
+    """The ledger's costs, but the ``at``-th measurement (counting from 0) times its
+    ``index``-th call ``factor`` times as long: one contender's unlucky draw at one point."""
+
+    def __init__(self, ledger, at: int, index: int, factor: float = 1.1) -> None:
+        super().__init__(ledger)
+        self.at, self.index, self.factor, self.count = at, index, factor, 0
+
+    def measure(self, calls, repeats, warmup=1):
+        out = super().measure(calls, repeats, warmup)
+        if self.count == self.at:
+            out[self.index] = [t * self.factor for t in out[self.index]]
+        self.count += 1
+        return out
+
+
+GRID = dict(block_sizes=(4 * KiB, 64 * KiB), batch_sizes=(1, 16, 64), pool_bytes=32 * MiB, ceiling_bytes=MiB,
+            repeats=3, warmup=0)
+
+
+def test_a_point_under_the_bar_by_its_draw_alone_is_timed_again_and_cleared(peer_named_device, monkeypatch, capsys):
+    assert main(["calibrate", "--quick", "--device", "modelplat:0"]) == 0
+    capsys.readouterr()
+    # measurement 0 is the ceiling; 1 + 4 is the fifth point, 64 KiB x 16, whose contenders
+    # are cuda.batch, triton.kernel@8, resolved (index 2) and the peer
+    timer = LowDrawTimer(peer_named_device.ledger, at=1 + 4, index=2)
+    monkeypatch.setattr(bench_module, "make_timer", lambda device: timer)
+    out = run_bench("modelplat:0", BenchSettings(**GRID, confirm=2), ["h2d"])
+    assert out["failures"] == []
+    rows = {(r["block_bytes"], r["batch"]): r for r in out["rows"]}
+    low = rows[(64 * KiB, 16)]
+    assert low["resolved_over_best"] == pytest.approx(1 / 1.1, rel=1e-3)  # the grid saw the unlucky draw
+    assert low["confirm"]["passes"] == 2 and low["confirm"]["best"] == low["best"]
+    assert low["confirm"]["resolved_over_best"] == pytest.approx(1.0, abs=1e-3)  # timed again: nothing wrong
+    assert [k for k, r in rows.items() if "confirm" in r] == [(64 * KiB, 16)]  # the others were not under a bar
+    assert timer.count == 1 + 6 + 2  # the ceiling, the grid, then that one point twice
+    s = out["summary"]["h2d"]
+    assert (s["under_best_bar"], s["under_best_bar_beyond_noise"]) == (1, 1)
+    assert (s["confirmed_points"], s["confirmed_under_best_bar"], s["confirmed_under_best_bar_beyond_noise"]) == (1, 0, 0)
+    from kvswap.calibration.report import bench_report
+    text = bench_report(out)
+    assert "64 KiB x 16: res/best 0.909 ±0.000 -> 1.000 ±0.000" in text
+    assert "of those 1: 0 still under 0.97 x the best candidate" in text
+
+
+def test_a_resolved_route_that_is_wrong_stays_under_the_bar_when_timed_again(peer_named_device, monkeypatch):
+    """Forced onto the batch route, resolved loses the kernel's points for real: the
+    confirmation finds them under both bars again (the peer re-timed only where it takes
+    another route: device to host it runs the batch route too)."""
+    monkeypatch.setenv("KVSWAP_FORCE_IMPL", "cuda.batch")
+    out = run_bench("modelplat:0", BenchSettings(**GRID, confirm=1), ["h2d", "d2h"])
+    assert out["failures"] == []
+    for r in out["rows"]:
+        assert r["resolved"]["route"] == "cuda.batch"
+        if r["resolved_over_best"] < 0.97:
+            c = r["confirm"]
+            assert c["resolved_over_best"] == pytest.approx(r["resolved_over_best"], rel=1e-3)
+            if r["peer"]["same_route"]:
+                assert c["resolved_over_peer"] is None
+            else:
+                assert c["resolved_over_peer"] == pytest.approx(r["resolved_over_peer"], rel=1e-3)
+                assert c["resolved_over_peer"] < 1.0
+        else:
+            assert "confirm" not in r
+    for d in ("h2d", "d2h"):
+        s = out["summary"][d]
+        assert s["under_best_bar"] >= 2
+        assert s["confirmed_points"] == s["confirmed_under_best_bar_beyond_noise"] == s["under_best_bar"]
+    assert out["summary"]["h2d"]["confirmed_under_peer_beyond_noise"] >= 1
+    assert out["summary"]["d2h"]["confirmed_under_peer"] == 0
+
+
+def test_confirmation_passes_default_to_three_on_a_gpu_and_reach_the_bench_from_the_cli(peer_named_device, monkeypatch,
+                                                                                        capsys):
+    from kvswap.calibration.bench import bench_settings
+
+    assert (bench_settings(False).confirm, bench_settings(True).confirm, bench_settings(False, confirm=0).confirm) == (3, 1, 0)
+    seen = []
+    real = bench_module.run_bench
+    monkeypatch.setattr(bench_module, "run_bench", lambda d, s, dirs, **kw: seen.append(s.confirm) or real(d, s, dirs, **kw))
+    args = ["bench", "--device", "modelplat:0", "--directions", "h2d", "--block-bytes", "4096", "--batches", "16",
+            "--repeats", "2"]
+    assert main(args + ["--confirm", "0"]) == 0 and main(args) == 0
+    assert seen == [0, 1]
+    assert main(args + ["--confirm", "-1"]) == 2 and len(seen) == 2
+    assert "--confirm" in capsys.readouterr().err

@@ -1,0 +1,83 @@
+"""Score profiles against a bench they did not run in: at every point of a ``kvswap bench
+--json`` file, the route each PROFILE resolves there, and that route's ratio to the point's
+best candidate, from the bench's own paired ratios (resolved over each candidate, round by
+round: the route's ratio to the best is resolved-over-best divided by resolved-over-route).
+
+Not a test. It answers "would another fit of the same measurements (say, without
+``paired_spread``: tests/bench/refit_profile.py on a copy with the field removed) have done
+better in this bench?" without a device. Routes are decided by the resolver's own route
+building (``kvswap.resolver._routes``) from each profile's decisions, at the bench's exact
+block size, as ``kvswap bench`` resolves them; a point is left out where a profile picks a
+kernel SM count the bench did not time. The first PROFILE should be the one the bench ran
+with: its routes must match the bench's resolved ones, which the script checks.
+
+    python tests/bench/score_profile.py BENCH.json LABEL=PROFILE.json [LABEL=PROFILE.json ...]
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+
+def route_at(routes, block: int, batch: int, knee: int) -> str:
+    """The bench's label (``cuda.batch``, ``triton.kernel@K``) of what a SwapFn with
+    ``routes`` runs for ``batch`` blocks of ``block`` bytes (see SwapFn._steps_of)."""
+    route = next(r for r in routes if r.min_bytes <= block and (r.max_bytes is None or block <= r.max_bytes))
+    tier = route.sms_for(batch)
+    if route.small_batch_impl and (batch < route.min_batch or tier == 0):
+        return route.small_batch_impl
+    if route.impl.startswith("triton."):
+        return f"{route.impl}@{tier or knee}"
+    return route.impl
+
+
+def routes_of(path: Path, direction: str, block: int):
+    from kvswap import CopyImpl, DeviceInfo, Direction, Policy
+    from kvswap.calibration import store
+    from kvswap.resolver import _num_sms, _routes
+
+    cal = store.load(path)
+    device = DeviceInfo(platform="cuda", name=cal.identity, identity=cal.identity, compute_units=132)
+    d = Direction.parse(direction)
+    impls = [CopyImpl("cuda.batch", "batch", ("cuda",), (d,), factory=lambda ctx: None),
+             CopyImpl("triton.kernel", "kernel", ("cuda",), (d,), factory=lambda ctx: None)]
+    knee = _num_sms(cal, d, Policy(), device)
+    return _routes(impls, cal, d, Policy(), (block,), knee, device), knee
+
+
+def main(args: list[str]) -> int:
+    if len(args) < 2:
+        print(__doc__, file=sys.stderr)
+        return 2
+    bench = json.load(open(args[0]))
+    profiles = [(a.rpartition("=")[0] or a, Path(a.rpartition("=")[2])) for a in args[1:]]
+    for i, (label, path) in enumerate(profiles):
+        for direction in bench["directions"]:
+            scores, untimed, mismatched = [], 0, []
+            for r in bench["rows"]:
+                if r["direction"] != direction or r["resolved_over_best"] is None:
+                    continue
+                routes, knee = routes_of(path, direction, r["block_bytes"])
+                name = route_at(routes, r["block_bytes"], r["batch"], knee)
+                if i == 0 and name != r["resolved"]["route"]:
+                    mismatched.append(f"{r['block_bytes'] // 1024} KiB x {r['batch']}: {name} vs {r['resolved']['route']}")
+                cand = r["candidates"].get(name)
+                if cand is None:
+                    untimed += 1
+                    continue
+                scores.append((r["resolved_over_best"] / cand["resolved_over"], r["block_bytes"], r["batch"], name))
+            vals = [s[0] for s in scores]
+            worst = sorted(scores)[:3]
+            print(f"{label} {direction}: {len(vals)} points, route/best median {statistics.median(vals):.3f}, "
+                  f"min {min(vals):.3f}, under 0.97: {sum(v < 0.97 for v in vals)}, mean {statistics.fmean(vals):.4f}"
+                  + (f"; {untimed} left out (SM count not timed)" if untimed else ""))
+            print("    worst: " + ", ".join(f"{b // 1024} KiB x {n} {name} {v:.3f}" for v, b, n, name in worst))
+            if mismatched:
+                print(f"    ROUTES DIFFER FROM THE BENCH'S RESOLVED ({len(mismatched)}): " + "; ".join(mismatched[:5]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

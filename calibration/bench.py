@@ -208,12 +208,10 @@ BAR_BEST, BAR_PEER = 0.97, 1.0
 
 def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Worst ratios, and the points under each bar: all of them, and those under it by more
-    than two standard errors of the ratio (what the timings show, not a draw of their noise)."""
-    def under(key: str, bar: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        return under_in(rows, key, bar)
-
-    best_below, best_beyond = under("resolved_over_best", BAR_BEST)
-    peer_below, peer_beyond = under("resolved_over_peer", BAR_PEER)
+    than two standard errors of the ratio (what the timings show, not a draw of their noise);
+    where points were timed again after the grid, how many of them stayed under each bar."""
+    best_below, best_beyond = under_in(rows, "resolved_over_best", BAR_BEST)
+    peer_below, peer_beyond = under_in(rows, "resolved_over_peer", BAR_PEER)
     same = same_work(rows)
     again = [r["confirm"] for r in rows if r.get("confirm")]
     confirmed = {}

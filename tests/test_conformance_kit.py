@@ -149,7 +149,7 @@ def test_a_one_direction_backend_is_certified_for_that_direction(kit_backends, p
 
 
 BROKEN = [
-    # (impl, tests that must fail, what the failure message must say)
+    # (impl, tests that must fail, what the failure message must say: text, or a pattern)
     ("kit.corrupt_byte", ["test_copies_each_size", "test_swapfn_copies_one_block"], "1 byte(s) of the destination differ"),
     ("kit.overrun", ["test_copies_each_size", "test_copies_one_block"], "outside every block"),
     ("kit.underrun", ["test_copies_each_size", "test_copies_one_block"], "outside every block"),
@@ -159,8 +159,9 @@ BROKEN = [
      "refused() disagrees with its declared constraints"),
     ("kit.mixed_sizes_liar", ["test_copies_mixed_sizes_in_one_call", "test_swapfn_copies_mixed_sizes"],
      "of the destination differ"),
+    # it copies the first 1000 of 3000: the first wrong block, by destination offset, is any of the others
     ("kit.drops_descriptors", ["test_copies_thousands_of_blocks", "test_swapfn_copies_thousands_from_torch_tensors"],
-     "of descriptor 1"),
+     re.compile(r"the first is byte \d+ of descriptor [12]\d{3} \(of 3000")),
     ("kit.undeclared_max", ["test_copies_each_size?h2d-default-262144B?"], "of the destination differ"),
     ("kit.bad_availability", ["test_availability_answers_none_or_a_reason"], "must return None or a reason"),
     ("kit.wrong_platform", ["test_registered_only_for_platforms_it_serves"], "registered when kvswap asks for ['cuda']"),
@@ -173,7 +174,8 @@ def test_broken_backend_fails_the_kit(kit_backends, pytester, impl, failing, mes
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     for name in failing:
         result.stdout.fnmatch_lines([f"FAILED kvswap/testing/conformance.py::{name}*"])
-    assert message in result.stdout.str()
+    out = result.stdout.str()
+    assert message.search(out) if isinstance(message, re.Pattern) else message in out
 
 
 def test_unknown_impl_is_a_usage_error_that_lists_the_registered_ones(kit_backends, pytester):

@@ -264,11 +264,18 @@ def _confirm(row: dict[str, Any], times: dict[str, list[list[float]]], passes: i
     grid's best candidate, and over the peer where it was timed again."""
     out: dict[str, Any] = {"passes": passes, "best": row["best"]}
     for key, other in (("resolved_over_best", row["best"]), ("resolved_over_peer", "peer")):
-        ratio = (paired(times[other], times["resolved"])
-                 if other in times and "resolved" in times else None)
-        out[key] = round(ratio[0], 4) if ratio else None
-        out[key + "_se"] = round(ratio[1], 4) if ratio else None
+        ratio = _over(times, other)
+        out[key], out[key + "_se"] = ratio if ratio else (None, None)
     return out
+
+
+def _over(times: dict[str, list[list[float]]], other: Optional[str]) -> Optional[tuple[float, float]]:
+    """resolved / ``other`` in GB/s from the rounds they were timed in together, and its
+    standard error, rounded (None where either was not timed)."""
+    if "resolved" not in times or other not in times:
+        return None
+    ratio, se = paired(times[other], times["resolved"])
+    return round(ratio, 4), round(se, 4)
 
 
 def same_work(rows: Sequence[dict[str, Any]]) -> list[float]:
@@ -326,17 +333,10 @@ def _row(d: str, batch: Batch, times: dict[str, list[list[float]]], cands: dict[
     block_bytes, n, nbytes = batch.block_bytes, batch.n, batch.nbytes
     gbps = {k: round(nbytes / pooled(t)[0] / 1e9, 3) for k, t in times.items()}
 
-    def over(other: str) -> Optional[tuple[float, float]]:
-        """resolved / ``other`` in GB/s and its standard error."""
-        if "resolved" not in times or other not in times:
-            return None
-        ratio, se = paired(times[other], times["resolved"])
-        return round(ratio, 4), round(se, 4)
-
     cand = {}
     for name, (fn, sms) in cands.items():
         if name in gbps:
-            ratio = over(name)
+            ratio = _over(times, name)
             cand[name] = {"impl": fn.plan.forced, "gbps": gbps[name], "num_sms": sms,
                           "resolved_over": ratio[0] if ratio else None, "resolved_over_se": ratio[1] if ratio else None}
     rated = [k for k in cand if cand[k]["resolved_over"] is not None]
@@ -345,7 +345,7 @@ def _row(d: str, batch: Batch, times: dict[str, list[list[float]]], cands: dict[
     route = _route_label(resolved, batch)
     peer_key = peer_route(d, block_bytes, n) if has_peer else None
     over_best = (cand[best]["resolved_over"], cand[best]["resolved_over_se"]) if best in rated else None
-    over_peer = over("peer")
+    over_peer = _over(times, "peer")
     return {
         "direction": d, "block_bytes": block_bytes, "batch": n,
         "ceiling_gbps": out["ceiling_gbps"][d], "candidates": cand, "best": best,

@@ -30,6 +30,9 @@ from kvswap.types import DeviceInfo
 
 Call = Callable[[Any], None]  # call(stream): enqueue one copy on ``stream`` (None on the host)
 P, K = TypeVar("P"), TypeVar("K")  # a grid point, a contender's key
+# The standard error of a median of r samples is about this x their MAD / sqrt(r) (normal
+# samples: 1.2533 x sigma / sqrt(r), and sigma = 1.4826 x MAD).
+MEDIAN_SE = 1.86
 
 
 def median(values: Sequence[float]) -> float:
@@ -87,7 +90,7 @@ def paired(num: Sequence[Sequence[float]], den: Sequence[Sequence[float]]) -> tu
     if not ratios:
         raise ValueError("no rounds timed together to pair")
     mid = median(ratios)
-    return mid, 1.86 * spread(ratios, mid) * mid / math.sqrt(len(ratios))
+    return mid, MEDIAN_SE * spread(ratios, mid) * mid / math.sqrt(len(ratios))
 
 
 def in_passes(points: Sequence[P], passes: int, time_point: Callable[[P, int], dict[K, list[float]]]
@@ -114,9 +117,9 @@ def per_pass(repeats: int, point_seconds: float, max_repeats: int, passes: int) 
 
 def standard_error(a: tuple[float, float, int], b: tuple[float, float, int]) -> float:
     """The standard error of the ratio of two medians, each given as ``(median, spread,
-    repeats)``: that of a median of r samples is about 1.86 x MAD / sqrt(r)."""
+    repeats)``: that of a median of r samples is about ``MEDIAN_SE`` x MAD / sqrt(r)."""
     (_, sa, ra), (_, sb, rb) = a, b
-    return 1.86 * math.sqrt(sa * sa / max(ra, 1) + sb * sb / max(rb, 1))
+    return MEDIAN_SE * math.sqrt(sa * sa / max(ra, 1) + sb * sb / max(rb, 1))
 
 
 def rounds_for(timer: Any, calls: Sequence[Call], repeats: int, point_seconds: float, max_repeats: int,

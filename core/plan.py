@@ -46,6 +46,15 @@ class Route:
     fallbacks: tuple[str, ...] = ()
     sms_by_batch: tuple[tuple[int, int], ...] = ()
 
+    def runs(self, batch: int) -> tuple[str, Optional[int]]:
+        """What a batch of ``batch`` descriptors runs on: ``(impl, num_sms)``, the SMs of
+        its tier, or None for the SMs the impl was bound with (and for ``small_batch_impl``,
+        below ``min_batch`` and in tiers of 0 SMs)."""
+        tier = self.sms_for(batch)
+        if self.small_batch_impl and (batch < self.min_batch or tier == 0):
+            return self.small_batch_impl, None
+        return self.impl, tier
+
     def sms_for(self, batch: int) -> Optional[int]:
         """The SM count of ``impl`` for a batch of ``batch`` descriptors (None: as bound)."""
         tiers = self.sms_by_batch

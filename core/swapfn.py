@@ -52,12 +52,8 @@ class SwapFn:
         base = route.min_batch if route.small_batch_impl else 0
         steps: list[tuple[int, str, Optional[int]]] = []
         for start in sorted({0, base} | {t for t, _ in route.sms_by_batch if t > base}):
-            tier = route.sms_for(start)
-            if route.small_batch_impl and (start < base or tier == 0):
-                name, sms = route.small_batch_impl, self._sms[route.small_batch_impl]
-            else:
-                name = route.impl
-                sms = tier or self._sms[name]
+            name, tier = route.runs(start)
+            sms = tier or self._sms[name]
             if not steps or steps[-1][1:] != (name, sms):
                 steps.append((start, name, sms))
         return (tuple(start for start, _, _ in steps), tuple(self._fns[(n, k)] for _, n, k in steps),

@@ -125,3 +125,16 @@ def test_error_hierarchy():
     e = DriverError("cuMemcpyBatchAsync", 1, "CUDA_ERROR_INVALID_VALUE", "invalid argument", index=7)
     assert str(e) == "cuMemcpyBatchAsync failed: CUDA_ERROR_INVALID_VALUE (1): invalid argument [descriptor 7]"
     assert (e.code, e.index) == (1, 7)
+
+
+def test_a_route_says_what_each_batch_size_runs_on():
+    from kvswap import Route
+
+    r = Route(min_bytes=1, max_bytes=None, impl="k.kernel", at_bytes=4096, predicted=(), min_batch=8,
+              small_batch_impl="k.batch", sms_by_batch=((1, 24), (64, 4), (512, 0)))
+    assert [r.runs(n) for n in (1, 7, 8, 63, 64, 511, 512, 10000)] == [
+        ("k.batch", None), ("k.batch", None),  # under min_batch
+        ("k.kernel", 24), ("k.kernel", 24), ("k.kernel", 4), ("k.kernel", 4),
+        ("k.batch", None), ("k.batch", None)]  # a tier of 0 SMs
+    bound = Route(min_bytes=1, max_bytes=None, impl="k.kernel", at_bytes=4096, predicted=())
+    assert bound.runs(1) == bound.runs(10000) == ("k.kernel", None)  # the SMs it was bound with

@@ -23,14 +23,10 @@ from pathlib import Path
 
 def route_at(routes, block: int, batch: int, knee: int) -> str:
     """The bench's label (``cuda.batch``, ``triton.kernel@K``) of what a SwapFn with
-    ``routes`` runs for ``batch`` blocks of ``block`` bytes (see SwapFn._steps_of)."""
+    ``routes`` runs for ``batch`` blocks of ``block`` bytes (:meth:`kvswap.Route.runs`)."""
     route = next(r for r in routes if r.min_bytes <= block and (r.max_bytes is None or block <= r.max_bytes))
-    tier = route.sms_for(batch)
-    if route.small_batch_impl and (batch < route.min_batch or tier == 0):
-        return route.small_batch_impl
-    if route.impl.startswith("triton."):
-        return f"{route.impl}@{tier or knee}"
-    return route.impl
+    name, tier = route.runs(batch)
+    return f"{name}@{tier or knee}" if name.startswith("triton.") else name
 
 
 def routes_of(path: Path, direction: str, block: int):

@@ -110,11 +110,9 @@ def run(args: argparse.Namespace) -> int:
     finally:
         sweep.progress.close()
     elapsed = time.monotonic() - t0
-    for note in result.notes:
-        print(f"  note: {note}", file=sys.stderr)
     if not any(m.stage != "ceiling" for m in result.measurements):
-        for f in result.failures:
-            print(f"kvswap calibrate: {f.describe()}", file=sys.stderr)
+        for line in [*result.notes, *(f.describe() for f in result.failures)]:
+            print(f"kvswap calibrate: {line}", file=sys.stderr)
         print("kvswap calibrate: error: no route could be measured; no profile written", file=sys.stderr)
         return 1
 
@@ -143,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
 
     print(calibration_report(doc))
     print()
+    for note in result.notes:
+        print(f"note: {note}")
     if result.host_only:
         print("measured: HOST MEMORY COPIES (no accelerator); these are not device link numbers")
     print(f"profile for {dev.identity} written to {path} ({elapsed:.0f} s)")

@@ -5,12 +5,12 @@ a large batch (kernels at several SM counts); then, at the block sizes where the
 wins at its SM knee, and at those where the batch route wins, the kernel at the knee and at
 a few multiples of it (``tier_sms``) against the best batch route over batch sizes (the
 minimum batch and the SM tiers by batch size; where the batch route wins, the batch sizes
-the kernel still takes); optionally
-the compute slowdown each route causes beside a GEMM. Routes are bound through
-``kvswap.resolve(..., policy=Policy(force=name))`` exactly as an engine gets them, with a
-calibration override that binds kernels at exactly the SM count being measured. A route
-that raises or copies the wrong bytes is recorded as a failure and left out; the run goes
-on.
+the kernel still takes); optionally the compute slowdown each route causes beside a GEMM;
+last, the ceiling again, with a note where it moved (:meth:`Sweep.steady`). Routes are bound
+through ``kvswap.resolve(..., policy=Policy(force=name))`` exactly as an engine gets them,
+with a calibration override that binds kernels at exactly the SM count being measured. A
+route that raises or copies the wrong bytes is recorded as a failure and left out; the run
+goes on.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from kvswap.types import DeviceInfo, Direction, Policy
 
 from . import fit, store
 from .records import BATCH, CEILING, SIZE, Failure, Interference, Measurement
-from .timing import in_passes, make_timer, median, on_host, per_pass, pooled, round_ratios, rounds_for, spread
+from .timing import HostTimer, in_passes, make_timer, median, on_host, per_pass, pooled, round_ratios, rounds_for, spread
 from .workload import Batch, Pools
 
 KiB, MiB = 1024, 1 << 20
@@ -93,6 +93,11 @@ RETRY_SPREAD = 0.08
 # steps. On the H200 (knee 4) medium batches gained most at 16-24 SMs, and 12 SMs, which
 # engines commonly run a copy kernel on, was sometimes faster than both 8 and 16.
 TIER_FACTORS = (1, 2, 3, 4, 6, 8, 12)
+# How far apart a direction's ceiling may come out at its start and its end before the run
+# says the machine was not steady. The contiguous copy of our H100s and H200s measured
+# 53.9-55.5 GB/s in every bench and most calibrations; two H100 calibrations began at
+# 50.1 and 44.6 GB/s host to device.
+CEILING_DRIFT = 0.05
 
 
 def tier_sms(sm_counts: Sequence[int], knee: int, count: int) -> list[int]:
@@ -371,13 +376,29 @@ class Sweep:
                     live.remove(b)
         return list(zip(live, times))
 
-    def ceiling(self, direction: Direction) -> None:
+    def ceiling(self, direction: Direction) -> float:
+        """The contiguous copy's GB/s, recorded (the profile's ceiling is the best of a
+        direction's)."""
         assert self.pools is not None
         nbytes = min(self.settings.ceiling_bytes, self.pools.pool_bytes)
         t = self.timer.measure([self.pools.contiguous(direction, nbytes)], self.settings.repeats, self.settings.warmup)[0]
-        self.result.measurements.append(
-            Measurement(str(direction), CEILING, "contiguous", "ceiling", None, nbytes, 1, median(t), len(t))
-        )
+        m = Measurement(str(direction), CEILING, "contiguous", "ceiling", None, nbytes, 1, median(t), len(t))
+        self.result.measurements.append(m)
+        return m.gbps
+
+    def steady(self, direction: Direction, start: float, end: float) -> None:
+        """A note when the contiguous copy ran more than ``CEILING_DRIFT`` apart at the start
+        and the end of a direction: the machine changed under the run (an H100 calibration
+        began at 44.6 GB/s host to device, where the bench measured 54.9 minutes later; its
+        profile missed the regret bar at more points than another machine's profile on every
+        H100 bench, its own machine's included). Not where the host clock times host
+        copies (the host reference): a memcpy of a few MiB moves with the caches from one
+        call to the next, and nothing is decided by it there."""
+        if not isinstance(self.timer, HostTimer) and min(start, end) < (1.0 - CEILING_DRIFT) * max(start, end):
+            self.result.notes.append(
+                f"{direction}: the contiguous copy ran at {start:.1f} GB/s at the start and {end:.1f} GB/s at the "
+                f"end of this direction's run: the machine was not steady, so the decisions fitted from it may "
+                f"not hold; calibrate again when it is idle")
 
     def size_sweep(self, direction: Direction, bounds: list[Bound]) -> None:
         assert self.pools is not None
@@ -465,10 +486,10 @@ class Sweep:
         if s.interference and on_host(self.dev):
             self.result.notes.append("interference not measured: it needs a GPU to run the reference GEMM on")
         bounds = self.prepare()
-        self.progress.add(sum(1 + len(s.block_sizes) * bool(bounds[d]) for d in self.directions))
+        self.progress.add(sum(1 + (2 + len(s.block_sizes)) * bool(bounds[d]) for d in self.directions))
         self.pools = Pools(self.dev, s.pool_bytes, s.seed)
         for d in self.directions:
-            self.ceiling(d)
+            start = self.ceiling(d)
             self.progress.step(f"{d} ceiling")
             if not bounds[d]:
                 continue
@@ -476,4 +497,6 @@ class Sweep:
             self.batch_sweep(d, bounds[d])
             if s.interference and not on_host(self.dev):
                 self.interference(d, bounds[d])
+            self.steady(d, start, self.ceiling(d))
+            self.progress.step(f"{d} ceiling again")
         return self.result

@@ -14,7 +14,7 @@ from kvswap.plugins import create_plugin_host
 from kvswap.platform import cpu_device
 from kvswap.resolver import EDGES
 
-from calibration_fakes import KiB, Ledger, LedgerTimer, ModelPlatform
+from calibration_fakes import KiB, Ledger, LedgerTimer, ModelPlatform, SpellTimer
 
 MiB = 1 << 20
 SIZES = (2 * KiB, 4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB)
@@ -46,7 +46,7 @@ def test_sweep_binds_each_sm_count_and_fits_the_model():
         size = {(m.impl, m.num_sms, m.block_bytes) for m in result.measurements if m.direction == d and m.stage == SIZE}
         assert size == {("model.batch", None, b) for b in SIZES} | {
             ("model.kernel", k, b) for k in (1, 2, 4, 8, 16) for b in SIZES}
-        assert [m.stage for m in result.measurements if m.direction == d].count(CEILING) == 1
+        assert [m.stage for m in result.measurements if m.direction == d].count(CEILING) == 2  # at the start and the end
         dec = fit.fit_direction(result.measurements, d)
         # kernel_gbps caps at 50 GB/s; below 16 KiB it needs 8 SMs (6.5 each) to get there
         assert dec["kernel_sms"] == 8
@@ -62,6 +62,22 @@ def test_sweep_binds_each_sm_count_and_fits_the_model():
         # at ~152 KiB; the resolver ranks the class [128, 192) KiB at 128 KiB (48.5 GB/s on the
         # batch curve) and [192, 256) KiB at 192 KiB (50.5): batch from 192 KiB
         assert dec["crossover_bytes"] == 192 * KiB
+
+
+def test_a_ceiling_that_moved_during_a_direction_leaves_a_note_and_the_better_one_is_kept():
+    ledger = Ledger()
+    host = create_plugin_host(entry_points=[], extra=[("model", ModelPlatform(ledger))])
+    for slow, noted in ((1.06, True), (1.04, False)):
+        sweep = Sweep("modelplat:0", tiny(), ["h2d", "d2h"], host=host)
+        # the run's first measurement is the h2d ceiling: that one alone runs slow
+        sweep.timer = SpellTimer(ledger, start=0, length=1, factor=slow)
+        result = sweep.run()
+        h2d = [m.gbps for m in result.measurements if m.direction == "h2d" and m.stage == CEILING]
+        assert len(h2d) == 2 and h2d[0] * slow == pytest.approx(h2d[1], rel=1e-3)
+        assert fit.ceilings(result.measurements)["h2d"] == pytest.approx(h2d[1], rel=1e-3)  # the better one
+        notes = [n for n in result.notes if "not steady" in n]
+        assert len(notes) == noted and all(n.startswith("h2d:") and f"{h2d[0]:.1f} GB/s at the start" in n
+                                           for n in notes)
 
 
 def test_profile_from_a_sweep_is_what_the_resolver_decides_by():

@@ -29,6 +29,7 @@ def kernel_gbps(b: int, sms: int) -> float:
 
 
 KERNEL_LAUNCH_S = 5e-6  # fixed cost of a kernel launch; the batch route has none
+FILL_BYTES = 2 << 20  # ModelPlatform(fill_s=...): calls this large fill the link as soon on any SM count
 
 
 def batch_cost(direction: str, b: int, n: int, sms: Optional[int]) -> float:
@@ -111,8 +112,9 @@ class ModelPlatform:
     """Plugin: detects ``modelplat:0`` and registers ``model.batch`` and ``model.kernel``
     (or other ``names``; plus, on request, routes that raise, copy nothing, or refuse
     large blocks). With ``fill_s``, the kernel pays a per-call cost that shrinks with its
-    SM count, so medium batches want more SMs than the knee. With ``batch_setup_s``, each
-    batch call pays a fixed cost, so small batches of large blocks go faster on the kernel."""
+    SM count in calls under ``FILL_BYTES``, so medium batches want more SMs than the knee.
+    With ``batch_setup_s``, each batch call pays a fixed cost, so small batches of large
+    blocks go faster on the kernel."""
 
     IDENTITY = "modelplat-model-device-16cu"
 
@@ -143,10 +145,11 @@ class ModelPlatform:
         self.bound_sms.append(ctx.params["num_sms"])
         if not self.fill_s:
             return self._route(kernel_cost, ctx.params["num_sms"])
-        # The link fills sooner with more programs: fill_s at 16 SMs, twice that at 8. A
-        # fixed cost per call, so it decides medium batches and vanishes in large ones.
+        # The link fills sooner with more programs: fill_s at 16 SMs, twice that at 8, in a
+        # call of under FILL_BYTES; with more in flight every count fills it as soon.
         fill = self.fill_s * 16 / ctx.params["num_sms"]
-        return self._route(lambda d, b, n, sms: kernel_cost(d, b, n, sms) + fill, ctx.params["num_sms"])
+        return self._route(lambda d, b, n, sms: kernel_cost(d, b, n, sms) + fill * (n * b < FILL_BYTES),
+                           ctx.params["num_sms"])
 
     @hookimpl
     def kvswap_register_copy_impls(self, platform: str, register: Callable[[CopyImpl], None]) -> None:

@@ -105,7 +105,7 @@ def test_batch_tiers_from_calibration_beat_the_knee_and_the_peer_at_medium_batch
     dec = json.loads(profile.read_text())["decisions"]["h2d"]
     assert dec["kernel_sms"] == 8
     tiers = dict((b, t) for b, t in dec["kernel_sms_by_batch"])
-    # 16 KiB x 1-64: 16 SMs save 0.25 us of a 6-27 us call (over 0.5%); from 256 blocks under 0.5%: the knee
+    # 16 KiB x 1-64: 16 SMs save 0.25 us of a 6-27 us call; from 256 blocks (4 MiB) nothing: the knee
     assert tiers[16 * KiB] == [[1, 16], [128, 8]]
     s = BenchSettings(block_sizes=(16 * KiB,), batch_sizes=(16, 64, 256, 1024), pool_bytes=32 * MiB,
                       ceiling_bytes=MiB, repeats=1, warmup=0)
@@ -115,7 +115,7 @@ def test_batch_tiers_from_calibration_beat_the_knee_and_the_peer_at_medium_batch
         assert set(r["candidates"]) == {"cuda.batch", "triton.kernel@8", "triton.kernel@16"}
         tier = r["batch"] < 128
         assert r["resolved"]["route"] == ("triton.kernel@16" if tier else "triton.kernel@8")
-        # the knee where more SMs gain less than the tier tolerance; the peer's 12 SMs gain less still
+        # the knee where more SMs gain nothing; the peer's 12 SMs neither
         assert r["resolved_over_best"] == pytest.approx(1.0, abs=1e-3) if tier else r["resolved_over_best"] >= 0.99
         assert r["resolved_over_peer"] > 1.0 if tier else r["resolved_over_peer"] >= 0.99
         assert r["peer"]["same_route"] is False

@@ -1,7 +1,9 @@
 """Score profiles against a bench they did not run in: at every point of a ``kvswap bench
 --json`` file, the route each PROFILE resolves there, and that route's ratio to the point's
 best candidate, from the bench's own paired ratios (resolved over each candidate, round by
-round: the route's ratio to the best is resolved-over-best divided by resolved-over-route).
+round: the route's ratio to the best is resolved-over-best divided by resolved-over-route);
+and, per profile and direction, the mean SM count of those routes and their ratio to the
+bench's peer (vLLM's policy), the same way.
 
 Not a test. It answers "would another fit of the same measurements (say, without
 ``paired_spread``: tests/bench/refit_profile.py on a copy with the field removed) have done
@@ -51,7 +53,7 @@ def main(args: list[str]) -> int:
     profiles = [(a.rpartition("=")[0] or a, Path(a.rpartition("=")[2])) for a in args[1:]]
     for i, (label, path) in enumerate(profiles):
         for direction in bench["directions"]:
-            scores, untimed, mismatched = [], 0, []
+            scores, untimed, mismatched, sms, peer = [], 0, [], [], []
             for r in bench["rows"]:
                 if r["direction"] != direction or r["resolved_over_best"] is None:
                     continue
@@ -64,12 +66,18 @@ def main(args: list[str]) -> int:
                     untimed += 1
                     continue
                 scores.append((r["resolved_over_best"] / cand["resolved_over"], r["block_bytes"], r["batch"], name))
+                sms.append(int(name.partition("@")[2] or 0))
+                if r.get("resolved_over_peer"):
+                    peer.append(r["resolved_over_peer"] / cand["resolved_over"])
             vals = [s[0] for s in scores]
             worst = sorted(scores)[:3]
             print(f"{label} {direction}: {len(vals)} points, route/best median {statistics.median(vals):.3f}, "
                   f"min {min(vals):.3f}, under 0.97: {sum(v < 0.97 for v in vals)}, mean {statistics.fmean(vals):.4f}"
                   + (f"; {untimed} left out (SM count not timed)" if untimed else ""))
             print("    worst: " + ", ".join(f"{b // 1024} KiB x {n} {name} {v:.3f}" for v, b, n, name in worst))
+            print(f"    SMs a call (the batch route: 0): mean {statistics.fmean(sms):.1f}"
+                  + (f"; route/peer min {min(peer):.3f}, under 1.0: {sum(v < 1.0 for v in peer)}, "
+                     f"under 0.99: {sum(v < 0.99 for v in peer)}" if peer else ""))
             if mismatched:
                 print(f"    ROUTES DIFFER FROM THE BENCH'S RESOLVED ({len(mismatched)}): " + "; ".join(mismatched[:5]))
     return 0

@@ -16,7 +16,8 @@ from .fit import TOLERANCE
 
 HELP = "measure this device and write its calibration profile (and a plot)"
 DESCRIPTION = (
-    "Measure, on the present device and in one run: the contiguous copy ceiling per direction, "
+    "Measure, on the present device and in one run: the contiguous copy ceiling per direction "
+    "(at its start and again at its end: a note says when the two disagree, the machine not steady), "
     "every available implementation over block sizes (1 KiB-512 KiB) and batch sizes, the kernel "
     "at several SM counts, and optionally the compute slowdown beside a reference GEMM. Fit the "
     "route per block size, the SM knee and the minimum batch for the kernel; write the profile "

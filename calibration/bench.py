@@ -22,7 +22,8 @@ from kvswap.resolver import resolve
 from kvswap.types import Direction, Policy
 
 from . import store
-from .sweep import Progress, measurement_calibration
+from .progress import Progress
+from .sweep import measurement_calibration
 from .timing import in_passes, make_timer, median, on_host, paired, per_pass, pooled, rounds_for
 from .workload import Batch, Pools
 

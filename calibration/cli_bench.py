@@ -46,14 +46,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
     from kvswap.platform import detect
     from kvswap.plugins import plugin_host
 
     from .bench import bench_settings, run_bench
     from .report import bench_report
-    from .sweep import Progress
+    from .progress import Progress
     from .timing import on_host
 
     dirs = list(dict.fromkeys(args.directions))
@@ -68,8 +66,7 @@ def run(args: argparse.Namespace) -> int:
     if on_host(dev):
         print(f"kvswap bench: no accelerator on {dev.name!r}; measuring HOST MEMORY COPIES (host.reference)",
               file=sys.stderr)
-    progress = Progress(lambda total: tqdm(
-        total=total, file=sys.stderr, unit="point", dynamic_ncols=True, leave=False, mininterval=0.5))
+    progress = Progress.on_stderr("point")
     try:
         result = run_bench(args.device, settings, dirs, host=host, progress=progress)
     finally:

@@ -70,15 +70,14 @@ def _check(args: argparse.Namespace) -> list[Direction]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
     from kvswap.lookup import find_calibration
     from kvswap.platform import detect
     from kvswap.plugins import plugin_host
 
     from . import fit, store
     from .report import calibration_report
-    from .sweep import Progress, Sweep, settings_for
+    from .progress import Progress
+    from .sweep import Sweep, settings_for
 
     dirs = _check(args)
     host = plugin_host()
@@ -104,8 +103,7 @@ def run(args: argparse.Namespace) -> int:
         routes = [n + (f" at {[b.num_sms for b in bounds if b.impl == n]} SMs" if any(
             b.impl == n and b.num_sms for b in bounds) else "") for n in names]
         print(f"  {d}: measuring {'; '.join(routes) or 'nothing (no usable route)'}", file=sys.stderr)
-    sweep.progress = Progress(lambda total: tqdm(
-        total=total, file=sys.stderr, unit="step", dynamic_ncols=True, leave=False, mininterval=0.5))
+    sweep.progress = Progress.on_stderr("step")
     try:
         result = sweep.run()
     finally:

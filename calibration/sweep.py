@@ -27,6 +27,7 @@ from kvswap.types import DeviceInfo, Direction, Policy
 
 from . import fit, store
 from .records import BATCH, CEILING, SIZE, Failure, Interference, Measurement
+from .progress import Progress
 from .timing import HostTimer, in_passes, make_timer, median, on_host, per_pass, pooled, round_ratios, rounds_for, spread
 from .workload import Batch, Pools
 
@@ -207,34 +208,6 @@ class SweepResult:
     @property
     def host_only(self) -> bool:
         return on_host(self.device)
-
-
-class Progress:
-    """What a run tells a progress bar; the bar (tqdm) is made on the first ``add``, once
-    there is a total to show. ``make(total)`` returns an object with tqdm's ``total``,
-    ``refresh``, ``update``, ``set_description`` and ``close``."""
-
-    def __init__(self, make: Optional[Callable[[int], Any]] = None) -> None:
-        self.make = make
-        self.bar: Any = None
-
-    def add(self, n: int) -> None:
-        if self.make is None or n <= 0:
-            return
-        if self.bar is None:
-            self.bar = self.make(n)
-        else:
-            self.bar.total += n
-            self.bar.refresh()
-
-    def step(self, what: str) -> None:
-        if self.bar is not None:
-            self.bar.set_description(what, refresh=False)
-            self.bar.update(1)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 def measurement_calibration(device: DeviceInfo, num_sms: Optional[int]) -> Calibration:

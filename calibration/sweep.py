@@ -75,6 +75,12 @@ class Settings:
     # docs/results/passes.txt); routes are now compared round by round (Sweep.record), which
     # is what made the bench's passes pay (docs/results/session6/README.txt).
     batch_passes: int = 1
+    # The size sweep likewise, with ``repeats`` shared among its passes. Its calls are long
+    # (5 ms at 256 MiB), so a point gets one or two rounds, and a slow spell that catches some
+    # of a size's routes and not the others set them 10-40% off alone: an H100 run fitted its
+    # host->device knee at 48 SMs (4-8 elsewhere) on such dips, and gave 192 KiB blocks to the
+    # batch route on one of them (docs/results/session9/README.txt).
+    size_passes: int = 1
     interference: bool = False
     interference_all_sms: bool = False
     knee_tolerance: float = fit.TOLERANCE
@@ -161,6 +167,7 @@ def settings_for(device: DeviceInfo, quick: bool = False, max_sms: Optional[int]
         batch_point_seconds=0.01 if quick else 0.04,
         batch_max_repeats=101 if quick else 601,
         batch_passes=1 if quick else 3,
+        size_passes=1 if quick else 3,
         size_sweep_bytes=(64 if quick else 256) * MiB,
         max_batch=10000,
         pool_bytes=(512 if quick else 1024) * MiB,
@@ -286,12 +293,6 @@ class Sweep:
             return False
         return True
 
-    def measure(self, bounds: Sequence[Bound], batch: Batch, stage: str, repeats: Optional[int] = None,
-                point_seconds: float = 0.0, max_repeats: int = 0) -> list[Measurement]:
-        """Time every route in ``bounds`` on ``batch`` (:meth:`timings`) and record them."""
-        got = self.timings(bounds, batch, repeats, point_seconds, max_repeats)
-        return self.record(stage, batch, [(b, [t]) for b, t in got])
-
     def record(self, stage: str, batch: Batch, runs: Sequence[tuple[Bound, list[list[float]]]]) -> list[Measurement]:
         """One measurement per route of its timings, taken side by side with the other
         routes' in one pass or several, at ``batch``'s direction, block size and batch size.
@@ -373,13 +374,36 @@ class Sweep:
                 f"end of this direction's run: the machine was not steady, so the decisions fitted from it may "
                 f"not hold; calibrate again when it is idle")
 
+    def sweep_points(self, stage: str, direction: Direction, contenders_at: dict[tuple[int, int], list[Bound]],
+                  passes: int, repeats: int, seconds: float = 0.0, most: int = 0) -> None:
+        """Time each ``(block, batch)`` point's contenders ``passes`` times over, the whole
+        grid before any point again and a fresh draw of slots every time, and record them
+        (:meth:`record`); a route retired in a later pass keeps none of its passes."""
+        assert self.pools is not None
+        d, what = str(direction), "block sizes" if stage == SIZE else "batch sizes"
+        drawn: dict[tuple[int, int], Batch] = {}
+
+        def time_point(point: tuple[int, int], i: int) -> dict[str, list[float]]:
+            assert self.pools is not None
+            drawn[point] = batch = self.pools.batch(direction, *point)
+            got = self.timings(contenders_at[point], batch, repeats, seconds, most)
+            self.progress.step(f"{direction} {what}" + (f" (pass {i + 1} of {passes})" if passes > 1 else ""))
+            return {bound.label: t for bound, t in got}
+
+        routes = {x.label: x for contenders in contenders_at.values() for x in contenders}
+        for point, got in in_passes(list(contenders_at), passes, time_point).items():
+            self.record(stage, drawn[point], [(routes[label], t) for label, t in got.items()
+                                              if (d, routes[label].impl, routes[label].num_sms) not in self._dead])
+
     def size_sweep(self, direction: Direction, bounds: list[Bound]) -> None:
+        """Every route at every block size, a batch of ``size_sweep_bytes`` (up to
+        ``max_batch``), ``size_passes`` times over."""
         assert self.pools is not None
         s = self.settings
-        for b in s.block_sizes:
-            n = min(s.max_batch, max(1, s.size_sweep_bytes // b), self.pools.slots(b))
-            self.measure(bounds, self.pools.batch(direction, b, n), SIZE)
-            self.progress.step(f"{direction} block sizes")
+        passes = max(1, s.size_passes)
+        points = {(b, min(s.max_batch, max(1, s.size_sweep_bytes // b), self.pools.slots(b))): bounds
+                  for b in s.block_sizes}
+        self.sweep_points(SIZE, direction, points, passes, per_pass(s.repeats, 0.0, 0, passes)[0])
 
     def batch_sweep(self, direction: Direction, bounds: list[Bound]) -> None:
         """The kernel at its knee and at ``tier_counts - 1`` multiples of it (:func:`tier_sms`)
@@ -418,19 +442,7 @@ class Sweep:
         repeats, seconds, most = per_pass(s.batch_repeats or s.repeats, s.batch_point_seconds, s.batch_max_repeats, passes)
         self.progress.add(passes * sum(len(ns) for _, _, ns in plan))
         contenders_at = {(b, n): contenders for b, contenders, ns in plan for n in ns}
-        drawn: dict[tuple[int, int], Batch] = {}
-
-        def time_point(point: tuple[int, int], i: int) -> dict[str, list[float]]:
-            drawn[point] = batch = self.pools.batch(direction, *point)
-            got = self.timings(contenders_at[point], batch, repeats, seconds, most)
-            self.progress.step(f"{direction} batch sizes" + (f" (pass {i + 1} of {passes})" if passes > 1 else ""))
-            return {bound.label: t for bound, t in got}
-
-        routes = {x.label: x for _, contenders, _ in plan for x in contenders}
-        for point, got in in_passes(list(contenders_at), passes, time_point).items():
-            # a route retired in a later pass keeps none of its passes
-            self.record(BATCH, drawn[point], [(routes[label], t) for label, t in got.items()
-                                              if (d, routes[label].impl, routes[label].num_sms) not in self._dead])
+        self.sweep_points(BATCH, direction, contenders_at, passes, repeats, seconds, most)
 
     def interference(self, direction: Direction, bounds: list[Bound]) -> None:
         from .interference import measure_interference
@@ -459,7 +471,7 @@ class Sweep:
         if s.interference and on_host(self.dev):
             self.result.notes.append("interference not measured: it needs a GPU to run the reference GEMM on")
         bounds = self.prepare()
-        self.progress.add(sum(1 + (2 + len(s.block_sizes)) * bool(bounds[d]) for d in self.directions))
+        self.progress.add(sum(1 + (2 + len(s.block_sizes) * max(1, s.size_passes)) * bool(bounds[d]) for d in self.directions))
         self.pools = Pools(self.dev, s.pool_bytes, s.seed)
         for d in self.directions:
             start = self.ceiling(d)

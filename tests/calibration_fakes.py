@@ -69,17 +69,21 @@ class LedgerTimer:
 class SpellTimer(LedgerTimer):
     """The ledger's costs, with a slow spell of the machine: the ``length`` measurements
     from the ``start``-th (counting from 0) take ``factor`` times as long, every route
-    alike. ``start=None``: no spell."""
+    alike, or only the ``only``-th call of each (the spell caught that route's block of
+    calls and not the others'). ``start=None``: no spell."""
 
-    def __init__(self, ledger: Ledger, start: Optional[int] = None, length: int = 1, factor: float = 1.5) -> None:
+    def __init__(self, ledger: Ledger, start: Optional[int] = None, length: int = 1, factor: float = 1.5,
+                 only: Optional[int] = None) -> None:
         super().__init__(ledger)
-        self.start, self.length, self.factor, self.count = start, length, factor, 0
+        self.start, self.length, self.factor, self.only, self.count = start, length, factor, only, 0
 
     def measure(self, calls: list, repeats: int, warmup: int = 1) -> list[list[float]]:
         out = super().measure(calls, repeats, warmup)
         slow = self.start is not None and self.start <= self.count < self.start + self.length
         self.count += 1
-        return [[t * self.factor for t in row] for row in out] if slow else out
+        if not slow:
+            return out
+        return [[t * self.factor for t in row] if self.only in (None, i) else row for i, row in enumerate(out)]
 
 
 class ModeTimer(LedgerTimer):

@@ -341,15 +341,19 @@ def test_a_disturbed_point_is_timed_once_more_and_the_steadier_timings_kept():
     host = create_plugin_host(entry_points=[], extra=[("model", ModelPlatform(ledger))])
     sweep = Sweep("modelplat:0", tiny(repeats=8), ["h2d"], host=host)
     sweep.timer = Disturbed(ledger, noisy=1)
-    batch = Sweep.prepare(sweep)[kvswap.Direction.H2D]
+    bounds = sweep.prepare()[kvswap.Direction.H2D]
     sweep.pools = sweep_module.Pools(sweep.dev, MiB * 16, 0)
-    got = sweep.measure(batch, sweep.pools.batch(kvswap.Direction.H2D, 4 * KiB, 4), BATCH)
-    assert sweep.timer.calls == 2 and all(m.spread == 0.0 for m in got)  # the retry, steady, kept
+
+    def spreads():  # each route's timings at one point, as the sweeps take them
+        return [timing.spread(t) for _, t in sweep.timings(bounds, sweep.pools.batch(kvswap.Direction.H2D, 4 * KiB, 4))]
+
+    got = spreads()
+    assert sweep.timer.calls == 2 and all(x == 0.0 for x in got)  # the retry, steady, kept
     sweep.timer = Disturbed(ledger, noisy=10)
-    got = sweep.measure(batch, sweep.pools.batch(kvswap.Direction.H2D, 4 * KiB, 4), BATCH)
-    assert sweep.timer.calls == 2 and all(m.spread > sweep_module.RETRY_SPREAD for m in got)  # once, no more
+    got = spreads()
+    assert sweep.timer.calls == 2 and all(x > sweep_module.RETRY_SPREAD for x in got)  # once, no more
     sweep.timer = Disturbed(ledger, noisy=0)
-    sweep.measure(batch, sweep.pools.batch(kvswap.Direction.H2D, 4 * KiB, 4), BATCH)
+    spreads()
     assert sweep.timer.calls == 1  # a steady point is timed once
 
 
@@ -367,11 +371,15 @@ def test_routes_timed_side_by_side_are_compared_round_by_round():
     sweep.pools = sweep_module.Pools(sweep.dev, MiB * 16, 0)
     batch = sweep.pools.batch(kvswap.Direction.H2D, 4 * KiB, 64)
     sweep.timer = LedgerTimer(ledger)
-    calm = {(m.impl, m.num_sms): m.seconds for m in sweep.measure(bounds, batch, BATCH)}
+
+    def measured():  # one pass of the point, recorded as the sweeps record theirs
+        return sweep.record(BATCH, batch, [(b, [t]) for b, t in sweep.timings(bounds, batch)])
+
+    calm = {(m.impl, m.num_sms): m.seconds for m in measured()}
     apart = []
     for seed in range(4):
         sweep.timer = ModeTimer(ledger, seed=seed)
-        got = {(m.impl, m.num_sms): m.seconds for m in sweep.measure(bounds, batch, BATCH)}
+        got = {(m.impl, m.num_sms): m.seconds for m in measured()}
         raw = {(b.impl, b.num_sms): timing.median(t) for b, t in sweep.timings(bounds, batch)}
         ref = next(k for k in got if k[1] is None)
         recorded = sweep.result.measurements[-len(got):]
@@ -427,6 +435,51 @@ def test_batch_sweep_passes_outvote_a_slow_spell_and_draw_fresh_slots():
     assert len(moved) == 3
     for key, m in slowed.items():
         assert m.seconds == pytest.approx(once[key].seconds * (1.5 if key[2:] in moved else 1.0))
+
+
+def test_size_sweep_passes_outvote_a_spell_that_caught_one_route_and_keep_the_knee():
+    """A slow spell that catches the kernel on 8 SMs at one block size, and not the routes
+    timed beside it, makes it 1.5x as slow there when the size sweep runs once, and the knee
+    fitted from the sweep moves from 8 SMs to 16; run three times over, each size a fresh
+    draw every pass, the sweep records what it records with no spell and the knee stays."""
+    from calibration_fakes import SpellTimer
+    from kvswap.calibration import sweep as sweep_module
+
+    def size_sweep(passes, spell):
+        ledger = Ledger()
+        host = create_plugin_host(entry_points=[], extra=[("model", ModelPlatform(ledger))])
+        sweep = Sweep("modelplat:0", tiny(size_passes=passes, repeats=6), ["h2d"], host=host)
+        bounds = sweep.prepare()[kvswap.Direction.H2D]
+        sweep.pools = sweep_module.Pools(sweep.dev, MiB * 16, 0)
+        draw, draws = sweep.pools.batch, []
+
+        def recorded(direction, b, n):
+            got = draw(direction, b, n)
+            draws.append((b, got.src_off.tobytes() + got.dst_off.tobytes()))
+            return got
+
+        sweep.pools.batch = recorded
+        only = next(i for i, b in enumerate(bounds) if b.num_sms == 8)
+        sweep.timer = SpellTimer(ledger, *spell, only=only)
+        sweep.size_sweep(kvswap.Direction.H2D, bounds)
+        ms = [m for m in sweep.result.measurements if m.stage == SIZE]
+        knee = fit.fit_direction(ms, "h2d")["kernel_sms"]
+        return {(m.impl, m.num_sms, m.block_bytes): m for m in ms}, knee, draws, sweep.timer.count
+
+    spell = (1, 1, 1.5)  # the second size of the first pass
+    calm, knee, draws, calls = size_sweep(3, (None,))
+    assert knee == 8 and calls == 3 * len(SIZES) and len(draws) == 3 * len(SIZES)
+    for b in SIZES:  # a fresh draw of every size in every pass
+        assert len({d for bb, d in draws if bb == b}) == 3
+    assert {m.repeats for m in calm.values()} == {6}  # 6 rounds' worth shared among 3 passes
+    assert size_sweep(3, spell)[:2] == (calm, 8)
+    once, knee_once, _, _ = size_sweep(1, (None,))
+    assert knee_once == 8
+    slowed, knee_slowed, _, _ = size_sweep(1, spell)
+    assert knee_slowed == 16
+    for key, m in slowed.items():
+        hit = key == ("model.kernel", 8, SIZES[1])
+        assert m.seconds == pytest.approx(once[key].seconds * (1.5 if hit else 1.0))
 
 
 def test_paired_ratios_cancel_what_the_machine_did_to_both_calls_in_a_round():

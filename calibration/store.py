@@ -110,6 +110,13 @@ def read(path: Path, device: Optional[DeviceInfo] = None) -> dict[str, Any]:
     return doc
 
 
+def is_shipped(source: str) -> bool:
+    """Whether a calibration's ``source`` is a profile shipped with kvswap: measured on
+    another machine of the device's kind, whose short transfers can favour other routes
+    (docs/calibrating-a-device.md)."""
+    return source.startswith(f"profile {SHIPPED}{os.sep}")
+
+
 def candidates(device: DeviceInfo) -> list[Path]:
     """The files to try for ``device``, in lookup order."""
     out = []

@@ -113,8 +113,12 @@ def _explain_lines(p: Plan) -> list[str]:
         f"runtime {d.runtime_version}, link {d.link}",
         f"  policy: prefer={p.policy.prefer}, max_sms={p.policy.max_sms}, force={p.policy.force}",
     ]
+    from .calibration import store
+
     cal = p.calibration
     state = "measured" if cal.get("calibrated") else "NOT calibrated: run `kvswap calibrate` on this device"
+    if cal.get("calibrated") and store.is_shipped(str(cal.get("source"))):
+        state = "measured on another machine of this kind, shipped with kvswap: `kvswap calibrate` measures this one"
     lines.append(f"  calibration: {cal.get('source')} ({state})")
     if p.forced:
         lines.append(f"  forced: {p.forced}")

@@ -97,6 +97,16 @@ def test_resolver_and_explain_name_the_profile_used(monkeypatch, shipped):
     assert f"calibration: profile {path} (measured)" in fn.explain()
 
 
+def test_explain_says_a_shipped_profile_was_measured_on_another_machine(monkeypatch, shipped):
+    ship = store.save(profile(), shipped / store.profile_name(CPU.identity))
+    explained = kvswap.resolve("h2d", device="cpu").explain()
+    assert f"calibration: profile {ship} (measured on another machine of this kind" in explained
+    assert "`kvswap calibrate` measures this one" in explained
+    user = store.save(profile(), store.default_path(CPU))  # this machine's own comes first
+    explained = kvswap.resolve("h2d", device="cpu").explain()
+    assert f"calibration: profile {user} (measured)" in explained and "another machine" not in explained
+
+
 def bad_files(tmp_path):
     corrupt = tmp_path / "corrupt.json"
     corrupt.write_text('{"schema": "kvswap.profile/1", "identity": ')

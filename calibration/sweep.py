@@ -77,9 +77,10 @@ class Settings:
     batch_passes: int = 1
     # The size sweep likewise, with ``repeats`` shared among its passes. Its calls are long
     # (5 ms at 256 MiB), so a point gets one or two rounds, and a slow spell that catches some
-    # of a size's routes and not the others set them 10-40% off alone: an H100 run fitted its
-    # host->device knee at 48 SMs (4-8 elsewhere) on such dips, and gave 192 KiB blocks to the
-    # batch route on one of them (docs/results/session9/README.txt).
+    # of a size's routes and not the others set them 10-40% off alone. An H100 run fitted its
+    # host->device knee at 48 SMs (4-8 elsewhere), where the knee sat on the edge of its
+    # tolerance and such dips decided the side, and gave 192 KiB blocks to the batch route on
+    # one of them (docs/results/session9/README.txt).
     size_passes: int = 1
     interference: bool = False
     interference_all_sms: bool = False

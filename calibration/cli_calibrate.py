@@ -150,8 +150,8 @@ def run(args: argparse.Namespace) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         found = store.find(dev)
-    used = found.source.removeprefix("profile ") if found is not None else None
-    if used is None or Path(used).resolve() != path.resolve():
+    used = store.profile_path(found.source) if found is not None else None
+    if used is None or used.resolve() != path.resolve():
         try:
             also = f", or copy it to {store.default_path(dev)}"
         except ImportError:  # a --no-deps install without platformdirs has no user directory

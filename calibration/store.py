@@ -95,7 +95,21 @@ def to_calibration(doc: dict[str, Any], source: str) -> Calibration:
 
 def load(path: Path, device: Optional[DeviceInfo] = None) -> Calibration:
     """Read one profile; raise :class:`ProfileError` if unusable (or for another device)."""
-    return to_calibration(read(path, device), f"profile {path}")
+    return to_calibration(read(path, device), source_of(path))
+
+
+# The ``source`` of a calibration read from a profile file: what explain() shows, and what
+# profile_path() reads the file back from.
+SOURCE_PREFIX = "profile "
+
+
+def source_of(path: Path) -> str:
+    return f"{SOURCE_PREFIX}{path}"
+
+
+def profile_path(source: str) -> Optional[Path]:
+    """The file a calibration's ``source`` was read from (None: not a profile's)."""
+    return Path(source.removeprefix(SOURCE_PREFIX)) if source.startswith(SOURCE_PREFIX) else None
 
 
 def read(path: Path, device: Optional[DeviceInfo] = None) -> dict[str, Any]:
@@ -104,7 +118,7 @@ def read(path: Path, device: Optional[DeviceInfo] = None) -> dict[str, Any]:
         doc = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
         raise ProfileError(f"cannot be read as JSON: {e}") from e
-    cal = to_calibration(doc, f"profile {path}")
+    cal = to_calibration(doc, source_of(path))
     if device is not None and cal.identity != device.identity:
         raise ProfileError(f"is for device {cal.identity!r}, not {device.identity!r}")
     return doc
@@ -114,7 +128,8 @@ def is_shipped(source: str) -> bool:
     """Whether a calibration's ``source`` is a profile shipped with kvswap: measured on
     another machine of the device's kind, whose short transfers can favour other routes
     (docs/calibrating-a-device.md)."""
-    return source.startswith(f"profile {SHIPPED}{os.sep}")
+    path = profile_path(source)
+    return path is not None and path.parent == SHIPPED
 
 
 def candidates(device: DeviceInfo) -> list[Path]:

@@ -376,7 +376,7 @@ class Sweep:
                 f"not hold; calibrate again when it is idle")
 
     def sweep_points(self, stage: str, direction: Direction, contenders_at: dict[tuple[int, int], list[Bound]],
-                  passes: int, repeats: int, seconds: float = 0.0, most: int = 0) -> None:
+                     passes: int, repeats: int, seconds: float = 0.0, most: int = 0) -> None:
         """Time each ``(block, batch)`` point's contenders ``passes`` times over, the whole
         grid before any point again and a fresh draw of slots every time, and record them
         (:meth:`record`); a route retired in a later pass keeps none of its passes."""

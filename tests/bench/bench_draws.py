@@ -13,6 +13,7 @@ but not between draws says the allocation does.
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 KiB = 1024
 DRAWS = 6
@@ -21,22 +22,30 @@ POINTS = (("h2d", 48 * KiB, 16), ("h2d", 128 * KiB, 16), ("h2d", 32 * KiB, 16), 
 SMS = (4, 16)
 
 
-def main() -> int:
-    import torch
-
+def contenders(sms: tuple[int, ...]) -> tuple[Any, Any, dict[str, dict[str, Any]]]:
+    """``(device, timer, fns)`` on cuda:0: per direction, the batch route and the kernel
+    bound at each of ``sms`` SMs, by label (also used by bench_pool_size.py)."""
     import kvswap
     from kvswap.calibration.bench import bound_at
-    from kvswap.calibration.timing import DeviceTimer, median
-    from kvswap.calibration.workload import Pools
+    from kvswap.calibration.timing import DeviceTimer
     from kvswap.platform import detect
     from kvswap.plugins import plugin_host
 
     host = plugin_host()
     dev = detect(host, "cuda:0")
     fns = {d: {"batch": kvswap.resolve(d, policy=kvswap.Policy(force="cuda.batch")),
-               **{f"kernel@{k}": bound_at(d, dev, "cuda:0", host, "triton.kernel", k) for k in SMS}}
+               **{f"kernel@{k}": bound_at(d, dev, "cuda:0", host, "triton.kernel", k) for k in sms}}
            for d in ("h2d", "d2h")}
-    timer = DeviceTimer(dev)
+    return dev, DeviceTimer(dev), fns
+
+
+def main() -> int:
+    import torch
+
+    from kvswap.calibration.timing import median
+    from kvswap.calibration.workload import Pools
+
+    dev, timer, fns = contenders(SMS)
     print(f"us per call (median of 201) over {DRAWS} random draws of each point, in two pools of 1 GiB", flush=True)
     for seed in (1, 2):
         pools = Pools(dev, 1 << 30, seed)

@@ -33,18 +33,10 @@ def main() -> int:
     import numpy as np
     import torch
 
-    import kvswap
-    from kvswap.calibration.bench import bound_at
-    from kvswap.calibration.timing import DeviceTimer, median
-    from kvswap.platform import detect
-    from kvswap.plugins import plugin_host
+    from bench_draws import contenders  # this folder: the same routes, bound the same way
+    from kvswap.calibration.timing import median
 
-    host = plugin_host()
-    dev = detect(host, "cuda:0")
-    fns = {d: {"batch": kvswap.resolve(d, policy=kvswap.Policy(force="cuda.batch")),
-               **{f"kernel@{k}": bound_at(d, dev, "cuda:0", host, "triton.kernel", k) for k in SMS}}
-           for d in ("h2d", "d2h")}
-    timer = DeviceTimer(dev)
+    _, timer, fns = contenders(SMS)
     rng = np.random.default_rng(0)
     names = list(fns["h2d"])
     print(f"us per call: median over {DRAWS} random draws of the median of {REPEATS} calls; "

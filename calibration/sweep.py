@@ -472,7 +472,7 @@ class Sweep:
         if s.interference and on_host(self.dev):
             self.result.notes.append("interference not measured: it needs a GPU to run the reference GEMM on")
         bounds = self.prepare()
-        self.progress.add(sum(1 + (2 + len(s.block_sizes) * max(1, s.size_passes)) * bool(bounds[d]) for d in self.directions))
+        self.progress.add(sum(1 + (1 + len(s.block_sizes) * max(1, s.size_passes)) * bool(bounds[d]) for d in self.directions))
         self.pools = Pools(self.dev, s.pool_bytes, s.seed)
         for d in self.directions:
             start = self.ceiling(d)

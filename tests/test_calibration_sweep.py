@@ -392,6 +392,38 @@ def test_routes_timed_side_by_side_are_compared_round_by_round():
     assert max(apart) > 1.3 or min(apart) < 1 / 1.3  # what the medians apart would have recorded
 
 
+@pytest.mark.parametrize("passes", [1, 3])
+def test_the_progress_bar_ends_full(passes):
+    """The steps a run takes are the steps it announced: the bar neither stops short of its
+    total nor runs past it, with the sweeps in one pass or several."""
+    from kvswap.calibration.progress import Progress
+
+    class Bar:
+        def __init__(self, total):
+            self.total, self.n = total, 0
+
+        def refresh(self):
+            pass
+
+        def update(self, k):
+            self.n += k
+            assert self.n <= self.total  # never past what was announced so far
+
+        def set_description(self, what, refresh=True):
+            pass
+
+        def close(self):
+            pass
+
+    ledger = Ledger()
+    host = create_plugin_host(entry_points=[], extra=[("model", ModelPlatform(ledger))])
+    sweep = Sweep("modelplat:0", tiny(size_passes=passes, batch_passes=passes), ["h2d", "d2h"], host=host)
+    sweep.timer = LedgerTimer(ledger)
+    sweep.progress = Progress(Bar)
+    sweep.run()
+    assert sweep.progress.bar.n == sweep.progress.bar.total > 0
+
+
 def test_batch_sweep_passes_outvote_a_slow_spell_and_draw_fresh_slots():
     """A slow spell over a stretch of the batch sweep shorter than a pass moves the points
     it hits when the grid runs once, and none of them when it runs three times over, each

@@ -24,7 +24,8 @@ SMS = (4, 16)
 
 def contenders(sms: tuple[int, ...]) -> tuple[Any, Any, dict[str, dict[str, Any]]]:
     """``(device, timer, fns)`` on cuda:0: per direction, the batch route and the kernel
-    bound at each of ``sms`` SMs, by label (also used by bench_pool_size.py)."""
+    bound at each of ``sms`` SMs, by label (also used by bench_pool_size.py and
+    bench_over_ceiling.py)."""
     import kvswap
     from kvswap.calibration.bench import bound_at
     from kvswap.calibration.timing import DeviceTimer

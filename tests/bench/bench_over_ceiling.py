@@ -3,7 +3,8 @@
 sizes, 128 KiB in session 6, 64 and 192 KiB in session 7, at every SM count from 2 to 132,
 where the contiguous copy does 54-55 GB/s; never on the H200, never in a bench.)
 
-Not a test, and not yet run: written for the next session with a GPU. For each block size,
+Not a test; run on an H100 in session 8 (docs/results/session8/h100-d-over-ceiling.txt: nothing
+above the ceiling, every byte right). For each block size,
 one draw as the size sweep makes it, timed three ways: the sweep's own timer (events, the
 median of 10 after 3 untimed calls), the wall clock over 10 calls after a synchronize, and
 a contiguous copy of the same bytes beside them. Then every block of the draw (not a
@@ -27,19 +28,13 @@ SWEEP_BYTES, POOL_BYTES, REPEATS, WARMUP = 256 * MiB, 1 << 30, 10, 3
 def main() -> int:
     import torch
 
-    import kvswap
-    from kvswap.calibration.bench import bound_at
-    from kvswap.calibration.timing import DeviceTimer, median
+    from bench_draws import contenders  # this folder: the same routes, bound the same way
+    from kvswap.calibration.timing import median
     from kvswap.calibration.workload import Pools
-    from kvswap.platform import detect
-    from kvswap.plugins import plugin_host
 
-    host = plugin_host()
-    dev = detect(host, "cuda:0")
     d = "h2d"
-    fns = {"cuda.batch": kvswap.resolve(d, policy=kvswap.Policy(force="cuda.batch")),
-           **{f"kernel@{k}": bound_at(d, dev, "cuda:0", host, "triton.kernel", k) for k in SMS}}
-    timer = DeviceTimer(dev)
+    dev, timer, by_direction = contenders(SMS)
+    fns = by_direction[d]
     pools = Pools(dev, POOL_BYTES, 0)
     print(f"h2d GB/s, one draw of {SWEEP_BYTES >> 20} MiB a block size from a {POOL_BYTES >> 30} GiB pool: "
           "events (the sweep's timer) / wall clock; then every block checked", flush=True)

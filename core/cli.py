@@ -13,6 +13,7 @@ from .types import Direction, Policy
 
 # Subcommands whose code lives elsewhere: name -> module with add_arguments() and run().
 EXTERNAL = {
+    "models": "kvswap.models",
     "calibrate": "kvswap.calibration.cli_calibrate",
     "bench": "kvswap.calibration.cli_bench",
 }

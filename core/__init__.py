@@ -36,6 +36,8 @@ from .plan import Plan, Route  # noqa: E402
 from .resolver import resolve  # noqa: E402
 from .swapfn import SwapFn  # noqa: E402
 from .mover import BlockMover, TransferResult  # noqa: E402
+from .host_memory import host_empty  # noqa: E402
+from .numa import NumaWarning  # noqa: E402
 
 __all__ = [
     "BindContext",
@@ -54,6 +56,7 @@ __all__ = [
     "KvSwapError",
     "KvSwapWarning",
     "MoverClosedError",
+    "NumaWarning",
     "Plan",
     "PluginWarning",
     "Policy",
@@ -65,5 +68,6 @@ __all__ = [
     "TransferResult",
     "UnpinnedMemoryError",
     "hookimpl",
+    "host_empty",
     "resolve",
 ]

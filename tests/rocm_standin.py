@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import numpy as np
+import pytest
 
+from kvswap.backends.rocm import hip
 from kvswap.backends.rocm.hip import HipApi, MemcpyAttributes
 
 ERRORS = {
@@ -193,3 +195,12 @@ class RecordingHipStandIn:
             return 1
         dev[0] = found.device + (host - found.host)
         return 0
+
+
+@pytest.fixture(autouse=True)
+def fresh_hip():
+    """Each test loads the HIP runtime afresh (the process caches it), and leaves the real
+    loader in place for the next."""
+    hip.reset()
+    yield
+    hip.reset()

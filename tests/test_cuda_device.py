@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvswap import DeviceInfo, Direction, Policy
-from kvswap.backends import triton_generic
+from kvswap.backends.triton_generic import kernel as triton_kernel
 from kvswap.backends.cuda.batch import CUDA_BATCH
 from kvswap.backends.cuda import defaults, device, driver
 from kvswap.lookup import find_calibration
@@ -207,7 +207,7 @@ def test_h100_curves_cross_at_28_kib():
 def test_published_h100_thresholds_resolve_as_published_without_the_measurement_margin():
     from kvswap.resolver import _rank
 
-    impls = [CUDA_BATCH, triton_generic.copy_impl()]
+    impls = [CUDA_BATCH, triton_kernel.copy_impl()]
     for size, route in ((27 * KiB, "triton.kernel"), (28 * KiB - 1, "triton.kernel"), (28 * KiB, "cuda.batch")):
         ranked = _rank(impls, defaults.H100, Direction.H2D, Policy(), size, True, 12)
         assert ranked[0][0].name == route, size

@@ -25,14 +25,15 @@ from kvswap import (
     hookimpl,
     resolve,
 )
-from kvswap.backends.rocm import RocmBackend
+import kvswap.backends.rocm as rocm_plugin
+from kvswap.backends.rocm import batch, hip
 from kvswap.backends.rocm.batch import CHUNK_ENV, DEFAULT_CHUNK
 from kvswap.backends.rocm.hip import HipUnavailable, HipVersion, load_hip
 from kvswap.plugins import create_plugin_host
 from kvswap.resolver import collect_impls
 
 from fakes import address
-from rocm_standin import RecordingHipStandIn
+from rocm_standin import RecordingHipStandIn, fresh_hip  # noqa: F401 (fixture)
 
 ROCM = DeviceInfo(platform="rocm", name="Stand-in AMD GPU", identity="rocm-standin-gfx942-304cu",
                   compute_units=304, index=0, arch="gfx942:sramecc+:xnack-")
@@ -68,12 +69,13 @@ class FakeKernel:
 
 
 def host_with(standin: RecordingHipStandIn, *extra):
-    backend = RocmBackend(loader=standin.api)
-    return create_plugin_host(entry_points=[], extra=[("rocm", backend), ("fakedev", FakeRocmDevice()), *extra])
+    hip.reset(standin.api)
+    return create_plugin_host(entry_points=[], extra=[("rocm", rocm_plugin), ("fakedev", FakeRocmDevice()), *extra])
 
 
 def bound(standin: RecordingHipStandIn, direction: Direction, **params):
-    return RocmBackend(loader=standin.api).impl.factory(BindContext(direction, ROCM, params))
+    hip.reset(standin.api)
+    return batch.ROCM_BATCH.factory(BindContext(direction, ROCM, params))
 
 
 def blocks(rng: np.random.Generator, n: int, size: int = 16, slot: int = 32):
@@ -288,7 +290,8 @@ def test_per_copy_error_and_a_runtime_without_error_names():
 
 # -- host-address translation ---------------------------------------------------------------
 def translator(standin: RecordingHipStandIn, device: DeviceInfo = ROCM):
-    return RocmBackend(loader=standin.api).kvswap_host_address_translator(device=device)
+    hip.reset(standin.api)
+    return rocm_plugin.kvswap_host_address_translator(device=device)
 
 
 def test_translation_maps_each_allocation_with_three_queries():
@@ -354,8 +357,9 @@ def test_unreachable_address_fails_before_any_copy():
 
 def test_no_translator_for_other_platforms_and_a_refusing_one_without_hip():
     assert translator(RecordingHipStandIn(), CUDA) is None  # CUDA: the core's identity applies
-    assert RocmBackend(loader=_missing).kvswap_host_address_translator(device=CUDA) is None
-    refusing = RocmBackend(loader=_missing).kvswap_host_address_translator(device=ROCM)
+    hip.reset(_missing)
+    assert rocm_plugin.kvswap_host_address_translator(device=CUDA) is None
+    refusing = rocm_plugin.kvswap_host_address_translator(device=ROCM)
     with pytest.raises(InvalidTransferError, match="no libamdhip64 here"):
         refusing(np.array([0x1000]))
 
@@ -373,8 +377,8 @@ def test_unavailable_on_this_machine_with_the_reason(tmp_path):
     else:
         pytest.skip("a HIP runtime is installed here; this test is about machines without one")
     assert "libamdhip64" in reason and "libamdhip64.so.6" in reason
-    backend = RocmBackend()
-    assert backend.impl.unavailable_reason(ROCM) == reason
+    hip.reset()
+    assert batch.ROCM_BATCH.unavailable_reason(ROCM) == reason
     fake = tmp_path / "libamdhip64.so"
     fake.write_bytes(b"not a library")
     with pytest.raises(HipUnavailable, match="tried .*libamdhip64.so.*last error"):
@@ -388,7 +392,8 @@ def test_library_without_required_symbols_is_refused():
 
 def test_import_loads_nothing():
     code = ("import sys, kvswap.backends.rocm as r; "
-            "assert r.BACKEND._hip is None and r.BACKEND._error is None, 'HIP touched at import'; "
+            "from kvswap.backends.rocm import hip; "
+            "assert hip._loaded is None and hip._failure is None, 'HIP touched at import'; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

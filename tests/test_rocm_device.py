@@ -7,13 +7,15 @@ from types import SimpleNamespace
 import pytest
 
 from kvswap import ConfigurationError, Direction
-from kvswap.backends.rocm import RocmBackend
-from kvswap.backends.rocm.device import default_calibration, detect
+import kvswap.backends.rocm as rocm_plugin
+from kvswap.backends.rocm import hip
+from kvswap.backends.rocm.defaults import default_calibration
+from kvswap.backends.rocm.device import detect
 from kvswap.backends.rocm.hip import HipUnavailable
 from kvswap.platform import detect as core_detect
 from kvswap.plugins import create_plugin_host
 
-from rocm_standin import RecordingHipStandIn
+from rocm_standin import RecordingHipStandIn, fresh_hip  # noqa: F401 (fixture)
 
 MI300X = dict(name="AMD Instinct MI300X", gcnArchName="gfx942:sramecc+:xnack-", multi_processor_count=304,
               pci_bus_id=0x83, pci_domain_id=0, pci_device_id=0)
@@ -70,7 +72,8 @@ def test_without_the_hip_library_torch_still_describes_it(rocm_torch):
 
 
 def test_the_plugin_answers_for_core_detection(rocm_torch):
-    host = create_plugin_host(entry_points=[], extra=[("rocm", RocmBackend(loader=RecordingHipStandIn().api))])
+    hip.reset(RecordingHipStandIn().api)
+    host = create_plugin_host(entry_points=[], extra=[("rocm", rocm_plugin)])
     info = core_detect(host, None)
     assert info.platform == "rocm" and info.details["source"] == "kvswap.backends.rocm"
 

@@ -17,6 +17,8 @@ import pytest
 import kvswap
 from kvswap import BindContext, DeviceInfo, Direction, Policy, plugins
 from kvswap.backends import triton_generic as tg
+from kvswap.backends.triton_generic import kernel as tk
+from kvswap.backends.triton_generic import launch
 from kvswap.backends.triton_generic.launch import KernelCopy, TilePlan, batch_alignment, interpreting
 from kvswap.platform import cpu_device
 from kvswap.testing.memory import Layout, make_transfer, scattered
@@ -149,7 +151,7 @@ def test_16_and_8_byte_aligned_tiles_in_one_batch() -> None:
 ])
 def test_other_launch_shapes(shape: dict) -> None:
     # The paths a calibration may choose instead of the defaults copy exactly too.
-    fn = tg.bind(BindContext(Direction.H2D, cpu_device(), {"num_sms": 3, **shape}))
+    fn = tk.bind(BindContext(Direction.H2D, cpu_device(), {"num_sms": 3, **shape}))
     rng = np.random.default_rng(81)
     sizes = rng.permutation(np.concatenate([log_sizes(rng, 60, 1, 4 * KiB), [12 * KiB, 20 * KiB + 5]]))
     t = make_transfer(rng, 81, Direction.H2D, "cpu", 1, sizes, mixed_layout(rng, sizes), mixed_layout(rng, sizes))
@@ -186,7 +188,7 @@ def test_host_side_addresses_are_translated(direction: Direction) -> None:
         seen.append(addrs.copy())
         return addrs - shift
 
-    fn = tg.bind(BindContext(direction, cpu_device(), {"num_sms": 2}, translate))
+    fn = tk.bind(BindContext(direction, cpu_device(), {"num_sms": 2}, translate))
     rng = np.random.default_rng(51)
     sizes = log_sizes(rng, 9, 1, 8 * KiB)
     t = make_transfer(rng, 51, direction, "cpu", 1, sizes)
@@ -261,18 +263,18 @@ def test_tile_plan_rejects_bad_params() -> None:
 
 def test_bind_takes_params_from_the_context() -> None:
     ctx = BindContext(Direction.H2D, cpu_device(), {"num_sms": 6, "warps": 4, "row_max": 256})
-    fn = tg.bind(ctx)
+    fn = tk.bind(ctx)
     assert fn.num_sms == 6
     assert (fn.tiles.warps, fn.tiles.row_max) == (4, 256)
-    assert fn.tiles.tile_elems == tg.DEFAULT_PLANS["h2d"].tile_elems  # the rest from the defaults
-    d2h = tg.bind(BindContext(Direction.D2H, cpu_device(), {"num_sms": 2}))
-    assert d2h.tiles == tg.DEFAULT_PLANS["d2h"]
+    assert fn.tiles.tile_elems == tk.DEFAULT_PLANS["h2d"].tile_elems  # the rest from the defaults
+    d2h = tk.bind(BindContext(Direction.D2H, cpu_device(), {"num_sms": 2}))
+    assert d2h.tiles == tk.DEFAULT_PLANS["d2h"]
     assert "6 SMs" in fn.note
 
 
 def test_host_tiles_param() -> None:
     assert TilePlan.from_params({"host_tiles": 0}).host_tiles == 0
-    assert tg.DEFAULT_PLANS["h2d"].host_tiles >= 1
+    assert tk.DEFAULT_PLANS["h2d"].host_tiles >= 1
     for bad in (-1, 1.5, True):
         with pytest.raises(kvswap.ConfigurationError, match="host_tiles"):
             TilePlan(host_tiles=bad)
@@ -331,9 +333,9 @@ def test_the_identity_translation_costs_a_kernel_route_nothing_per_call() -> Non
 
     ctx = BindContext(Direction.H2D, cpu_device(), {"num_sms": 2, "precompile": ()})
     assert ctx.translate_host is same_addresses
-    fn = tg.bind(ctx)
+    fn = tk.bind(ctx)
     assert fn._translate_src is None and fn._translate_dst is None
-    mapped = tg.bind(BindContext(Direction.D2H, cpu_device(), {"num_sms": 2, "precompile": ()}, lambda a: a))
+    mapped = tk.bind(BindContext(Direction.D2H, cpu_device(), {"num_sms": 2, "precompile": ()}, lambda a: a))
     assert mapped._translate_dst is not None and mapped._translate_src is None
 
 
@@ -374,7 +376,7 @@ def test_staging_probes_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_direct_launch_arguments_follow_the_kernel_signature() -> None:
     pytest.importorskip("triton")
     from kvswap.backends.triton_generic import compiled
-    from kvswap.backends.triton_generic.kernel import copy_kernel
+    from kvswap.backends.triton_generic.jit import copy_kernel
 
     tile = TilePlan().pick(100, 100 * 4096, 4)
     assert copy_kernel.arg_names == ["desc", "n", "splits", *compiled.constexprs(tile)]
@@ -425,12 +427,12 @@ def _gpu_device(**details) -> DeviceInfo:
 
 def test_registered_platforms_follow_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    impl = tg.copy_impl()
+    impl = tk.copy_impl()
     assert impl.platforms == ("cuda", "rocm", "cpu")
     assert impl.kind == "kernel" and impl.requires_pinned and impl.alignment == 1
     assert set(impl.directions) == {Direction.H2D, Direction.D2H}
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert tg.copy_impl().platforms == ("cuda", "rocm")
+    assert tk.copy_impl().platforms == ("cuda", "rocm")
     got = []
     tg.kvswap_register_copy_impls(platform="cpu", register=got.append)
     assert got == []
@@ -440,19 +442,19 @@ def test_registered_platforms_follow_the_interpreter(monkeypatch: pytest.MonkeyP
 
 def test_availability_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    reason = tg.availability(cpu_device())
+    reason = tk.availability(cpu_device())
     assert reason and "TRITON_INTERPRET=1" in reason
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert tg.availability(cpu_device()) is None
-    reason = tg.availability(_gpu_device())
+    assert tk.availability(cpu_device()) is None
+    reason = tk.availability(_gpu_device())
     assert reason and "TRITON_INTERPRET" in reason
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     if tg.HAS_TRITON:
-        assert tg.availability(_gpu_device()) is None
-    reason = tg.availability(_gpu_device(can_map_host_memory=False))
+        assert tk.availability(_gpu_device()) is None
+    reason = tk.availability(_gpu_device(can_map_host_memory=False))
     assert reason and "cannot address host memory" in reason
-    monkeypatch.setattr(tg, "HAS_TRITON", False)
-    reason = tg.availability(_gpu_device())
+    monkeypatch.setattr(launch, "HAS_TRITON", False)  # what kernel and copy() ask
+    reason = tk.availability(_gpu_device())
     assert reason and "not installed" in reason
     with pytest.raises(kvswap.ConfigurationError, match="not installed"):
         tg.copy([1], [2], [1], num_sms=1)
@@ -472,9 +474,11 @@ def test_cpu_without_interpreter_lists_the_reason(monkeypatch: pytest.MonkeyPatc
 def test_import_is_light() -> None:
     code = (
         "import sys, kvswap.backends.triton_generic as t; "
+        "from kvswap.backends.triton_generic import kernel, launch; "
+        "import kvswap.backends.triton_generic.copy; "
         "assert 'triton' not in sys.modules, 'triton imported'; "
-        "assert 'torch' not in sys.modules, 'torch imported'; print(t.NAME)"
+        "assert 'torch' not in sys.modules, 'torch imported'; print(kernel.NAME, t.copy.__module__)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "triton.kernel"
+    assert out.stdout.split() == ["triton.kernel", "kvswap.backends.triton_generic.copy"]

@@ -12,6 +12,8 @@ import pytest
 import kvswap
 from kvswap import BindContext, Direction, Policy
 from kvswap.backends import triton_generic as tg
+from kvswap.backends.triton_generic import kernel as tk
+from kvswap.backends.triton_generic.launch import interpreting
 from kvswap.testing.memory import make_transfer
 
 from triton_cases import log_sizes, mixed_layout
@@ -29,7 +31,7 @@ def gpu():
 
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
-    if tg.interpreting():
+    if interpreting():
         pytest.skip("TRITON_INTERPRET=1 is set: Triton would not run on the GPU")
     from kvswap.platform import detect
     from kvswap.plugins import plugin_host
@@ -114,7 +116,7 @@ def test_sm_budget_bounds_the_grid(gpu, direction: Direction) -> None:
         "many mixed": log_sizes(rng, 3000, 1, 32 * KiB),
     }
     for budget in (1, 2, 4, 8, 12, gpu.compute_units):
-        fn = tg.bind(BindContext(direction, gpu, {"num_sms": budget}))
+        fn = tk.bind(BindContext(direction, gpu, {"num_sms": budget}))
         assert fn.num_sms == budget
         for case, sizes in sizes_by_case.items():
             t = make_transfer(rng, budget, direction, torch_device(gpu), 1, sizes)
@@ -142,7 +144,7 @@ def test_staging_buffers_survive_a_busy_stream(gpu, direction: Direction, host_t
     sizes = log_sizes(rng, calls * per_call, 1, 16 * KiB)
     t = make_transfer(rng, 13, direction, dev, 1, sizes, mixed_layout(rng, sizes), mixed_layout(rng, sizes))
     src, dst, n = t.descriptors
-    fn = tg.bind(BindContext(direction, gpu, {"num_sms": 4, "host_tiles": host_tiles}))
+    fn = tk.bind(BindContext(direction, gpu, {"num_sms": 4, "host_tiles": host_tiles}))
     stream = torch.cuda.Stream(device=dev)
     with torch.cuda.stream(stream):
         torch.cuda._sleep(200_000_000)  # roughly 0.1 s of GPU time before any copy runs
@@ -157,7 +159,7 @@ def test_staging_buffers_survive_a_busy_stream(gpu, direction: Direction, host_t
 
 
 def test_available_on_this_gpu(gpu) -> None:
-    assert tg.availability(gpu) is None
+    assert tk.availability(gpu) is None
     fn = kvswap.resolve("h2d", device=torch_device(gpu), policy=Policy(force="triton.kernel"))
     cand = {c.name: c for c in fn.plan.candidates}
     assert cand["triton.kernel"].available
@@ -170,12 +172,12 @@ def test_descriptors_read_from_host_or_uploaded(gpu, direction: Direction) -> No
     rng = np.random.default_rng(17)
     sizes = log_sizes(rng, 300, 1, 16 * KiB)
     for host_tiles, where in ((1_000_000, "host"), (0, "device")):
-        fn = tg.bind(BindContext(direction, gpu, {"num_sms": 4, "host_tiles": host_tiles}))
+        fn = tk.bind(BindContext(direction, gpu, {"num_sms": 4, "host_tiles": host_tiles}))
         t = make_transfer(rng, host_tiles, direction, torch_device(gpu), 1, sizes,
                           mixed_layout(rng, sizes), mixed_layout(rng, sizes))
         assert fn(*t.descriptors, None).descriptors == where
         t.check(f"descriptors from {where}, {direction}")
-    fn = tg.bind(BindContext(direction, gpu, {"num_sms": 4}))
+    fn = tk.bind(BindContext(direction, gpu, {"num_sms": 4}))
     for n, where in ((5, "host"), (5000, "device")):
         sizes = np.full(n, 4 * KiB, dtype=np.int64)
         t = make_transfer(rng, n, direction, torch_device(gpu), 16, sizes)
@@ -189,7 +191,7 @@ def test_one_compiled_variant_serves_every_batch_length(gpu, direction: Directio
     # splits reuse them (n and splits are not specialised) and are launched directly.
     from kvswap.backends.triton_generic.compiled import variant_key
 
-    fn = tg.bind(BindContext(direction, gpu, {"num_sms": 4, "precompile": (64 * KiB,)}))
+    fn = tk.bind(BindContext(direction, gpu, {"num_sms": 4, "precompile": (64 * KiB,)}))
     (tile,) = fn.prepare((64 * KiB,))
     assert tile in fn.variants and fn.variants.get(tile).direct
     compiled = len(fn.variants)
@@ -218,7 +220,7 @@ def test_launch_hooks_still_called(gpu) -> None:
         rng = np.random.default_rng(29)
         sizes = log_sizes(rng, 20, 1, 8 * KiB)
         t = make_transfer(rng, 29, Direction.H2D, torch_device(gpu), 1, sizes)
-        tg.bind(BindContext(Direction.H2D, gpu, {"num_sms": 2}))(*t.descriptors, None)
+        tk.bind(BindContext(Direction.H2D, gpu, {"num_sms": 2}))(*t.descriptors, None)
     finally:
         chain.remove(hook)
     t.check("with a launch hook")

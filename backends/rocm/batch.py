@@ -23,10 +23,12 @@ from typing import Any, Callable, Mapping, Optional
 import numpy as np
 
 from kvswap.descriptors import coalesce, first_overlap
-from kvswap.errors import ConfigurationError, InvalidTransferError
+from kvswap.errors import ConfigurationError, DriverError, InvalidTransferError
+from kvswap.impl import BindContext, CopyImpl
 from kvswap.streams import raw_handle
-from kvswap.types import Direction
+from kvswap.types import DeviceInfo, Direction
 
+from . import hip as runtime
 from .hip import (
     MEMCPY_DEVICE_TO_HOST,
     MEMCPY_HOST_TO_DEVICE,
@@ -34,9 +36,12 @@ from .hip import (
     SRC_ACCESS_ORDER_ANY,
     SRC_ACCESS_ORDER_STREAM,
     HipApi,
+    HipUnavailable,
     HipVersion,
     MemcpyAttributes,
 )
+
+NAME = "rocm.batch"
 
 DEFAULT_CHUNK = 8192  # FACTS.md: hipMemcpyBatchAsync batches over 8 192 descriptors have faulted
 CHUNK_ENV = "KVSWAP_ROCM_BATCH_CHUNK"
@@ -165,3 +170,31 @@ def make_transfer(
     transfer.path = path  # type: ignore[attr-defined]
     transfer.chunk = chunk  # type: ignore[attr-defined]
     return transfer
+
+
+def availability(device: DeviceInfo) -> Optional[str]:
+    """None when this process can drive the HIP runtime, else why not."""
+    return runtime.unavailable_reason()
+
+
+def bind(ctx: BindContext) -> Callable[..., None]:
+    """The factory: choose the path once, at resolve time, from the runtime's version and
+    symbols, and bind the chunk size (``ctx.params["batch_chunk"]``, else the default)."""
+    hip = runtime.get()
+    try:
+        version = hip.runtime_version()
+    except (DriverError, HipUnavailable):
+        version = None  # choose_path then takes the per-copy path and says why
+    path = choose_path(hip, version, ctx.direction)
+    return make_transfer(hip, path, ctx.direction, ctx.device.index or 0, chunk_size(ctx.params))
+
+
+ROCM_BATCH = CopyImpl(
+    name=NAME,
+    kind="batch",
+    platforms=("rocm",),
+    directions=(Direction.H2D, Direction.D2H),
+    factory=bind,
+    availability=availability,
+    description="HIP copy engines: hipMemcpyBatchAsync in chunks (ROCm >= 7.1), else hipMemcpyAsync per block",
+)

@@ -1,10 +1,12 @@
 """The HIP runtime through ctypes: the few calls kvswap makes, bound lazily and checked.
 
-Nothing here loads a library at import time. :func:`load_hip` finds ``libamdhip64``
+Nothing here loads a library at import time. :func:`get` loads the runtime on first use
+and caches it, or the reason it cannot be used; :func:`load_hip` finds ``libamdhip64``
 (preferring the copy this process already has mapped, so kvswap and torch share one
-runtime) and returns a :class:`HipApi`; tests build a :class:`HipApi` around a stand-in
-object whose attributes are named like the C symbols (:meth:`HipApi.from_object`), so
-every call still goes through the same ctypes prototypes as the real library.
+runtime) and returns a :class:`HipApi`. Tests build a :class:`HipApi` around a stand-in
+object whose attributes are named like the C symbols (:meth:`HipApi.from_object`) and
+hand its loader to :func:`reset`, so every call still goes through the same ctypes
+prototypes as the real library.
 
 Signatures and constants are those of the public HIP headers (``hip_runtime_api.h``,
 ``driver_types.h``); the batch call is the 9-argument form with ``failIdx``.
@@ -14,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
+import threading
 from ctypes import POINTER, c_int, c_size_t, c_uint, c_void_p
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -229,3 +232,44 @@ def load_hip(paths: Optional[list[str]] = None, opener: Callable[[str], Any] = c
     raise HipUnavailable(
         f"HIP runtime (libamdhip64) not found: tried {', '.join(tried) or 'nothing'}{detail}"
     )
+
+
+# The process's runtime: loaded once, on first use; the first failure is remembered.
+_lock = threading.Lock()
+_loader: Callable[[], HipApi] = load_hip
+_loaded: Optional[HipApi] = None
+_failure: Optional[str] = None
+
+
+def get() -> HipApi:
+    """The HIP runtime, loaded once; raises :class:`HipUnavailable` with the reason."""
+    global _loaded, _failure
+    with _lock:
+        if _loaded is None and _failure is None:
+            try:
+                _loaded = _loader()
+            except HipUnavailable as e:
+                _failure = str(e)
+            except OSError as e:
+                _failure = f"loading the HIP runtime failed: {e}"
+        if _loaded is None:
+            raise HipUnavailable(_failure)
+        return _loaded
+
+
+def unavailable_reason() -> Optional[str]:
+    """None when the HIP runtime is usable, else why not."""
+    try:
+        get()
+    except HipUnavailable as e:
+        return str(e)
+    return None
+
+
+def reset(loader: Optional[Callable[[], HipApi]] = None) -> None:
+    """Forget the loaded runtime or its failure; load with ``loader`` next (default
+    :func:`load_hip`). For tests, which hand in a stand-in's loader."""
+    global _loader, _loaded, _failure
+    with _lock:
+        _loader = load_hip if loader is None else loader
+        _loaded = _failure = None

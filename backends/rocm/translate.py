@@ -47,10 +47,34 @@ import numpy as np
 
 from kvswap.descriptors import as_int64
 from kvswap.errors import InvalidTransferError
+from kvswap.types import DeviceInfo
 
-from .hip import POINTER_ATTRIBUTE_RANGE_START_ADDR, HipApi
+from . import hip as runtime
+from .hip import POINTER_ATTRIBUTE_RANGE_START_ADDR, HipApi, HipUnavailable
 
 _HINT = "pin it with torch's pin_memory() (hipHostMalloc) or register it with hipHostRegister"
+
+
+class Refuse:
+    """The translator for a ROCm device whose runtime cannot map addresses: it refuses
+    every call, so a kernel route fails before launching instead of guessing."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def __call__(self, addresses: Any, sizes: Any = None) -> np.ndarray:
+        raise InvalidTransferError(f"cannot map host addresses for a kernel on ROCm: {self.reason}")
+
+
+def translator_for(device: DeviceInfo) -> Optional[Any]:
+    """What the hook ``kvswap_host_address_translator`` answers for ``device``: None off
+    ROCm, a :class:`HostAddressTranslator`, or a :class:`Refuse` without a runtime."""
+    if device.platform != "rocm":
+        return None
+    try:
+        return HostAddressTranslator(runtime.get(), device.index or 0)
+    except HipUnavailable as e:
+        return Refuse(str(e))
 
 
 class HostAddressTranslator:

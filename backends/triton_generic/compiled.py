@@ -4,7 +4,7 @@
 for the current device and stream and checks the kernel's globals on each call: tens of
 µs of host time, more than the GPU spends on a small batch. What changes the compiled
 code is only what a :class:`~kvswap.backends.triton_generic.launch.Tile` fixes (the
-constexprs and the warps; ``n`` and ``splits`` are not specialised, see kernel.py), so a
+constexprs and the warps; ``n`` and ``splits`` are not specialised, see jit.py), so a
 :class:`Variants` compiles each tile shape once per device through Triton's ``warmup``
 and calls its launcher directly with plain ints and the raw stream handle.
 
@@ -87,7 +87,7 @@ class Variants:
     def _compile(self, tile: Any) -> Variant:
         import torch
 
-        from .kernel import copy_kernel
+        from .jit import copy_kernel
 
         with torch.cuda.device(self.device_index):
             # ``torch.int64`` stands for the descriptor pointer (a 16-byte aligned one,

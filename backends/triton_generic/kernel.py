@@ -1,106 +1,102 @@
-"""The Triton kernel family: copy a batch of (src, dst, size) descriptors in one launch.
+"""``triton.kernel``: a batch of descriptors in one Triton kernel launch.
 
-This module imports Triton at the top, so nothing imports it until the first launch
-(``launch.py`` does, inside a function).
+The kernel (:mod:`.jit`) copies a whole batch on a bounded number of programs (the SM
+budget), several blocks side by side per step, so it stays near the link's ceiling at
+block sizes where a copy engine's batch call is slow. It loads from and stores to pinned
+host memory directly, so it needs a device that can address host memory from a kernel;
+host addresses go through the platform's translator (identity on CUDA; ROCm may map
+``hipHostRegister`` memory elsewhere).
 
-The descriptors arrive as one int64 array ``[src[0..n), dst[0..n), size[0..n)]``. The
-grid is persistent: ``num_programs`` programs (the SM budget) stride over tiles of ``JOBS``
-consecutive descriptors. A tile copies its descriptors side by side, ``WORDS`` elements
-of each per step, so a step keeps ``JOBS x WORDS`` elements in flight whatever the block
-size: small blocks need several whole blocks per step to fill the link (FACTS.md: one
-4 KiB block per step reaches 24 GB/s on 12 SMs; several per step, 50 on 4); a large block
-is walked in ``WORDS``-element chunks.
-
-Every size is copied exactly. The launcher picks a variant by the batch's alignment: all
-addresses and sizes multiples of 16 move as 16-byte vectors, multiples of 8 as 8-byte
-words; any other batch moves 8-byte words where a descriptor's two addresses allow, and
-the last ``size % 8`` bytes of those, and all bytes of the others, through a byte path.
+Under ``TRITON_INTERPRET=1`` the same kernel runs in Triton's CPU interpreter over host
+addresses, and ``triton.kernel`` is then offered on the ``cpu`` platform too, so its logic
+is tested without a GPU.
 """
 from __future__ import annotations
 
-import triton
-import triton.language as tl
+from typing import Optional
+
+from kvswap.impl import BindContext, CopyImpl, same_addresses
+from kvswap.types import DeviceInfo, Direction
+
+from . import launch
+from .launch import DEFAULT_PLANS, KernelCopy, TilePlan, interpreting
+
+NAME = "triton.kernel"
+GPU_PLATFORMS = ("cuda", "rocm")
+_TRITON_BACKEND = {"cuda": "nvidia", "rocm": "amd"}
+# Block sizes whose kernel variants bind() compiles (16-byte aligned), so an engine's first
+# transfers do not stop for a compile (~1 s each without Triton's on-disk cache, tens of
+# ms with it). With the default shapes: 4 KiB blocks and everything from 8 KiB up; other
+# sizes and alignments compile on first use.
+PRECOMPILE_BLOCKS = (4096, 16384)
 
 
-@triton.jit
-def _copy_step(sp, dp, rem, col, CACHE: tl.constexpr):
-    # One step of every row in the tile: ``rem`` (per row, <= len(col)) elements.
-    mask = col[None, :] < rem[:, None]
-    ptr = col[None, :]
-    v = tl.load(sp[:, None] + ptr, mask=mask, cache_modifier=CACHE)
-    tl.store(dp[:, None] + ptr, v, mask=mask)
+def availability(device: DeviceInfo) -> Optional[str]:
+    """None when ``triton.kernel`` can run on ``device``, else the reason it cannot."""
+    if not launch.HAS_TRITON:
+        return "Triton is not installed (pip install 'kvswap[triton]')"
+    if device.platform == "cpu":
+        if interpreting():
+            return None
+        return "the device is a CPU; the Triton kernel runs there only in Triton's interpreter (TRITON_INTERPRET=1)"
+    if interpreting():
+        return "TRITON_INTERPRET=1 runs Triton kernels on the CPU, which cannot address device memory; unset it"
+    backend = _TRITON_BACKEND.get(device.platform)
+    try:
+        import triton.backends
+    except Exception as e:
+        return f"Triton cannot be imported: {type(e).__name__}: {e}"
+    if backend not in triton.backends.backends:
+        return f"this Triton build has no {backend!r} backend for {device.platform}"
+    for key in ("can_map_host_memory", "unified_addressing"):
+        if device.details.get(key) is False:
+            return f"the device cannot address host memory from a kernel ({key} is false)"
+    return None
 
 
-@triton.jit
-def _load_descriptors(desc, n, tile, JOBS: tl.constexpr):
-    j = tile.to(tl.int64) * JOBS + tl.arange(0, JOBS)
-    live = j < n
-    # Rows past ``n`` read as size 0 and copy nothing.
-    s = tl.load(desc + j, mask=live, other=0)
-    d = tl.load(desc + n + j, mask=live, other=0)
-    z = tl.load(desc + 2 * n + j, mask=live, other=0)
-    return s, d, z
+def _device_index(device: DeviceInfo) -> Optional[int]:
+    if device.platform == "cpu":
+        return None
+    if device.index is not None:
+        return device.index
+    import torch
+
+    return torch.cuda.current_device()
 
 
-# ``n`` and ``splits`` are left unspecialised (Triton would otherwise compile separate
-# variants for 1 and for multiples of 16), so one compiled variant per launch shape serves
-# every batch and can be launched directly (compiled.py).
-@triton.jit(do_not_specialize=["n", "splits"])
-def copy_kernel(desc, n, splits, JOBS: tl.constexpr, WORDS: tl.constexpr, ALIGN: tl.constexpr,
-                PREFETCH: tl.constexpr, CACHE: tl.constexpr):
-    """Copy ``n`` descriptors packed in ``desc``; see the module docstring.
+def bind(ctx: BindContext) -> KernelCopy:
+    """The factory: bind the SM budget and launch shapes once, at resolve time, and on a
+    GPU compile the kernel variants for ``PRECOMPILE_BLOCKS``.
 
-    ``splits``: how many programs share one tile, each taking every ``splits``-th step
-    (more than 1 only when there are fewer tiles than programs, so a few large blocks
-    still spread over the whole SM budget).
-    ``ALIGN``: what the launcher found every address and size of the batch to be a
-    multiple of. 16: 16-byte vectors (the compiler is told so); 8: 8-byte words; 1: any
-    batch (words where a descriptor allows, then the byte path). Each variant compiles
-    only its own path: registers are what limits the bytes a program keeps in flight.
-    ``PREFETCH``: load the next tile's descriptors before copying this one.
-    ``CACHE``: the cache modifier of the data loads (``""`` default, ``".cg"`` L2 only).
+    ``ctx.params`` may override the direction's default shape (``tile_elems``,
+    ``row_max``, ``warps``, ``align_max``, ``prefetch``, ``cache``, ``host_tiles``), e.g.
+    from a calibration, and ``precompile`` (block sizes in bytes; empty: none).
     """
-    col = tl.arange(0, WORDS)
-    work = tl.cdiv(n, JOBS) * splits
-    step = tl.num_programs(0)
-    first = tl.program_id(0)
-    if PREFETCH:
-        ns, nd, nz = _load_descriptors(desc, n, first // splits, JOBS)
-    for w in range(first, work, step):
-        part = w % splits
-        if PREFETCH:
-            s, d, z = ns, nd, nz
-            ns, nd, nz = _load_descriptors(desc, n, (w + step) // splits, JOBS)
-        else:
-            s, d, z = _load_descriptors(desc, n, w // splits, JOBS)
-        if ALIGN == 1:
-            # 8-byte words only where both addresses allow.
-            nw = tl.where(((s | d) & 7) == 0, z >> 3, 0)
-        else:
-            nw = z >> 3
-        top = tl.max(nw, 0)
-        if ALIGN == 16:
-            sp = tl.multiple_of(s, 16).to(tl.pointer_type(tl.int64))
-            dp = tl.multiple_of(d, 16).to(tl.pointer_type(tl.int64))
-            for c in range(part * WORDS, top, splits * WORDS):
-                # Even counts from 16-byte aligned starts: the mask is constant over
-                # pairs, which is what lets the accesses become 16-byte vectors.
-                rem = tl.multiple_of(tl.minimum(nw - c, WORDS).to(tl.int32), 2)
-                _copy_step(tl.multiple_of(sp + c, 16), tl.multiple_of(dp + c, 16), rem, col, CACHE)
-        else:
-            sp = s.to(tl.pointer_type(tl.int64))
-            dp = d.to(tl.pointer_type(tl.int64))
-            for c in range(part * WORDS, top, splits * WORDS):
-                rem = tl.minimum(nw - c, WORDS).to(tl.int32)
-                _copy_step(sp + c, dp + c, rem, col, CACHE)
-        if ALIGN == 1:
-            # Bytes: the tail of word-copied rows (< 8) and all of an unaligned row.
-            b0 = nw * 8
-            nb = z - b0
-            tail = tl.max(nb, 0)
-            if tail > 0:
-                sb = s.to(tl.pointer_type(tl.uint8)) + b0
-                db = d.to(tl.pointer_type(tl.uint8)) + b0
-                for c in range(part * WORDS, tail, splits * WORDS):
-                    rem = tl.minimum(nb - c, WORDS).to(tl.int32)
-                    _copy_step(sb + c, db + c, rem, col, CACHE)
+    num_sms = ctx.params.get("num_sms", 8)
+    # Host addresses are translated for the device; device addresses are used as they are.
+    translate = None if ctx.translate_host is same_addresses else ctx.translate_host
+    direction = ctx.direction
+    fn = KernelCopy(
+        num_sms=int(num_sms),
+        device_index=_device_index(ctx.device),
+        tiles=TilePlan.from_params(ctx.params, DEFAULT_PLANS[str(direction)]),
+        translate_src=translate if direction.src_is_host else None,
+        translate_dst=translate if direction.dst_is_host else None,
+    )
+    fn.prepare(ctx.params.get("precompile", PRECOMPILE_BLOCKS))
+    return fn
+
+
+def copy_impl() -> CopyImpl:
+    """``triton.kernel`` as registered now (``cpu`` too while ``TRITON_INTERPRET=1``)."""
+    platforms = GPU_PLATFORMS + (("cpu",) if interpreting() else ())
+    return CopyImpl(
+        name=NAME,
+        kind="kernel",
+        platforms=platforms,
+        directions=(Direction.H2D, Direction.D2H),
+        factory=bind,
+        availability=availability,
+        requires_pinned=True,
+        description="Triton kernel: one launch per batch on a bounded SM budget, several blocks per step",
+    )

@@ -1,7 +1,7 @@
 """Bind the kernel's launch parameters once; per call, stage the batch and launch.
 
 A :class:`KernelCopy` is what ``triton.kernel``'s factory returns and what the public
-:func:`kvswap.backends.triton_generic.copy` uses. Per call it packs the descriptors into
+:func:`~kvswap.backends.triton_generic.copy.copy` uses. Per call it packs the descriptors into
 one pinned int64 staging buffer (staging.py). A small batch (each program handles at most
 ``TilePlan.host_tiles`` tiles) is read by the kernel straight from that pinned buffer; a
 larger one is first uploaded with one asynchronous copy into the buffer's device twin, so
@@ -15,12 +15,17 @@ Triton's interpreter over host addresses, synchronously.
 """
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
 from kvswap.errors import ConfigurationError
+
+# Whether Triton is installed, found without importing it.
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 # Defaults for a step of one program: TILE_ELEMS 8-byte elements (64 KiB) across WARPS
 # warps. Small blocks need several whole blocks in flight per SM (FACTS.md: one 4 KiB
@@ -268,7 +273,7 @@ class KernelCopy:
         import torch
 
         from .compiled import constexprs
-        from .kernel import copy_kernel
+        from .jit import copy_kernel
 
         tile = launch.tile
         copy_kernel[(launch.grid,)](torch.from_numpy(packed), launch.n, tile.splits, **constexprs(tile),
@@ -308,7 +313,7 @@ class KernelCopy:
                 self.variants.launch(variant, tile, launch.grid, ptr, n, tile.splits, s.cuda_stream)
             else:
                 from .compiled import constexprs
-                from .kernel import copy_kernel
+                from .jit import copy_kernel
 
                 with torch.cuda.stream(s):
                     copy_kernel[(launch.grid,)](desc, n, tile.splits, **constexprs(tile), num_warps=tile.warps)
@@ -320,6 +325,4 @@ class KernelCopy:
 
 def interpreting() -> bool:
     """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET``)."""
-    import os
-
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")

@@ -122,12 +122,12 @@ class Bench:
 
 def kernel_fn(bench: Bench, d: str, num_sms: int, shape: Optional[tuple] = None) -> Any:
     from kvswap import BindContext, Direction
-    from kvswap.backends import triton_generic as tg
+    from kvswap.backends.triton_generic import kernel as tk
 
     params: dict[str, Any] = {"num_sms": num_sms}
     if shape:
         params.update(zip(SHAPE_KEYS, shape))
-    return tg.bind(BindContext(Direction.parse(d), bench.info, params))
+    return tk.bind(BindContext(Direction.parse(d), bench.info, params))
 
 
 def batch_fn(d: str) -> tuple[Any, str]:

@@ -6,10 +6,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvswap import ConfigurationError, Direction
+from kvswap import ConfigurationError, DeviceInfo, Direction
 import kvswap.backends.rocm as rocm_plugin
 from kvswap.backends.rocm import hip
-from kvswap.backends.rocm.defaults import default_calibration
+from kvswap.backends.rocm.defaults import calibration_for
 from kvswap.backends.rocm.device import detect
 from kvswap.backends.rocm.hip import HipUnavailable
 from kvswap.platform import detect as core_detect
@@ -89,11 +89,35 @@ def test_not_a_rocm_build_means_no_answer(monkeypatch):
     assert detect(None, api) is None
 
 
-def test_defaults_rank_the_batch_route_above_any_kernel_everywhere():
-    cal = default_calibration()
+def _rocm(runtime):
+    return DeviceInfo(platform="rocm", name="AMD Instinct MI300X", identity="rocm-mi300x", compute_units=304,
+                      index=0, arch="gfx942", runtime_version=runtime)
+
+
+@pytest.mark.parametrize("runtime", ["7.2.53211", "7.13.0", "8.0.1", "6.4.43482", None])
+def test_defaults_rank_the_batch_route_above_any_kernel_everywhere(runtime):
+    cal = calibration_for(_rocm(runtime))
     assert not cal.calibrated and cal.platform == "rocm" and "nothing measured" in cal.source
     for d in Direction:
         for size in [1 << k for k in range(8, 24)] + [3 << 12, 24 << 10]:
             batch = cal.predict("rocm.batch", "batch", d, size)
             for sms in (1, 8, 64, 304):
                 assert batch > cal.predict("triton.kernel", "kernel", d, size, sms), (d, size, sms)
+
+
+@pytest.mark.parametrize("runtime, batches", [
+    ("7.1.25424", False), ("7.2.53211-e6c0f8d", False), ("7.12.0", False), (None, False), ("garbled", False),
+    ("7.13.0", True), ("7.14.2", True), ("8.0.0", True),
+])
+def test_the_batch_route_is_credited_as_a_per_copy_loop_until_hip_7_13(runtime, batches):
+    """ROCm/clr issue 273: on 7.2.x hipMemcpyBatchAsync loops over single copies inside."""
+    cal = calibration_for(_rocm(runtime))
+    loop = calibration_for(_rocm("7.2.0"))
+    real = calibration_for(_rocm("7.13.0"))
+    for d in Direction:
+        for size in (4096, 16384, 65536):
+            got = cal.predict("rocm.batch", "batch", d, size)
+            assert got == (real if batches else loop).predict("rocm.batch", "batch", d, size)
+        # A loop of single copies pays a fixed cost per descriptor: far slower at 4 KiB.
+        assert loop.predict("rocm.batch", "batch", d, 4096) < real.predict("rocm.batch", "batch", d, 4096) / 3
+    assert ("ROCm/clr issue 273" in cal.source) is not batches

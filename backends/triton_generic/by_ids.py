@@ -1,0 +1,232 @@
+"""``triton.kernel``'s ``by_ids`` capability: copy blocks by id, addresses made on the device.
+
+A BlockMover's descriptors are ``base[p] + id * stride[p]`` for every piece ``p`` (one
+contiguous chunk of one tensor pair) and every id. Building them on the host costs time
+proportional to pieces x ids (layers x K/V x blocks) before the kernel can start; here
+the template (bases, strides, sizes per piece) is uploaded once, when the capability is
+bound, and a transfer sends only its two id arrays: packed into a pinned staging buffer
+of the launcher's pool, read by the kernel from there when the batch is short, uploaded
+with one asynchronous copy first when it is long (the rule of :class:`KernelCopy`). One
+launch of :func:`~.by_ids_kernel.copy_by_ids_kernel` copies pieces x ids.
+
+The caller guarantees what the descriptor path would check per call: the template was
+validated once (chunks inside their tensors, destinations that do not overlap), and the
+ids are in range with no destination repeated. Templates whose bases, strides or sizes
+are not multiples of 8 bytes are declined (:func:`bind_by_ids` returns None): those take
+the descriptor path. On platforms where the device reads host memory at other addresses
+(ROCm ``hipHostRegister``), the host side's bases are translated once; an allocation is
+mapped whole, so ``base + id * stride`` stays inside the mapping.
+
+Imported lazily (from :meth:`KernelCopy.by_ids`); Triton and torch load in the methods.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from .compiled import Variant, direct_parts, hook_is_set
+from .launch import KernelCopy, Tile, batch_alignment
+
+FIELDS = ("src_base", "src_stride", "dst_base", "dst_stride", "sizes")
+
+
+@dataclass(frozen=True)
+class IdsLaunch:
+    """What one call launched: ``n`` id pairs, ``items`` (pieces x n) rows, ``grid``
+    programs, the ``tile``, and where the kernel read the ids: ``"host"`` (pinned
+    staging), ``"device"`` (uploaded first) or ``""`` (interpreter, or nothing launched)."""
+
+    n: int
+    items: int
+    grid: int
+    tile: Optional[Tile]
+    ids: str = ""
+
+
+def pack_template(template: Any) -> np.ndarray:
+    """``[src_base | src_stride | dst_base | dst_stride | sizes]`` as one int64 array."""
+    cols = [np.ascontiguousarray(np.asarray(getattr(template, f)), dtype=np.int64).ravel() for f in FIELDS]
+    pieces = len(cols[-1])
+    if pieces == 0 or any(len(c) != pieces for c in cols):
+        raise ValueError(f"a template needs {', '.join(FIELDS)} of one length >= 1, got {[len(c) for c in cols]}")
+    return np.concatenate(cols)
+
+
+def bind_by_ids(copy: KernelCopy, template: Any) -> Optional[CopyByIds]:
+    """``copy``'s by-id transfer for ``template``, or None where the template does not
+    suit the kernel (a base, stride or size not a multiple of 8 bytes, or a size < 8)."""
+    packed = pack_template(template)
+    if batch_alignment(packed) < 8 or int(packed[-len(template.sizes):].min()) < 8:
+        return None
+    return CopyByIds(copy, packed)
+
+
+class CopyByIds:
+    """``fn(src_ids, dst_ids, stream=None) -> IdsLaunch``: copy every piece of block
+    ``src_ids[i]`` to block ``dst_ids[i]`` in one launch, on ``copy``'s SMs and device.
+
+    :param copy: the bound kernel (SM budget, tile plan, device, address translation).
+    :param packed: the template as :func:`pack_template` lays it out.
+    """
+
+    KEEP_LAUNCHES = 256
+
+    def __init__(self, copy: KernelCopy, packed: np.ndarray) -> None:
+        self.copy = copy
+        self.pieces = len(packed) // len(FIELDS)
+        p = self.pieces
+        packed = packed.copy()
+        for lo, fn in ((0, copy._translate_src), (2 * p, copy._translate_dst)):
+            if fn is not None:  # the host side's bases, as the device reads them
+                packed[lo:lo + p] = np.asarray(fn(packed[lo:lo + p]), dtype=np.int64)
+        self.packed = packed
+        self.block_bytes = int(packed[4 * p:].sum())
+        self.align = batch_alignment(packed)
+        self._launches: dict[int, IdsLaunch] = {}
+        self._variants: dict[tuple, Variant] = {}
+        self._runtime: Any = None
+        self.last_launch: Optional[IdsLaunch] = None
+        if copy.device_index is None:
+            self._tmpl: Any = None
+            self._tmpl_ptr = 0
+        else:
+            import torch
+
+            self._tmpl = torch.from_numpy(packed).to(f"cuda:{copy.device_index}")  # uploaded once
+            self._tmpl_ptr = self._tmpl.data_ptr()
+        self.note = (f"addresses derived on the device from {p} piece(s) (base, stride, size) uploaded once; "
+                     f"a transfer sends only its block ids")
+
+    def _plan(self, n: int) -> IdsLaunch:
+        launch = self._launches.get(n)
+        if launch is None:
+            c = self.copy
+            items = n * self.pieces
+            tile = c.tiles.pick(items, n * self.block_bytes, c.num_sms, self.align)
+            work = -(-items // tile.jobs) * tile.splits
+            grid = min(c.num_sms, work)
+            where = "" if c._pool is None else "host" if work <= grid * c.tiles.host_tiles else "device"
+            launch = IdsLaunch(n, items, grid, tile, where)
+            if len(self._launches) >= self.KEEP_LAUNCHES:
+                self._launches.clear()
+            self._launches[n] = launch
+        return launch
+
+    def __call__(self, src_ids: np.ndarray, dst_ids: np.ndarray, stream: Any = None) -> IdsLaunch:
+        """Copy validated int64 id arrays; enqueued on ``stream`` (GPU) or done on return
+        (interpreter)."""
+        n = len(src_ids)
+        if n == 0:
+            self.last_launch = IdsLaunch(0, 0, 0, None)
+            return self.last_launch
+        launch = self._plan(n)
+        if self.copy._pool is None:
+            self._interpret(np.concatenate((src_ids, dst_ids)).astype(np.int64, copy=False), launch)
+        else:
+            self._enqueue(src_ids, dst_ids, launch, stream)
+        self.last_launch = launch
+        return launch
+
+    # -- launching ---------------------------------------------------------------------------
+    def _interpret(self, ids: np.ndarray, launch: IdsLaunch) -> None:
+        import torch
+
+        from .by_ids_kernel import copy_by_ids_kernel
+
+        t = launch.tile
+        copy_by_ids_kernel[(launch.grid,)](torch.from_numpy(self.packed), torch.from_numpy(ids), launch.n,
+                                           self.pieces, t.splits, JOBS=t.jobs, WORDS=t.words, ALIGN=t.align,
+                                           CACHE=t.cache, num_warps=t.warps)
+
+    def _enqueue(self, src_ids: np.ndarray, dst_ids: np.ndarray, launch: IdsLaunch, stream: Any) -> None:
+        import torch
+
+        c, n = self.copy, launch.n
+        s = c._streams.get(stream)
+        entry = c._pool.take(2 * n)
+        try:
+            entry.view[:n] = src_ids
+            entry.view[n:2 * n] = dst_ids
+            if torch.cuda.current_device() == c.device_index:
+                self._launch(entry, launch, s, stream is None)
+            else:
+                with torch.cuda.device(c.device_index):
+                    self._launch(entry, launch, s, stream is None)
+        finally:
+            # Also on failure: the upload may already be in flight.
+            entry.done.record(s)
+            c._pool.give(entry)
+
+    def _launch(self, entry: Any, launch: IdsLaunch, s: Any, current: bool) -> None:
+        import torch
+
+        c, tile = self.copy, launch.tile
+        variant = self._variant(tile)
+        if launch.ids == "host":
+            ids, ptr = entry.host, entry.host_ptr
+        else:
+            ids, ptr = c._pool.device_buffer(entry), entry.dev_ptr
+            m = 2 * launch.n
+            if current:
+                ids[:m].copy_(entry.host[:m], non_blocking=True)
+            else:
+                with torch.cuda.stream(s):
+                    ids[:m].copy_(entry.host[:m], non_blocking=True)
+        args = (self._tmpl_ptr, ptr, launch.n, self.pieces, tile.splits, tile.jobs, tile.words, tile.align, tile.cache)
+        if variant.direct:
+            rt = self._runtime
+            enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
+            if hook_is_set(enter) or hook_is_set(leave):
+                meta = variant.compiled.launch_metadata((launch.grid, 1, 1), s.cuda_stream, *args)
+            else:
+                meta = enter = leave = None
+            variant.run(launch.grid, 1, 1, s.cuda_stream, variant.function, variant.metadata, meta, enter, leave,
+                        *args)
+        else:
+            from .by_ids_kernel import copy_by_ids_kernel
+
+            with torch.cuda.stream(s):
+                copy_by_ids_kernel[(launch.grid,)](self._tmpl, ids, launch.n, self.pieces, tile.splits,
+                                                   JOBS=tile.jobs, WORDS=tile.words, ALIGN=tile.align,
+                                                   CACHE=tile.cache, num_warps=tile.warps)
+
+    def _variant(self, tile: Tile) -> Variant:
+        key = (tile.jobs, tile.words, tile.align, tile.cache, tile.warps)
+        v = self._variants.get(key)
+        if v is None:
+            v = self._variants[key] = _compile(self.copy.device_index, tile)
+            if v.direct and self._runtime is None:
+                from triton import knobs
+
+                self._runtime = knobs.runtime
+        return v
+
+    def prepare(self, counts: Any = (1024,)) -> None:
+        """Compile now the variants that batches of ``counts`` id pairs will use (GPU)."""
+        if self.copy.device_index is not None:
+            for n in counts:
+                self._variant(self._plan(int(n)).tile)
+
+
+_COMPILED: dict[tuple, Variant] = {}
+
+
+def _compile(device_index: int, tile: Tile) -> Variant:
+    """One compiled variant per device and tile shape, shared by every binding."""
+    key = (device_index, tile.jobs, tile.words, tile.align, tile.cache, tile.warps)
+    v = _COMPILED.get(key)
+    if v is None:
+        import torch
+
+        from .by_ids_kernel import copy_by_ids_kernel
+
+        with torch.cuda.device(device_index):
+            # ``torch.int64`` stands for the two (16-byte aligned) pointers; the ints only type n, pieces, splits.
+            compiled = copy_by_ids_kernel.warmup(torch.int64, torch.int64, 0, 1, 1, JOBS=tile.jobs, WORDS=tile.words,
+                                                 ALIGN=tile.align, CACHE=tile.cache, num_warps=tile.warps,
+                                                 grid=(1,))
+            parts = direct_parts(compiled) if compiled is not None else None
+        v = _COMPILED[key] = Variant(compiled, *parts) if parts else Variant(compiled)
+    return v

@@ -1,0 +1,62 @@
+"""The Triton kernel that copies blocks by id: addresses derived on the device.
+
+Imports Triton at the top; only by_ids.py imports it, inside a function.
+
+A BlockMover's descriptor template says where every piece (one contiguous chunk of one
+tensor pair) of block 0 lives and how far apart blocks are: ``tmpl`` is one int64 array
+``[src_base | src_stride | dst_base | dst_stride | size]`` of ``pieces`` entries each,
+uploaded once. Per launch only the ids travel: ``ids = [src_ids | dst_ids]``, ``n``
+each. Work item ``w`` (``pieces x n`` of them, piece-major) copies ``size[p]`` bytes from
+``src_base[p] + src_ids[i] * src_stride[p]`` to ``dst_base[p] + dst_ids[i] *
+dst_stride[p]`` with ``p = w // n``, ``i = w % n``. The copy loop is copy_kernel's
+(kernel.py): a persistent grid of ``num_programs`` programs strides over tiles of
+``JOBS`` work items, ``WORDS`` 8-byte elements of each per step; ``splits`` programs
+share a tile when there are fewer tiles than programs.
+
+Only 8- and 16-byte aligned templates run here (every base, stride and size a multiple
+of 8, or of 16 for vectors); the launcher declines others, which then take the
+descriptor path.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .kernel import _copy_step
+
+
+@triton.jit(do_not_specialize=["n", "pieces", "splits"])
+def copy_by_ids_kernel(tmpl, ids, n, pieces, splits, JOBS: tl.constexpr, WORDS: tl.constexpr,
+                       ALIGN: tl.constexpr, CACHE: tl.constexpr):
+    """Copy ``pieces x n`` work items; see the module docstring. ``ALIGN``: 16 (vectors)
+    or 8 (words), what every base, stride and size is a multiple of."""
+    col = tl.arange(0, WORDS)
+    total = n.to(tl.int64) * pieces
+    work = tl.cdiv(total, JOBS) * splits
+    step = tl.num_programs(0)
+    for w in range(tl.program_id(0), work, step):
+        part = w % splits
+        j = (w // splits).to(tl.int64) * JOBS + tl.arange(0, JOBS)
+        live = j < total
+        p = tl.where(live, j // n, 0)
+        i = tl.where(live, j - p * n, 0)
+        sid = tl.load(ids + i, mask=live, other=0)
+        did = tl.load(ids + n + i, mask=live, other=0)
+        s = tl.load(tmpl + p, mask=live, other=0) + sid * tl.load(tmpl + pieces + p, mask=live, other=0)
+        d = tl.load(tmpl + 2 * pieces + p, mask=live, other=0) + did * tl.load(tmpl + 3 * pieces + p, mask=live,
+                                                                               other=0)
+        # Rows past the end read as size 0 and copy nothing.
+        nw = tl.load(tmpl + 4 * pieces + p, mask=live, other=0) >> 3
+        top = tl.max(nw, 0)
+        if ALIGN == 16:
+            sp = tl.multiple_of(s, 16).to(tl.pointer_type(tl.int64))
+            dp = tl.multiple_of(d, 16).to(tl.pointer_type(tl.int64))
+            for c in range(part * WORDS, top, splits * WORDS):
+                rem = tl.multiple_of(tl.minimum(nw - c, WORDS).to(tl.int32), 2)
+                _copy_step(tl.multiple_of(sp + c, 16), tl.multiple_of(dp + c, 16), rem, col, CACHE)
+        else:
+            sp = s.to(tl.pointer_type(tl.int64))
+            dp = d.to(tl.pointer_type(tl.int64))
+            for c in range(part * WORDS, top, splits * WORDS):
+                rem = tl.minimum(nw - c, WORDS).to(tl.int32)
+                _copy_step(sp + c, dp + c, rem, col, CACHE)

@@ -37,7 +37,7 @@ def test_blocks_by_id_match_torch_indexing(name):
     rng = np.random.default_rng(11)
     src, dst = pools(name, 1)
     template = pair_regions(src.tensors, dst.tensors, src.layout.block_dim)
-    fn = bind_by_ids(KernelCopy(num_sms=3, device_index=None), template)
+    fn = KernelCopy(num_sms=3, device_index=None).by_ids(template)  # the capability, as a mover asks
     assert isinstance(fn, CopyByIds) and fn.pieces == template.count
     before, src_before = dst.snapshot(), src.snapshot()
     jobs = []

@@ -4,7 +4,8 @@ The descriptor arrays reach the driver as raw pointers to the caller's int64 num
 (no per-descriptor Python objects). Where the batch call cannot serve — a driver older
 than 12.8, or the legacy default stream, which it rejects — each descriptor becomes one
 ``cuMemcpyAsync``: correct, just slower (FACTS.md: 5.3 GB/s for 16 KiB blocks), and the
-callable's ``note`` says so in ``explain()``.
+callable's ``note`` says so in ``explain()``. The factory hands batches too large for the
+caller's thread to the device's issuer thread (issuer.py), in the caller's stream order.
 """
 from __future__ import annotations
 
@@ -157,12 +158,16 @@ def bind(driver: drv.Driver, direction: Direction, device_index: int) -> BatchCo
     )
 
 
-def _factory(ctx: BindContext) -> BatchCopy:
+def _factory(ctx: BindContext) -> Any:
     import torch
+
+    from .issuer import issued
 
     torch.cuda.init()  # torch creates the primary context bind() then retains
     index = ctx.device.index if ctx.device.index is not None else torch.cuda.current_device()
-    return bind(drv.get(), ctx.direction, index)
+    driver = drv.get()
+    # Large batches are issued from the device's issuer thread (issuer.py).
+    return issued(bind(driver, ctx.direction, index), driver)
 
 
 CUDA_BATCH = CopyImpl(

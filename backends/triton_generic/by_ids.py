@@ -7,7 +7,7 @@ the template (bases, strides, sizes per piece) is uploaded once, when the capabi
 bound, and a transfer sends only its two id arrays: packed into a pinned staging buffer
 of the launcher's pool, read by the kernel from there when the batch is short, uploaded
 with one asynchronous copy first when it is long (the rule of :class:`KernelCopy`). One
-launch of :func:`~.by_ids_kernel.copy_by_ids_kernel` copies pieces x ids.
+launch of :func:`~.by_ids_jit.copy_by_ids_kernel` copies pieces x ids.
 
 The caller guarantees what the descriptor path would check per call: the template was
 validated once (chunks inside their tensors, destinations that do not overlap), and the
@@ -133,7 +133,7 @@ class CopyByIds:
     def _interpret(self, ids: np.ndarray, launch: IdsLaunch) -> None:
         import torch
 
-        from .by_ids_kernel import copy_by_ids_kernel
+        from .by_ids_jit import copy_by_ids_kernel
 
         t = launch.tile
         copy_by_ids_kernel[(launch.grid,)](torch.from_numpy(self.packed), torch.from_numpy(ids), launch.n,
@@ -185,7 +185,7 @@ class CopyByIds:
             variant.run(launch.grid, 1, 1, s.cuda_stream, variant.function, variant.metadata, meta, enter, leave,
                         *args)
         else:
-            from .by_ids_kernel import copy_by_ids_kernel
+            from .by_ids_jit import copy_by_ids_kernel
 
             with torch.cuda.stream(s):
                 copy_by_ids_kernel[(launch.grid,)](self._tmpl, ids, launch.n, self.pieces, tile.splits,
@@ -220,7 +220,7 @@ def _compile(device_index: int, tile: Tile) -> Variant:
     if v is None:
         import torch
 
-        from .by_ids_kernel import copy_by_ids_kernel
+        from .by_ids_jit import copy_by_ids_kernel
 
         with torch.cuda.device(device_index):
             # ``torch.int64`` stands for the two (16-byte aligned) pointers; the ints only type n, pieces, splits.

@@ -9,7 +9,7 @@ uploaded once. Per launch only the ids travel: ``ids = [src_ids | dst_ids]``, ``
 each. Work item ``w`` (``pieces x n`` of them, piece-major) copies ``size[p]`` bytes from
 ``src_base[p] + src_ids[i] * src_stride[p]`` to ``dst_base[p] + dst_ids[i] *
 dst_stride[p]`` with ``p = w // n``, ``i = w % n``. The copy loop is copy_kernel's
-(kernel.py): a persistent grid of ``num_programs`` programs strides over tiles of
+(jit.py): a persistent grid of ``num_programs`` programs strides over tiles of
 ``JOBS`` work items, ``WORDS`` 8-byte elements of each per step; ``splits`` programs
 share a tile when there are fewer tiles than programs.
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kernel import _copy_step
+from .jit import _copy_step
 
 
 @triton.jit(do_not_specialize=["n", "pieces", "splits"])

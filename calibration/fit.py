@@ -424,7 +424,8 @@ def profile_fields(
     ceiling = ceilings(ms)
     fields: dict[str, Any] = {}
     if prior is not None:
-        for d in (str(x) for x in Direction):
+        carried = {str(c.direction) for c in prior.curves} | set(prior.kernel_sms)
+        for d in (str(x) for x in Direction if x.crosses_host or str(x) in carried):
             if d in decisions:
                 continue
             out_curves += [

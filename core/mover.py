@@ -63,8 +63,9 @@ class BlockMover:
     :param src_tensors: a tensor or a sequence of tensors (one per layer, or per K/V).
     :param dst_tensors: as many tensors; each may differ from its source in shape and
         block count, but a block must be the same chunks of the same sizes on both sides.
-    :param direction: ``"h2d"`` (sources on the host) or ``"d2h"`` (destinations on the
-        host). The device side may also be host memory: the host reference then copies.
+    :param direction: ``"h2d"`` (sources on the host), ``"d2h"`` (destinations on the
+        host) or ``"d2d"`` (both sides on one device). The device side may also be host
+        memory: the host reference then copies.
     :param block_dim: the dimension that indexes blocks, or a ``(src, dst)`` pair;
         vLLM's FlashAttention layout ``(2, num_blocks, ...)`` is ``block_dim=1``.
     :param policy: passed to :func:`kvswap.resolve` (SM budget, forced route).
@@ -329,10 +330,13 @@ def _tensor_list(tensors: Tensors, what: str) -> list:
 
 
 def _device_side(src: list, dst: list, direction: Direction) -> Any:
-    """The device of the non-host side; checks that the host side is on the host."""
-    host, dev = (src, dst) if direction.src_is_host else (dst, src)
-    host_name, dev_name = ("src", "dst") if direction.src_is_host else ("dst", "src")
-    role = "sources" if direction.src_is_host else "destinations"
+    """The device of the non-host side(s); checks that the host side is on the host."""
+    if direction is Direction.D2D:
+        host, dev, host_name, dev_name, role = [], src + dst, "", "src_tensors and dst", ""
+    else:
+        host, dev = (src, dst) if direction.src_is_host else (dst, src)
+        host_name, dev_name = ("src", "dst") if direction.src_is_host else ("dst", "src")
+        role = "sources" if direction.src_is_host else "destinations"
     for i, t in enumerate(host):
         if t.device.type != "cpu":
             raise TensorPlacementError(

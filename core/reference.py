@@ -45,7 +45,7 @@ REFERENCE = CopyImpl(
     name=NAME,
     kind="batch",
     platforms=("cpu",),
-    directions=(Direction.H2D, Direction.D2H),
+    directions=(Direction.H2D, Direction.D2H, Direction.D2D),
     factory=_factory,
     description="host memmove per descriptor; the oracle for every other backend",
 )

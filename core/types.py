@@ -10,10 +10,14 @@ from .errors import ConfigurationError
 
 
 class Direction(str, enum.Enum):
-    """Which way a transfer goes. Plain strings ``"h2d"``/``"d2h"`` are accepted anywhere."""
+    """Which way a transfer goes. Plain strings ``"h2d"``/``"d2h"``/``"d2d"`` are accepted anywhere.
+
+    ``d2d`` copies between two allocations of one device: neither side is host memory.
+    """
 
     H2D = "h2d"
     D2H = "d2h"
+    D2D = "d2d"
 
     def __str__(self) -> str:
         return self.value
@@ -26,7 +30,7 @@ class Direction(str, enum.Enum):
             return cls(str(value).lower())
         except ValueError:
             raise ConfigurationError(
-                f"direction={value!r} is not valid; choose one of 'h2d', 'd2h'"
+                f"direction={value!r} is not valid; choose one of {', '.join(repr(d.value) for d in cls)}"
             ) from None
 
     @property
@@ -36,6 +40,12 @@ class Direction(str, enum.Enum):
     @property
     def dst_is_host(self) -> bool:
         return self is Direction.D2H
+
+    @property
+    def crosses_host(self) -> bool:
+        """True when one side is host memory: the copy crosses the host link, the one
+        calibration measures by default (h2d and d2h, not d2d)."""
+        return self.src_is_host or self.dst_is_host
 
 
 DirectionLike = Union[Direction, str]

@@ -78,7 +78,7 @@ H100 = Calibration(
     scope="family",
     curves=tuple(
         c
-        for d in Direction
+        for d in (H2D, D2H)
         for c in (
             Curve(BATCH, d, ((4 * KiB, 4.0), (28 * KiB, 24.0), (64 * KiB, 40.0), (256 * KiB, 48.0))),
             Curve(KERNEL, d, ((4 * KiB, 24.0), (256 * KiB, 24.0)), num_sms=12),
@@ -105,7 +105,7 @@ UNKNOWN = Calibration(
     scope="platform",
     curves=tuple(
         c
-        for d in Direction
+        for d in (H2D, D2H)
         for c in (
             Curve(BATCH, d, ((4 * KiB, 3.5), (16 * KiB, 6.0), (32 * KiB, 22.0), (64 * KiB, 32.0), (256 * KiB, 40.0))),
             Curve(KERNEL, d, ((4 * KiB, 15.0), (16 * KiB, 20.0), (64 * KiB, 24.0), (256 * KiB, 24.0)), num_sms=8),

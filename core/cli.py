@@ -1,22 +1,34 @@
-"""The ``kvswap`` command: ``info``, ``explain``, ``calibrate``, ``bench``."""
+"""The ``kvswap`` command: ``info``, ``explain``, ``calibrate``, ``bench``.
+
+Exit status: 0 done; 1 the work failed (a driver error, nothing usable); 2 a usage error
+(bad arguments, a forced implementation that cannot be honoured); 130 interrupted; 141
+(as for SIGPIPE) when whoever reads stdout stops reading, e.g. ``kvswap info | head -1``.
+"""
 from __future__ import annotations
 
 import argparse
 import importlib
 import json
+import os
+import signal
 import sys
 import warnings
 from typing import Any, Callable, Optional, Sequence
 
-from .errors import ConfigurationError, KvSwapError
+from . import __version__
+from .errors import ConfigurationError, KvSwapError, ResolutionError
 from .types import Direction, Policy
 
-# Subcommands whose code lives elsewhere: name -> module with add_arguments() and run().
+# Subcommands whose code lives elsewhere: name -> module with HELP, DESCRIPTION,
+# add_arguments(p) and run(args). A command whose module fails to import is still listed,
+# and running it says why.
 EXTERNAL = {
     "models": "kvswap.models",
     "calibrate": "kvswap.calibration.cli_calibrate",
     "bench": "kvswap.calibration.cli_bench",
 }
+FORCE_ENV = "KVSWAP_FORCE_IMPL"
+EXIT_SIGPIPE = 128 + int(getattr(signal, "SIGPIPE", 13))
 
 
 class UsageError(Exception):
@@ -100,6 +112,7 @@ def build_parser() -> Parser:
         "Inspect the backends (info), see how a transfer would be routed (explain), "
         "measure this device (calibrate) and compare routes (bench).",
     )
+    parser.add_argument("--version", action="version", version=f"kvswap {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     sub.required = True
 
@@ -127,34 +140,74 @@ def build_parser() -> Parser:
     p.set_defaults(func=cmd_explain)
 
     for name, module in EXTERNAL.items():
-        try:
-            mod = importlib.import_module(module)
-        except ImportError:
-            continue
-        p = sub.add_parser(name, help=mod.HELP, description=mod.DESCRIPTION)
-        mod.add_arguments(p)
-        p.set_defaults(func=mod.run)
+        add_external(sub, name, module)
     return parser
+
+
+def add_external(sub: Any, name: str, module: str) -> None:
+    """Register ``name`` from ``module``; if the module cannot load, a stub that says why."""
+    try:
+        mod = importlib.import_module(module)
+    except Exception as e:  # any failure of an optional part: report it, keep the CLI working
+        why = f"kvswap {name} is unavailable: importing {module} failed: {type(e).__name__}: {e}"
+        p = sub.add_parser(name, help=f"unavailable ({type(e).__name__}: {e}); `kvswap {name}` says more",
+                           description=why)
+        p.set_defaults(func=unavailable(why), any_arguments=True)
+        return
+    p = sub.add_parser(name, help=mod.HELP, description=mod.DESCRIPTION)
+    mod.add_arguments(p)
+    p.set_defaults(func=mod.run)
+
+
+def unavailable(why: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        print(f"kvswap: error: {why}", file=sys.stderr)
+        return 1
+
+    return run
 
 
 def _one_line_warning(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
     print(f"kvswap: warning: {message}", file=sys.stderr if file is None else file)
 
 
+def forced(args: Optional[argparse.Namespace]) -> Optional[str]:
+    """The implementation this command was told to use (``--force``, else the switch)."""
+    return getattr(args, "force", None) or os.environ.get(FORCE_ENV) or None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     warnings.showwarning = _one_line_warning
+    args = None
     try:
-        args = build_parser().parse_args(argv)
-        return int(args.func(args) or 0)
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
+        if extra and not getattr(args, "any_arguments", False):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        status = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler below
+        return status
     except UsageError as e:
         print(e, file=sys.stderr)
         return 2
     except ConfigurationError as e:
         print(f"kvswap: error: {e}", file=sys.stderr)
         return 2
+    except ResolutionError as e:
+        # A forced implementation that cannot be honoured is a mistake in the flag or switch.
+        flag = "--force: " if getattr(args, "force", None) else ""
+        print(f"kvswap: error: {flag}{e}", file=sys.stderr)
+        return 2 if forced(args) else 1
     except KvSwapError as e:
         print(f"kvswap: error: {e}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # The reader went away (``| head``): say nothing, and keep the interpreter's final
+        # flush of stdout from failing again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_SIGPIPE
     except KeyboardInterrupt:
         print("kvswap: interrupted", file=sys.stderr)
         return 130

@@ -69,6 +69,12 @@ def torch_device(spec: Optional[str]) -> DeviceInfo:
     """A plain description of a CUDA or ROCm device through torch alone."""
     import torch
 
+    m = _SPEC.match(spec) if spec is not None else None
+    if m and m.group(1) != "cuda":
+        raise ConfigurationError(
+            f"device={spec!r} is not recognised: no plugin claims {m.group(1)!r} devices; "
+            "use 'cpu', 'cuda', 'cuda:N' or a device an installed backend announces"
+        )
     kind = torch_platform()
     if kind == "cpu":
         raise ConfigurationError(f"device={spec!r}: torch sees no CUDA or ROCm device here")
@@ -76,8 +82,6 @@ def torch_device(spec: Optional[str]) -> DeviceInfo:
     index = torch.cuda.current_device()
     if spec is not None:
         m = _SPEC.match(spec)
-        if m.group(1) != "cuda":
-            raise ConfigurationError(f"device={spec!r}: no plugin recognises {m.group(1)!r} devices")
         if m.group(2) is not None:
             index = int(m.group(2))
     if not 0 <= index < count:

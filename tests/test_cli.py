@@ -60,7 +60,7 @@ def test_third_party_plugin_is_discovered_forced_and_blocked(third_party):
 
     blocked = dict(third_party, KVSWAP_DISABLE_PLUGINS="acme")
     out = kvswap("explain", "--direction", "h2d", "--force", "acme.copy", env=blocked)
-    assert out.returncode == 1 and "'acme.copy' is not registered" in out.stderr
+    assert out.returncode == 2 and "'acme.copy' is not registered" in out.stderr  # a usage error of --force
     info = json.loads(kvswap("info", "--json", env=blocked).stdout)
     assert next(p for p in info["plugins"] if p["name"] == "acme")["status"] == "disabled"
 
@@ -126,3 +126,77 @@ def test_console_script_is_installed():
     exe = os.path.join(os.path.dirname(sys.executable), "kvswap")
     out = subprocess.run([exe, "info", "--json"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and json.loads(out.stdout)["platform"] == "cpu"
+
+
+def test_version_exits_0_and_names_the_package_version():
+    from kvswap import __version__
+
+    out = kvswap("--version")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"kvswap {__version__}"
+
+
+def test_forced_implementation_that_cannot_be_honoured_is_a_usage_error():
+    out = kvswap("explain", "--direction", "h2d", "--force", "nosuch")
+    assert out.returncode == 2
+    assert out.stderr.count("\n") == 1 and "--force" in out.stderr and "'nosuch' is not registered" in out.stderr
+    assert "host.reference" in out.stderr  # what is usable instead
+    out = kvswap("explain", "--direction", "d2h", env={"KVSWAP_FORCE_IMPL": "nosuch"})
+    assert out.returncode == 2 and "KVSWAP_FORCE_IMPL='nosuch'" in out.stderr
+
+
+@pytest.mark.parametrize("args", [["info"], ["info", "--json"], ["explain", "--direction", "h2d"], ["--help"]])
+def test_closed_pipe_ends_quietly(args):
+    cmd = [sys.executable, "-m", "kvswap", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the command writes, as `| head` leaves it
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=120)
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+    assert proc.returncode in (0, 141), (proc.returncode, err)
+
+
+def test_closed_pipe_after_first_line_in_a_shell():
+    out = subprocess.run(f"{sys.executable} -m kvswap info | head -1", shell=True, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.count("\n") == 1
+    assert out.stderr == "", out.stderr
+
+
+@pytest.mark.parametrize("command", [["info"], ["explain", "--direction", "h2d"]])
+def test_unknown_device_string_is_named_as_not_recognised(command):
+    out = kvswap(*command, "--device", "nosuch")
+    assert out.returncode == 2
+    assert "device='nosuch' is not recognised" in out.stderr and "torch sees" not in out.stderr
+
+
+BLOCK_IMPORT = (
+    "import sys, importlib.abc\n"
+    "class Block(importlib.abc.MetaPathFinder):\n"
+    "    def find_spec(self, name, path=None, target=None):\n"
+    "        if name == 'kvswap.calibration.cli_calibrate':\n"
+    "            raise ImportError('matplotlib went missing')\n"
+    "sys.meta_path.insert(0, Block())\n"
+    "from kvswap.cli import main\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
+
+
+def test_optional_command_that_cannot_load_is_listed_and_says_why():
+    run = lambda *args: subprocess.run([sys.executable, "-c", BLOCK_IMPORT, *args], capture_output=True,
+                                       text=True, timeout=120)
+    out = run("--help")
+    assert out.returncode == 0 and "calibrate" in out.stdout and "unavailable" in out.stdout
+    assert "bench" in out.stdout
+    out = run("calibrate", "--quick", "--device", "cpu")
+    assert out.returncode == 1
+    assert "kvswap calibrate is unavailable" in out.stderr and "matplotlib went missing" in out.stderr
+    assert "Traceback" not in out.stderr
+    out = run("info", "--json")  # the rest of the CLI is untouched
+    assert out.returncode == 0 and json.loads(out.stdout)["platform"] == "cpu"
+
+
+def test_every_command_is_listed_in_help():
+    out = kvswap("--help")
+    for cmd in ("info", "explain", "calibrate", "bench"):
+        assert cmd in out.stdout

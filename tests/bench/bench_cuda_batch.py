@@ -5,7 +5,7 @@ then N scattered blocks (distinct random slots in a pool on each side, ~1 GiB of
 only where N blocks do not fit) copied by ``cuda.batch`` — one ``cuMemcpyBatchAsync`` per
 call on a side stream — for blocks of 4-256 KiB at N = 1000 and 10000; and, for scale, the
 per-copy ``cuMemcpyAsync`` path at 16 KiB, N = 2000. It prints GB/s, the fraction of the
-ceiling, the host time to enqueue per descriptor, and the H200 value in FACTS.md where one
+ceiling, the host time to enqueue per descriptor, and an H200 reference value where one
 exists; with ``$OUT`` set it also writes ``cuda_batch.json`` and ``cuda_batch.md`` there.
 
 Timing: after a correctness check (sampled destination blocks poisoned, then compared)
@@ -31,15 +31,15 @@ BLOCKS = (4, 8, 16, 32, 64, 128, 256)  # KiB
 COUNTS = (1000, 10_000)
 REACH = 1 * GiB
 CEILING_BYTES = 512 * MiB
-# FACTS.md, NVIDIA H200 PCIe Gen5 x16, driver 580 / CUDA 13.0: batch DMA GB/s at
+# NVIDIA H200 PCIe Gen5 x16, driver 580 / CUDA 13.0, N scattered blocks: batch DMA GB/s at
 # (dir, KiB, N); h2d is the ANY column (what cuda.batch uses), d2h the STREAM column.
-FACTS_H200 = {
+H200_REFERENCE = {
     ("h2d", 4, 10_000): 4.1, ("h2d", 8, 10_000): 5.4, ("h2d", 16, 10_000): 6.6,
     ("h2d", 32, 10_000): 36.3, ("h2d", 64, 10_000): 44.5, ("h2d", 128, 1000): 48.8,
     ("d2h", 4, 10_000): 9.6, ("d2h", 8, 10_000): 17.5, ("d2h", 16, 10_000): 23.5,
     ("d2h", 32, 10_000): 34.5, ("d2h", 64, 10_000): 42.5,
 }
-FACTS_PER_COPY_16K = 5.3  # per-block cuMemcpyAsync loop, 16 KiB, N=2000
+H200_PER_COPY_16K = 5.3  # per-block cuMemcpyAsync loop, 16 KiB, N=2000
 
 
 class Bench:
@@ -157,7 +157,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ceil = {d: bench.ceiling(d) for d in ("h2d", "d2h")}
     out["ceiling"] = ceil
     lines.append("Contiguous pinned ceiling (512 MiB): " + ", ".join(f"{d} {g:.1f} GB/s" for d, g in ceil.items()))
-    lines += ["", "| dir | block | N | cuda.batch GB/s | fraction of ceiling | enqueue µs/desc | H200 FACTS.md |",
+    lines += ["", "| dir | block | N | cuda.batch GB/s | fraction of ceiling | enqueue µs/desc | H200 reference |",
               "|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
     notes = []
@@ -168,7 +168,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             for n in COUNTS:
                 row = bench.measure(fn, d, block * KiB, n)
                 out["rows"].append(row)
-                ref = FACTS_H200.get((d, block, n))
+                ref = H200_REFERENCE.get((d, block, n))
                 if row.get("error"):
                     cells = ["ERR", "", ""]
                     notes.append(f"{d} {block} KiB N={n}: {row['error']}")
@@ -188,7 +188,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             f"  {d}: " + (f"ERR {row['error']}" if row.get("error") else
                           f"{row['gbps']:.1f} GB/s ({row['gbps'] / ceil[d]:.2f} of ceiling), "
                           f"{row['enqueue_us']:.2f} µs/desc to enqueue")
-            + f" (H200 FACTS.md: {FACTS_PER_COPY_16K} GB/s)")
+            + f" (H200 reference: {H200_PER_COPY_16K} GB/s)")
     lines += per_copy_lines
     print("\n".join(per_copy_lines), flush=True)
     lines += ["", "Notes:"] + [f"- {n}" for n in notes] + [f"- wall time {time.time() - started:.0f} s"]

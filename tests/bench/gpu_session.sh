@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
-# One command on the lent GPU machine: the gpu-marked tests, calibration (profile, plot,
-# decisions), the bench and the backends' benchmark scripts, each step's output under $OUT.
+# Everything a maintainer runs on a GPU machine, one step after another, each step's output
+# under $OUT (default /tmp/kvswap-out). Run from the repository root:
 #   bash tests/bench/gpu_session.sh tests calibrate bench benches overhead
-# CAL_ARGS (unset: --quick; set it empty for the full grid), BENCH_ARGS (e.g. "--passes 3") and
-# STEP_TIMEOUT (seconds per step, default 280) tune it;
-# PROFILE names a profile for the overhead step (default: the resolver's own search).
-# The GPU machine's python lacks platformdirs: carry its wheel in .whl/ (README: Testing).
+# Steps:
+#   tests      the gpu-marked tests
+#   calibrate  kvswap calibrate (CAL_ARGS: unset means --quick; set it empty for the full grid)
+#   bench      kvswap explain and kvswap bench, with the profile just calibrated if there is one
+#              (BENCH_ARGS, e.g. "--passes 3")
+#   benches    the backends' benchmarks against the contiguous ceiling
+#   overhead   the host cost of a SwapFn call and of BlockMover.submit (PROFILE names a profile)
+# STEP_TIMEOUT (seconds per step, default 280) bounds each step.
+# On a machine without a package index whose Python lacks kvswap's small dependencies
+# (pluggy, platformdirs, tqdm, pytest), put their wheels in .whl/: they are installed first.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvswap-out}
 mkdir -p "$OUT"
@@ -25,8 +31,8 @@ for step in "$@"; do
     calibrate)
       # shellcheck disable=SC2086
       timeout "$T" python3 -m kvswap calibrate ${CAL_ARGS---quick} --out "$OUT/profile.json" \
-        --plot "$OUT/profile.png" >"$OUT/calibrate.log" 2>/tmp/calibrate.err
-      echo "calibrate exit $?"; tail -n 3 /tmp/calibrate.err >>"$OUT/calibrate.log"; tail -n 60 "$OUT/calibrate.log" ;;
+        --plot "$OUT/profile.png" >"$OUT/calibrate.log" 2>"$OUT/calibrate.err"
+      echo "calibrate exit $?"; tail -n 3 "$OUT/calibrate.err" >>"$OUT/calibrate.log"; tail -n 60 "$OUT/calibrate.log" ;;
     bench)
       profile=$OUT/profile.json
       [ -f "$profile" ] || profile=
@@ -37,15 +43,12 @@ for step in "$@"; do
       } >"$OUT/bench.log" 2>&1
       echo "bench exit $?"; tail -n 70 "$OUT/bench.log" ;;
     benches)
-      # Their own result files go elsewhere: at most 8 files come back from $OUT.
-      { OUT=/tmp/benches timeout "$T" python3 tests/bench/bench_cuda_batch.py
-        OUT=/tmp/benches timeout "$T" python3 tests/bench/bench_triton.py; } >"$OUT/benches.log" 2>&1
+      { OUT=$OUT/benches timeout "$T" python3 tests/bench/bench_cuda_batch.py
+        OUT=$OUT/benches timeout "$T" python3 tests/bench/bench_triton.py; } >"$OUT/benches.log" 2>&1
       echo "benches exit $?"; tail -n 80 "$OUT/benches.log" ;;
     overhead)
-      # What a resolved SwapFn costs against forced ones on the same route: host time per
-      # call, and the bench's own timer on copies of one route.
       { KVSWAP_PROFILE=${PROFILE:-} timeout "$T" python3 tests/bench/bench_swapfn_overhead.py
-        KVSWAP_PROFILE=${PROFILE:-} timeout "$T" python3 tests/bench/bench_same_route.py; } >"$OUT/overhead.log" 2>&1
+        OUT=$OUT/overhead timeout "$T" python3 tests/bench/bench_mover_submit.py; } >"$OUT/overhead.log" 2>&1
       echo "overhead exit $?"; tail -n 60 "$OUT/overhead.log" ;;
     *) echo "unknown step $step" ;;
   esac

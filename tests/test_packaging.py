@@ -79,3 +79,23 @@ def test_backend_modules_import_light():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "", f"importing the backends loaded {out.stdout.strip()}"
+
+
+def test_version_is_one_number_in_pyproject_and_the_package():
+    import tomllib
+
+    from kvswap import __version__
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["version"] == __version__
+    assert project["requires-python"] == ">=3.10"
+    assert set(project["optional-dependencies"]) >= {"triton", "plot", "test"}
+    assert not any(d.startswith("triton") for d in project["dependencies"]), "Triton stays optional"
+
+
+def test_wheel_metadata_carries_the_readme_and_the_extras(wheel):
+    (meta,) = [n for n in wheel.namelist() if n.endswith(".dist-info/METADATA")]
+    text = wheel.read(meta).decode()
+    assert "Provides-Extra: triton" in text and "Provides-Extra: plot" in text and "Provides-Extra: test" in text
+    assert "Requires-Python: >=3.10" in text
+    assert "bash .ci/setup" in text  # the README is the long description

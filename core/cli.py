@@ -110,6 +110,7 @@ def build_parser() -> Parser:
         prog="kvswap",
         description="Move KV-cache blocks between pinned host memory and accelerator memory. "
         "Inspect the backends (info), see how a transfer would be routed (explain), "
+        "list the KV shapes of known models (models), "
         "measure this device (calibrate) and compare routes (bench).",
     )
     parser.add_argument("--version", action="version", version=f"kvswap {__version__}")

@@ -41,6 +41,8 @@ class StandInLibcuda:
     :param version: what ``cuDriverGetVersion`` reports.
     :param batch_abis: the ``cuMemcpyBatchAsync`` ABIs (12080, 13000) it exports.
     :param fail_at: make the copy of this descriptor fail with ``fail_code``.
+    :param fail_calls: with ``fail_at``, only these batch calls fail (0-based, counted
+        over the stand-in's life); None: every batch call fails.
     """
 
     NAMES = {1: ("CUDA_ERROR_INVALID_VALUE", "invalid argument"),
@@ -49,8 +51,9 @@ class StandInLibcuda:
     PRIMARY = 0xC0FFEE0
 
     def __init__(self, version=13000, batch_abis=(12080, 13000), fail_at=None, fail_code=CUDA_ERROR_INVALID_VALUE,
-                 needs_init=False):
+                 needs_init=False, fail_calls=None):
         self.version, self.fail_at, self.fail_code = version, fail_at, fail_code
+        self.fail_calls = fail_calls
         self.initialised = not needs_init
         self.calls: list[tuple] = []
         self.current, self.stack = 0, []
@@ -113,12 +116,13 @@ class StandInLibcuda:
             return np.ctypeslib.as_array((ctypes.c_int64 * count).from_address(addr)).copy()
 
         attr = driver.MemcpyAttributes.from_address(attrs)
+        number = len(self.of("cuMemcpyBatchAsync"))
         self.calls.append(("cuMemcpyBatchAsync", dict(
             abi=abi, dst=array(dsts), src=array(srcs), sizes=array(sizes), count=count,
             order=attr.srcAccessOrder, flags=attr.flags, hint_types=(attr.srcLocHint.type, attr.dstLocHint.type),
             attr_idx=_size.from_address(attr_idxs).value, num_attrs=num_attrs,
             fail_idx=fail_idx, stream=stream or 0, context=self.current)))
-        if self.fail_at is not None:
+        if self.fail_at is not None and (self.fail_calls is None or number in self.fail_calls):
             if fail_idx is not None:
                 _size.from_address(fail_idx).value = self.fail_at
             return self.fail_code

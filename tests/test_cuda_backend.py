@@ -357,6 +357,96 @@ def test_the_13_abi_reports_no_index():
     assert lib.of("cuMemcpyBatchAsync")[0][1]["fail_idx"] is None
 
 
+# ---------------------------------------------------------------------------------------
+# Huge batches: calls of at most the cap, in order, on one stream
+# ---------------------------------------------------------------------------------------
+
+def _many(rng, n):
+    """``n`` descriptors of 1-24 bytes, scattered over random/poisoned pools."""
+    return HostPools(rng, rng.integers(1, 25, n), pool=32 * n, slot=32)
+
+
+@pytest.mark.parametrize("direction", [Direction.H2D, Direction.D2H])
+def test_200000_descriptors_become_ordered_calls_of_at_most_the_cap(direction):
+    rng = np.random.default_rng()
+    d, lib = standin_driver()
+    fn = batch.bind(d, direction, 0)
+    assert fn.chunk == batch.DEFAULT_CHUNK == 32768 and "at most 32768 descriptors a call" in fn.note
+    pools = _many(rng, 200_000)
+    fn(pools.src, pools.dst, pools.sizes, 0x5EED)
+    calls = [c[1] for c in lib.of("cuMemcpyBatchAsync")]
+    assert [c["count"] for c in calls] == [32768] * 6 + [200_000 - 6 * 32768]
+    assert {c["stream"] for c in calls} == {0x5EED}  # one stream: the pieces run in the order issued
+    # In order and complete: the pieces, joined, are the caller's batch.
+    for key, want in (("src", pools.src), ("dst", pools.dst), ("sizes", pools.sizes)):
+        assert np.array_equal(np.concatenate([c[key] for c in calls]), want), key
+    assert all(c["num_attrs"] == 1 for c in calls)
+    pools.check()
+
+
+@pytest.mark.parametrize("how", ["param", "env"])
+def test_the_cap_comes_from_the_bind_parameter_or_the_environment(how, monkeypatch):
+    rng = np.random.default_rng()
+    d, lib = standin_driver()
+    if how == "env":
+        monkeypatch.setenv(batch.CHUNK_ENV, "1000")
+        chunk = batch.chunk_size({})
+    else:
+        monkeypatch.setenv(batch.CHUNK_ENV, "7")  # the parameter wins
+        chunk = batch.chunk_size({"batch_chunk": 1000})
+    fn = batch.bind(d, Direction.H2D, 0, chunk)
+    pools = _many(rng, 2500)
+    fn(pools.src, pools.dst, pools.sizes, 3)
+    assert [c[1]["count"] for c in lib.of("cuMemcpyBatchAsync")] == [1000, 1000, 500]
+    pools.check()
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "lots", "2.5"])
+def test_a_bad_cap_is_refused_with_where_it_came_from(bad, monkeypatch):
+    monkeypatch.setenv(batch.CHUNK_ENV, bad)
+    with pytest.raises(kvswap.ConfigurationError, match=batch.CHUNK_ENV) as e:
+        batch.chunk_size({})
+    assert repr(bad) in str(e.value)
+    with pytest.raises(kvswap.ConfigurationError, match="batch_chunk"):
+        batch.chunk_size({"batch_chunk": 0})
+
+
+def test_a_failing_piece_names_the_callers_descriptor_and_stops_there():
+    rng = np.random.default_rng()
+    d, lib = standin_driver(fail_at=5, fail_calls={2})
+    fn = batch.bind(d, Direction.H2D, 0, 100)
+    pools = _many(rng, 450)
+    with pytest.raises(DriverError) as e:
+        fn(pools.src, pools.dst, pools.sizes, 3)
+    assert (e.value.name, e.value.index) == ("CUDA_ERROR_INVALID_VALUE", 205)
+    assert [c[1]["count"] for c in lib.of("cuMemcpyBatchAsync")] == [100, 100, 100]  # no call after it
+
+
+# ---------------------------------------------------------------------------------------
+# Driver-error recovery
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("abi", [12080, 13000])
+def test_after_a_failed_batch_the_next_transfer_works(abi):
+    """A failed call raises DriverError by the driver's name; the bound function keeps no
+    state from it (context popped, nothing half-set), so the next transfer copies."""
+    rng = np.random.default_rng()
+    d, lib = standin_driver(batch_abis=(abi,), fail_at=0, fail_calls={0})
+    fn = batch.bind(d, Direction.H2D, 1)
+    first = HostPools(rng, rng.integers(1, 2000, 64), slot=2048)
+    with pytest.raises(DriverError) as e:
+        fn(first.src, first.dst, first.sizes, 0x77)
+    assert e.value.name == "CUDA_ERROR_INVALID_VALUE" and e.value.call == "cuMemcpyBatchAsync"
+    assert np.array_equal(first.dst_pool, first.before)  # the failed call moved nothing
+    assert lib.current == 0 and lib.stack == []  # the pushed context was popped
+    again = HostPools(rng, rng.integers(1, 2000, 64), slot=2048)
+    fn(again.src, again.dst, again.sizes, 0x77)
+    again.check()
+    fn(first.src, first.dst, first.sizes, 0x77)  # and the batch that failed, retried
+    first.check()
+    assert len(lib.of("cuMemcpyBatchAsync")) == 3 and fn.last_path == "batch"
+
+
 def test_per_copy_failure_names_its_descriptor_and_stops():
     d, lib = standin_driver(fail_at=2)
     fn = batch.bind(d, Direction.H2D, 0)

@@ -258,3 +258,100 @@ def test_an_invalid_device_range_is_a_driver_error_with_its_name(path):
     else:
         assert out["call"] == "cuMemcpyBatchAsync", out
         assert out["index"] == (5 if out["abi"] == 12080 else None), out
+
+
+# -- huge batches -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("direction", BOTH, ids=str)
+def test_200000_descriptors_in_calls_of_at_most_the_cap(cuda, side, direction):
+    """Split into ordered cuMemcpyBatchAsync calls of <= 32,768 (vLLM issue 49276: a hang at
+    51,828 in one call); every byte of every block checked."""
+    fn = bound(cuda, direction)
+    counts = []
+    call = fn._batch
+    fn._batch = lambda *args: (counts.append(args[3]), call(*args))[1]
+    sizes = np.random.default_rng(90).integers(1, 257, 200_000)
+    pools = Pools(direction, sizes, seed=91)
+    fn(pools.src, pools.dst, pools.sizes, side)
+    assert counts == [32768] * 6 + [200_000 - 6 * 32768] and fn.last_path == "batch"
+    pools.check(side)
+
+
+@pytest.mark.parametrize("direction", BOTH, ids=str)
+def test_200000_descriptors_through_resolve_on_the_batch_route(cuda, side, direction):
+    fn = kvswap.resolve(direction, device=f"cuda:{cuda.info.index}", policy=Policy(force="cuda.batch"))
+    pools = Pools(direction, np.random.default_rng(92).integers(1, 4097, 200_000), seed=93)
+    fn(pools.src, pools.dst, pools.sizes, stream=side)
+    pools.check(side)
+
+
+# -- driver-error recovery ----------------------------------------------------------------
+
+# A batch the driver refuses in its argument checks (attrsIdxs[0] must be 0; the source
+# order must be a valid CUmemcpySrcAccessOrder), so nothing is enqueued and the context
+# stays healthy. It still runs in a child process, so that a driver which did not refuse
+# it up front could not leave this process's context broken for the other tests.
+_RECOVER = textwrap.dedent("""
+    import json, sys
+    import numpy as np, torch
+    import kvswap
+    from kvswap import Direction, DriverError, Policy
+    from kvswap.backends.cuda import batch, driver
+    torch.cuda.init()
+    rng = np.random.default_rng(7)
+    n, size = 512, 4096
+    host = torch.from_numpy(rng.integers(0, 256, 2 * n * size, dtype=np.uint8)).pin_memory()
+    dev = torch.from_numpy(rng.integers(0, 256, 2 * n * size, dtype=np.uint8)).cuda()
+    before = dev.cpu().numpy().copy()
+    src = host.data_ptr() + rng.permutation(2 * n)[:n].astype(np.int64) * size
+    dst = dev.data_ptr() + rng.permutation(2 * n)[:n].astype(np.int64) * size
+    sizes = np.full(n, size, dtype=np.int64)
+    stream = torch.cuda.Stream()
+    fn = batch.bind(driver.get(), Direction.H2D, torch.cuda.current_device())
+    out = {"abi": fn.abi.requested if fn.abi else None, "refused": []}
+
+    def poison_index():
+        fn._attr_idx[0] = 1
+        return lambda: fn._attr_idx.__setitem__(0, 0)
+
+    def poison_order():
+        fn._attr.srcAccessOrder = 0  # CU_MEMCPY_SRC_ACCESS_ORDER_INVALID
+        return lambda: setattr(fn._attr, "srcAccessOrder", batch.access_order(Direction.H2D))
+
+    for label, poison in (("attrsIdxs", poison_index), ("srcAccessOrder", poison_order)):
+        undo = poison()
+        try:
+            fn(src, dst, sizes, stream)
+        except DriverError as e:
+            out["refused"].append(dict(poison=label, name=e.name, code=e.code, call=e.call, message=str(e)))
+        finally:
+            undo()
+    stream.synchronize()
+    out["untouched"] = bool((dev.cpu().numpy() == before).all())
+    fn(src, dst, sizes, stream)  # the next transfer, on the same bound function
+    stream.synchronize()
+    want = before.copy()
+    hb = host.numpy()
+    for s, d in zip((src - host.data_ptr()).tolist(), (dst - dev.data_ptr()).tolist()):
+        want[d:d + size] = hb[s:s + size]
+    out["next_ok"] = bool((dev.cpu().numpy() == want).all())
+    back = torch.empty(n * size, dtype=torch.uint8).pin_memory()  # and a resolved one, the other way
+    swap = kvswap.resolve("d2h", policy=Policy(force="cuda.batch"))
+    swap(dst, back.data_ptr() + np.arange(n, dtype=np.int64) * size, sizes, stream=stream)
+    stream.synchronize()
+    got = back.numpy().reshape(n, size)
+    out["resolved_ok"] = all((got[i] == want[d:d + size]).all() for i, d in enumerate((dst - dev.data_ptr()).tolist()))
+    print(json.dumps(out))
+""")
+
+
+def test_a_refused_batch_is_a_named_driver_error_and_the_next_transfer_works():
+    run = subprocess.run([sys.executable, "-c", _RECOVER], capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, f"child died ({run.returncode}): {run.stderr[-2000:]}"
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["abi"] is not None, out  # the batch path is what is under test
+    assert out["refused"], f"the driver accepted every malformed attribute: {out}"
+    for r in out["refused"]:
+        assert r["name"].startswith("CUDA_ERROR_") and r["code"] > 0 and r["call"] == "cuMemcpyBatchAsync", r
+    assert out["untouched"], "a refused batch moved bytes"
+    assert out["next_ok"] and out["resolved_ok"], out

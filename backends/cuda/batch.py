@@ -1,11 +1,13 @@
-"""``cuda.batch``: a whole batch in one ``cuMemcpyBatchAsync`` call on the copy engines.
+"""``cuda.batch``: a batch in one ``cuMemcpyBatchAsync`` call on the copy engines.
 
 The descriptor arrays reach the driver as raw pointers to the caller's int64 numpy arrays
-(no per-descriptor Python objects). Where the batch call cannot serve — a driver older
-than 12.8, or the legacy default stream, which it rejects — each descriptor becomes one
-``cuMemcpyAsync``: correct, just slower (FACTS.md: 5.3 GB/s for 16 KiB blocks), and the
-callable's ``note`` says so in ``explain()``. The factory hands batches too large for the
-caller's thread to the device's issuer thread (issuer.py), in the caller's stream order.
+(no per-descriptor Python objects). A batch above :data:`DEFAULT_CHUNK` descriptors (or
+the bound ``batch_chunk``) becomes several calls, enqueued in order on the same stream.
+Where the batch call cannot serve — a driver older than 12.8, or the legacy default
+stream, which it rejects — each descriptor becomes one ``cuMemcpyAsync``: correct, just
+slower (each copy pays the driver's fixed cost), and the callable's ``note`` says so in
+``explain()``. The factory hands batches too large for the caller's thread to the
+device's issuer thread (issuer.py), in the caller's stream order.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from kvswap.backends import chunking
 from kvswap.errors import DriverError
 from kvswap.impl import BindContext, CopyImpl
 from kvswap.streams import raw_handle
@@ -24,6 +27,16 @@ from .device import torch_reason
 
 NAME = "cuda.batch"
 BATCH, PER_COPY = "batch", "per-copy"
+# Descriptors per cuMemcpyBatchAsync call: a hang was reported on Blackwell with 51,828 in
+# one call (vLLM issue 49276); larger batches are split into calls of at most this many.
+DEFAULT_CHUNK = 32768
+CHUNK_ENV = "KVSWAP_CUDA_BATCH_CHUNK"
+
+
+def chunk_size(params: Any, env: Any = None) -> int:
+    """Descriptors per batch call: ``params["batch_chunk"]``, else ``KVSWAP_CUDA_BATCH_CHUNK``,
+    else :data:`DEFAULT_CHUNK`."""
+    return chunking.chunk_size(params, DEFAULT_CHUNK, CHUNK_ENV, env)
 
 
 def access_order(direction: Direction) -> int:
@@ -52,6 +65,8 @@ class BatchCopy:
     :param error: ``error(call, code, index) -> DriverError``.
     :param context: a :class:`~kvswap.backends.cuda.driver.ContextGuard`, or None.
     :param why: why there is no batch entry point (when ``batch_fn`` is None).
+    :param chunk: the most descriptors one batch call takes; larger batches are split into
+        calls enqueued in order on the same stream.
 
     ``last_path`` says which path the latest call took (``"batch"`` or ``"per-copy"``).
     """
@@ -68,6 +83,7 @@ class BatchCopy:
         context: Optional[drv.ContextGuard] = None,
         why: str = "",
         driver_version: Optional[int] = None,
+        chunk: int = DEFAULT_CHUNK,
     ) -> None:
         self.direction = Direction.parse(direction)
         self.device_index = int(device_index)
@@ -76,6 +92,7 @@ class BatchCopy:
         self._memcpy = memcpy_fn
         self._error = error
         self._context = context
+        self.chunk = int(chunk)
         self._attr = make_attributes(self.direction)
         self._attr_idx = (ctypes.c_size_t * 1)(0)
         self._attr_addr = ctypes.addressof(self._attr)
@@ -88,8 +105,8 @@ class BatchCopy:
             order = "ANY (host source)" if self._attr.srcAccessOrder == drv.ORDER_ANY else "STREAM"
             self.note = (
                 f"batch path: one cuMemcpyBatchAsync call per transfer ({self.abi.label}, found by "
-                f"cuGetProcAddress{on}), source order {order}; the legacy default stream, which the "
-                f"batch call rejects, takes the per-copy cuMemcpyAsync path"
+                f"cuGetProcAddress{on}), source order {order}, at most {self.chunk} descriptors a call; "
+                f"the legacy default stream, which the batch call rejects, takes the per-copy cuMemcpyAsync path"
             )
 
     def path_for(self, handle: int) -> str:
@@ -115,17 +132,21 @@ class BatchCopy:
         self.last_path = path
 
     def _copy_batch(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, handle: int) -> None:
-        count = len(sizes)
-        args = (dst.ctypes.data, src.ctypes.data, sizes.ctypes.data, count,
-                self._attr_addr, self._attr_idx_addr, 1)
-        if self.abi.has_fail_idx:
-            failed = ctypes.c_size_t(drv.SIZE_MAX)  # per call: concurrent callers never share it
-            rc = self._batch(*args, ctypes.addressof(failed), handle)
-            index = drv.fail_index(failed.value, count)
-        else:
-            rc, index = self._batch(*args, handle), None
-        if rc:
-            raise self._error("cuMemcpyBatchAsync", rc, index)
+        # Pieces of at most ``chunk`` descriptors, each its own call on the same stream:
+        # the arrays are int64 (8 bytes a descriptor), so a piece is an offset into them.
+        d, s, n = dst.ctypes.data, src.ctypes.data, sizes.ctypes.data
+        attrs = (self._attr_addr, self._attr_idx_addr, 1)
+        for lo, count in chunking.pieces(len(sizes), self.chunk):
+            off = 8 * lo
+            args = (d + off, s + off, n + off, count, *attrs)
+            if self.abi.has_fail_idx:
+                failed = ctypes.c_size_t(drv.SIZE_MAX)  # per call: concurrent callers never share it
+                rc = self._batch(*args, ctypes.addressof(failed), handle)
+                index = drv.fail_index(failed.value, count)
+            else:
+                rc, index = self._batch(*args, handle), None
+            if rc:
+                raise self._error("cuMemcpyBatchAsync", rc, None if index is None else lo + index)
 
     def _copy_each(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, handle: int) -> None:
         memcpy = self._memcpy
@@ -140,7 +161,7 @@ def availability(device: DeviceInfo) -> Optional[str]:
     return drv.unavailable_reason() or torch_reason()
 
 
-def bind(driver: drv.Driver, direction: Direction, device_index: int) -> BatchCopy:
+def bind(driver: drv.Driver, direction: Direction, device_index: int, chunk: int = DEFAULT_CHUNK) -> BatchCopy:
     """Bind ``cuda.batch`` for one direction and device on ``driver``: the entry points,
     the primary context and the path, once, at resolve time."""
     context = driver.context_guard(device_index)
@@ -155,6 +176,7 @@ def bind(driver: drv.Driver, direction: Direction, device_index: int) -> BatchCo
         context=context,
         why=why,
         driver_version=driver.version,
+        chunk=chunk,
     )
 
 
@@ -163,11 +185,12 @@ def _factory(ctx: BindContext) -> Any:
 
     from .issuer import issued
 
+    chunk = chunk_size(ctx.params)
     torch.cuda.init()  # torch creates the primary context bind() then retains
     index = ctx.device.index if ctx.device.index is not None else torch.cuda.current_device()
     driver = drv.get()
     # Large batches are issued from the device's issuer thread (issuer.py).
-    return issued(bind(driver, ctx.direction, index), driver)
+    return issued(bind(driver, ctx.direction, index, chunk), driver)
 
 
 CUDA_BATCH = CopyImpl(

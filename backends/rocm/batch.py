@@ -16,14 +16,14 @@ overridable with ``KVSWAP_ROCM_BATCH_CHUNK`` or the bind parameter ``batch_chunk
 from __future__ import annotations
 
 import ctypes
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
 from kvswap.descriptors import coalesce, first_overlap
-from kvswap.errors import ConfigurationError, DriverError, InvalidTransferError
+from kvswap.backends import chunking
+from kvswap.errors import DriverError, InvalidTransferError
 from kvswap.impl import BindContext, CopyImpl
 from kvswap.streams import raw_handle
 from kvswap.types import DeviceInfo, Direction
@@ -43,7 +43,7 @@ from .hip import (
 
 NAME = "rocm.batch"
 
-DEFAULT_CHUNK = 8192  # FACTS.md: hipMemcpyBatchAsync batches over 8 192 descriptors have faulted
+DEFAULT_CHUNK = 8192  # hipMemcpyBatchAsync batches over 8,192 descriptors have faulted
 CHUNK_ENV = "KVSWAP_ROCM_BATCH_CHUNK"
 BATCH_SINCE = (7, 1)
 ATTRS_SINCE = (7, 13)
@@ -79,21 +79,7 @@ def choose_path(hip: HipApi, version: Optional[HipVersion], direction: Direction
 def chunk_size(params: Mapping[str, Any], default: int = DEFAULT_CHUNK, env: Optional[Mapping[str, str]] = None) -> int:
     """Descriptors per batch call: ``params["batch_chunk"]``, else ``KVSWAP_ROCM_BATCH_CHUNK``,
     else ``default``. Raises :class:`ConfigurationError` for anything but a positive int."""
-    env = os.environ if env is None else env
-    if params.get("batch_chunk") is not None:
-        value, where = params["batch_chunk"], "batch_chunk"
-    elif env.get(CHUNK_ENV):
-        value, where = env[CHUNK_ENV], CHUNK_ENV
-    else:
-        value, where = default, "default chunk"
-    try:
-        n = int(value)
-        ok = not isinstance(value, bool) and n >= 1 and (not isinstance(value, float) or n == value)
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        raise ConfigurationError(f"{where}={value!r} must be a positive number of descriptors (default {DEFAULT_CHUNK})")
-    return n
+    return chunking.chunk_size(params, default, CHUNK_ENV, env)
 
 
 def _original_index(dst: np.ndarray, merged_dst: np.ndarray, k: int) -> int:
@@ -140,8 +126,7 @@ def make_transfer(
     def _batch(s: np.ndarray, d: np.ndarray, n: np.ndarray, handle: int, orig_dst: Optional[np.ndarray]) -> None:
         fail = ctypes.c_size_t(SIZE_MAX)
         base_s, base_d, base_n = s.ctypes.data, d.ctypes.data, n.ctypes.data
-        for lo in range(0, len(n), chunk):
-            count = min(chunk, len(n) - lo)
+        for lo, count in chunking.pieces(len(n), chunk):
             fail.value = SIZE_MAX
             off = lo * 8  # int64 == size_t == pointer width on every platform HIP serves
             code = batch_fn(base_d + off, base_s + off, base_n + off, count,

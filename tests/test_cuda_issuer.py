@@ -335,3 +335,23 @@ def test_issued_wraps_the_bound_copy_unless_switched_off(monkeypatch):
     assert isinstance(fn, issuer.IssuedCopy) and fn.threshold == {"batch": 256, "per-copy": 256}
     assert "per-device thread" in fn.note and fn.note.startswith(inner.note)
     assert fn.direction is Direction.H2D and fn.abi == inner.abi  # the bound copy's attributes
+
+
+def test_a_collected_failure_is_reported_once_not_raised_again(cleanup):
+    from kvswap import deferred
+
+    lib, iss, fn = make(fail_at=2, version=12080)
+    cleanup.append(iss)
+    _, p = pools(12)
+    with deferred.collect() as items:
+        fn(p.src, p.dst, p.sizes, CALLER)
+    assert items == [fn.last_ticket]
+    assert iss.drain(5)
+    lib.run()
+    err = deferred.failure(items)
+    assert isinstance(err, DriverError) and err.index == 2 and items[0].reported
+    lib.fail_at = None
+    fn(p.src, p.dst, p.sizes, CALLER)  # the job owner reported it: the next call copies
+    lib.run()
+    p.check()
+    assert deferred.failure([fn.last_ticket]) is None

@@ -27,8 +27,10 @@ the streams cannot wait for each other in a cycle.
 A driver error on the issuer thread never leaves a stream waiting: the flag is still
 written on the issuer stream after the failed call (in order, so earlier jobs keep their
 guarantee); should even that enqueue fail, the thread writes the word from the host.
-The error is kept on the job (:class:`Ticket`) and raised by the owner's next call
-(:class:`IssuedCopy`), whose batch is then not copied; the call after that works again.
+The error is kept on the job (:class:`Ticket`), which a BlockMover collects
+(:mod:`kvswap.deferred`) and reports as a failed job once its stream passed it; a
+failure nobody reported is raised by the owner's next call (:class:`IssuedCopy`), which
+then copies nothing; the call after that works again.
 
 The descriptor arrays are copied on the caller's thread (24 bytes a descriptor, a few ns
 each) and held by the job until the issuer's driver call has returned, because the batch
@@ -54,6 +56,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from kvswap import deferred
 from kvswap.errors import ConfigurationError, DriverError
 
 from . import driver as drv
@@ -141,6 +144,7 @@ class Ticket:
     seq: int
     done: threading.Event = field(default_factory=threading.Event)
     error: Optional[BaseException] = None
+    reported: bool = False  # the failure already reached a job (kvswap.deferred.failure)
 
 
 @dataclass(eq=False)
@@ -424,13 +428,16 @@ class IssuedCopy:
                 context.exit()
         if ticket is None:
             return False
+        deferred.report(ticket)  # a BlockMover job learns of a failure when it completes
         inner.last_path = path
         self.last_ticket, self.last_issued = ticket, "issuer"
         return True
 
     def _raise_failed(self) -> None:
-        tickets = list(self._failed)
+        tickets = [t for t in self._failed if not t.reported]  # not yet reported as a failed job
         self._failed.clear()
+        if not tickets:
+            return
         first = tickets[0]
         more = f" (and {len(tickets) - 1} later one(s))" if len(tickets) > 1 else ""
         raise DeferredDriverError(first, more)

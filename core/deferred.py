@@ -1,0 +1,49 @@
+"""Work a copy function hands to another thread, and how its failure reaches the job.
+
+A TransferFn may return before its driver calls are made: ``cuda.batch`` issues large
+batches from a per-device thread (backends/cuda/issuer.py), ordered on the caller's
+stream. It reports each such piece of work with :func:`report`: an object with an
+``error`` attribute (None until the work failed) that is final once the stream has passed
+the work. A caller that tracks jobs (BlockMover) wraps its call in :func:`collect` and,
+once the job's end marker has completed, asks :func:`failure` whether any of it failed;
+work whose failure was reported that way is marked ``reported``, so the copy function
+does not raise it a second time on its next call.
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
+
+_local = threading.local()
+
+
+@contextmanager
+def collect() -> Iterator[list]:
+    """Collect, in a list, the work reported on this thread inside the block."""
+    outer = getattr(_local, "items", None)
+    items: list = []
+    _local.items = items
+    try:
+        yield items
+    finally:
+        _local.items = outer
+
+
+def report(item: Any) -> None:
+    """Called by a copy function for work it left to another thread (no-op outside :func:`collect`)."""
+    items = getattr(_local, "items", None)
+    if items is not None:
+        items.append(item)
+
+
+def failure(items: list) -> Optional[BaseException]:
+    """The first error among ``items`` (call once the stream has passed them), or None;
+    every failed item is marked ``reported``."""
+    first = None
+    for item in items:
+        err = getattr(item, "error", None)
+        if err is not None:
+            item.reported = True
+            first = first or err
+    return first

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import __version__
+from . import __version__, numa
 from .lookup import find_calibration
 from .platform import detect
 from .plugins import PluginHost
@@ -52,6 +52,7 @@ def report(host: PluginHost, device: Any = None) -> dict[str, Any]:
         "calibration": cal.summary(),
         "plugins": [r.to_dict() for r in sorted(host.records.values(), key=lambda r: r.name)],
         "impls": impl_rows(host, dev),
+        "gpus": numa.gpu_rows(host),
     }
 
 
@@ -64,6 +65,7 @@ def format_report(info: dict[str, Any]) -> str:
         f"device:   {d['name']} (identity {d['identity']}, {d['compute_units']} compute units, "
         f"arch {d['arch']}, link {d['link']})",
         f"calibration: {cal['source']}" + ("" if cal["calibrated"] else " — not measured; run `kvswap calibrate`"),
+        *numa.format_gpu_rows(info.get("gpus", [])),
         "plugins:",
     ]
     for p in info["plugins"]:

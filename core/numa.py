@@ -136,6 +136,17 @@ class Topology:
         except ValueError:
             return ()
 
+    def distances(self, node: int) -> dict[int, int]:
+        """Distance from ``node`` to each online node (``nodeN/distance``, in the order of
+        :meth:`nodes`); {} where sysfs does not say."""
+        text = _read(self._nodes_dir / f"node{int(node)}" / "distance")
+        try:
+            values = [int(v) for v in text.split()] if text else []
+        except ValueError:
+            return {}
+        nodes = self.nodes()
+        return dict(zip(nodes, values)) if len(values) == len(nodes) else {}
+
     def pci_node(self, bus_id: str) -> Optional[int]:
         """The node of a PCI device, or None: unknown address, no sysfs entry, or ``-1``
         (the firmware does not say; usual on a machine of one node)."""
@@ -353,3 +364,51 @@ def remote_note(remote: Sequence[RemoteMemory], device_info: DeviceInfo, total: 
             f"while {device_info.torch_device} ({device_info.name}) is on node {worst.device_node}: copies cross "
             f"the inter-socket link, which can cost a large share of the PCIe bandwidth (worst: {worst.describe()}); "
             f"allocate them with kvswap.host_empty(..., device={device_info.torch_device!r})")
+
+
+def host_memory_note(tensors: Sequence[Any], device_info: DeviceInfo, topo: Optional[Topology] = None) -> Optional[str]:
+    """:func:`remote_note` of :func:`remote_host_memory`: what a mover holding ``tensors``
+    on the host side for ``device_info`` warns with and shows in ``explain()``, or None."""
+    return remote_note(remote_host_memory(tensors, device_info, topo), device_info, len(tensors))
+
+
+def accelerator_count() -> int:
+    """GPUs torch sees in this process (CUDA or ROCm), 0 without any."""
+    from .platform import torch_platform
+
+    if torch_platform() == "cpu":
+        return 0
+    import torch
+
+    return int(torch.cuda.device_count())
+
+
+def gpu_rows(host: Any, count: Optional[int] = None, topo: Optional[Topology] = None) -> list[dict[str, Any]]:
+    """:func:`device_row` of every GPU torch sees (``cuda:0`` .. ``cuda:count-1``), each
+    described by the plugins as a resolve would; a GPU that cannot be described says why."""
+    from .errors import KvSwapError
+    from .platform import detect
+
+    count = accelerator_count() if count is None else count
+    rows = []
+    for i in range(count):
+        try:
+            rows.append(device_row(detect(host, f"cuda:{i}"), topo))
+        except KvSwapError as e:
+            rows.append({"device": f"cuda:{i}", "error": str(e)})
+    return rows
+
+
+def format_gpu_rows(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """``kvswap info``'s lines for :func:`gpu_rows`."""
+    if not rows:
+        return ["gpus: none seen by torch"]
+    lines = ["gpus:"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"  {r['device']:<7} not described: {r['error']}")
+            continue
+        node = "unknown" if r["numa_node"] is None else str(r["numa_node"])
+        lines.append(f"  {r['device']:<7} {r['name']} (link {r['link']}, PCI {r['pci_bus_id']}, NUMA node {node}, "
+                     f"near CPUs {r['near_cpus'] or 'unknown'})")
+    return lines

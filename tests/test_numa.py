@@ -201,6 +201,8 @@ def test_remote_host_memory_names_tensors_off_the_devices_node(tmp_path, monkeyp
                            f"is on node {other}")
     assert "kvswap.host_empty(..., device='cuda:1')" in note
     assert numa.remote_note([], gpu(), 2) is None
+    assert numa.host_memory_note(tensors, gpu(index=1, bus="0000:c1:00.0")) == note
+    assert numa.host_memory_note(tensors, gpu(bus="0000:17:00.0")) is None
     assert numa.tensor_nodes(torch.empty(0)) == PagePlacement()
 
 

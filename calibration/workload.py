@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from kvswap.errors import KvSwapError
+from kvswap.host_memory import host_empty
 from kvswap.types import DeviceInfo, Direction
 
 from .timing import on_host
@@ -55,7 +56,7 @@ class WrongResult(KvSwapError):
 class Pools:
     """A pool of ``pool_bytes`` on each side of the link, filled with random bytes."""
 
-    def __init__(self, device: DeviceInfo, pool_bytes: int, seed: int = 0) -> None:
+    def __init__(self, device: DeviceInfo, pool_bytes: int, seed: int = 0, host_node: Optional[int] = None) -> None:
         self.device = device
         self.pool_bytes = int(pool_bytes)
         self.host_only = on_host(device)
@@ -71,8 +72,9 @@ class Pools:
             gen = torch.Generator(device=where).manual_seed(seed)
             self.dev = torch.randint(0, 256, (self.pool_bytes,), dtype=torch.uint8, device=where, generator=gen)
             # Pinned (page-locked, mapped) host memory: what both the DMA engine and a
-            # copy kernel need; filled on the device, which is faster than a host RNG.
-            self.host = torch.empty(self.pool_bytes, dtype=torch.uint8, pin_memory=True)
+            # copy kernel need, on the device's NUMA node (or ``host_node``) as an engine's
+            # would be; filled on the device, which is faster than a host RNG.
+            self.host = host_empty(self.pool_bytes, torch.uint8, device=device, node=host_node)
             self.host.copy_(torch.randint(0, 256, (self.pool_bytes,), dtype=torch.uint8, device=where, generator=gen))
             torch.cuda.synchronize(where)
             self.host_addr, self.dev_addr = int(self.host.data_ptr()), int(self.dev.data_ptr())

@@ -43,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "or under 1.0 x the peer where the peer takes another route) N passes more on fresh draws, "
                    "against the same best candidate, and report those ratios beside the grid's: the worst of many "
                    "points is mostly the draw that came out lowest (default on a GPU: 3; on the host: 1; 0: off)")
+    from .multi import add_arguments as add_multi
+
+    add_multi(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,6 +57,10 @@ def run(args: argparse.Namespace) -> int:
     from .progress import Progress
     from .timing import on_host
 
+    if getattr(args, "devices", None) is not None:
+        from .multi import run as run_devices
+
+        return run_devices(args)
     dirs = list(dict.fromkeys(args.directions))
     if not dirs:
         raise ConfigurationError("--directions must name at least one of h2d, d2h")

@@ -88,3 +88,25 @@ def test_the_wrong_node_lands_where_asked():
     assert placed is not None and set(placed.nodes) == {wrong}
     remote = numa.remote_host_memory([t], dev)
     assert [r.index for r in remote] == [0] and remote[0].remote_share == 1.0
+
+
+def test_bench_devices_runs_every_gpu_at_once():
+    """``kvswap bench --devices`` on every GPU here, small: each route checked byte for
+    byte in each process, every window timed, alone and together."""
+    from dataclasses import replace
+
+    from kvswap.calibration import multi
+
+    specs = [f"cuda:{i}" for i in DEVICES]
+    settings = replace(multi.multi_settings(False, [4096, 64 * 1024], [256], 1, 0.05),
+                       pool_bytes=256 << 20, ceiling_bytes=64 << 20, cycle_bytes=32 << 20)
+    result = multi.run_multi(specs, settings, ["h2d", "d2h"])
+    print(multi.multi_report(result))
+    assert result["failures"] == []
+    assert [(r["direction"], r["block_bytes"], r["route"]) for r in result["rows"]] == [
+        (d, b, route) for d in ("h2d", "d2h") for b in (4096, 64 * 1024) for route in ("resolved", "batch")]
+    for r in result["rows"]:
+        assert all(v > 0 for v in [*r["alone"].values(), *r["together"].values()]), r
+        assert r["over_ceilings"] is not None
+    wrong = [d for d in result["devices"] if d["wrong_node"] is not None]
+    assert len({r["device"] for r in result["numa"]}) == len(wrong)

@@ -2,9 +2,10 @@
 
 Driver batch calls have practical limits below what their signatures allow: a hang was
 reported on Blackwell with 51,828 descriptors in one ``cuMemcpyBatchAsync`` (vLLM issue
-49276), and ``hipMemcpyBatchAsync`` batches over 8,192 descriptors have faulted. A batch
-route therefore splits a larger batch into pieces of at most a per-platform cap, enqueued
-one after another on the same stream, so they run in order as one batch would.
+49276), and ``hipMemcpyBatchAsync`` batches over 8,192 descriptors have faulted (vLLM PR
+43018). A batch route therefore splits a larger batch into pieces of at most a
+per-platform cap, enqueued one after another on the same stream, so they run in order as
+one batch would.
 
 The cap is the bind parameter ``batch_chunk`` (``BindContext.params``, e.g. from a
 calibration), else the platform's environment variable, else the platform's default.

@@ -185,7 +185,7 @@ def test_h200_defaults_hold_our_measurements_and_their_crossover():
     assert cal.predict("triton.kernel", "kernel", h2d, 4 * KiB, 2) == pytest.approx(36.9)
     assert cal.predict("triton.kernel", "kernel", d2h, 16 * KiB, 12) == pytest.approx(52.3)  # the 8-SM curve
     assert cal.ceiling_gbps == {"h2d": 55.5, "d2h": 55.4}
-    for d in (Direction.H2D, Direction.D2H):  # FACTS.md: the kernel wins below 128 KiB in both directions
+    for d in (Direction.H2D, Direction.D2H):  # the H200 table: the kernel wins below 128 KiB in both directions
         for size in (4 * KiB, 16 * KiB, 64 * KiB):
             assert cal.predict("triton.kernel", "kernel", d, size, cal.sms(d)) > cal.predict("cuda.batch", "batch", d, size)
 

@@ -13,15 +13,16 @@ H2D, D2H = Direction.H2D, Direction.D2H
 BATCH, KERNEL = "cuda.batch", "triton.kernel"
 
 # --- NVIDIA H200, PCIe Gen5 x16 -------------------------------------------------------
-# Measured on the lent GPU machine (driver 580.159.04 / CUDA 13.0, torch 2.11+cu130,
-# triton 3.6), N=10000 scattered blocks in >= 1 GiB pools, CUDA events, each transfer
-# timed from an idle stream. Batch copy: FACTS.md's columns (h2d ANY order, d2h STREAM),
-# which `kvswap calibrate` reproduced (h2d 4 KiB 3.1, 16 KiB 6.2, 24 KiB 6.4, 32 KiB 31.9).
-# Timed back to back instead, the batch call looks 1.4-6x faster at small blocks, because
-# the previous copy hides its host work: an engine's one transfer per step does not.
+# Measured on an H200 (driver 580.159.04 / CUDA 13.0, torch 2.11+cu130, triton 3.6),
+# N=10000 scattered blocks in >= 1 GiB pools, CUDA events, each transfer timed from an
+# idle stream (docs/benchmarks.md has the commands). Batch copy: h2d in ANY source order,
+# d2h in STREAM order; `kvswap calibrate` reproduces them (h2d 4 KiB 3.1, 16 KiB 6.2,
+# 24 KiB 6.4, 32 KiB 31.9). Timed back to back instead, the batch call looks 1.4-6x faster
+# at small blocks, because the previous copy hides its host work: an engine's one
+# transfer per step does not.
 H200_SOURCE = (
-    "cuda defaults: NVIDIA H200 on PCIe Gen5 x16, measured on the lent GPU machine "
-    "(driver 580.159.04 / CUDA 13.0; N=10000 scattered blocks; FACTS.md and kvswap's benchmarks, 2026-11-21)"
+    "cuda defaults: NVIDIA H200 on PCIe Gen5 x16, measured "
+    "(driver 580.159.04 / CUDA 13.0; N=10000 scattered blocks; docs/benchmarks.md)"
 )
 _H200_BATCH = {
     H2D: ((4, 4.1), (8, 5.4), (16, 6.6), (24, 6.4), (32, 36.3), (64, 44.5), (128, 48.8)),
@@ -97,7 +98,7 @@ H100 = Calibration(
 # 256 KiB: the kernel is chosen only well inside the cliff (below ~32 KiB).
 UNKNOWN_SOURCE = (
     "cuda defaults: conservative guess for an NVIDIA GPU without measurements "
-    "(shape of the H200's batch cliff, kernel discounted; FACTS.md)"
+    "(shape of the H200's batch cliff, kernel discounted)"
 )
 UNKNOWN = Calibration(
     source=UNKNOWN_SOURCE,

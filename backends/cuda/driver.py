@@ -8,7 +8,8 @@ Entry points are resolved with ``cuGetProcAddress`` at an explicit CUDA version,
 header macros pick ABI variants at compile time and ctypes has no headers: asking for
 ``cuMemcpyBatchAsync`` at 12080 returns the 9-argument CUDA 12.8 form (with ``failIdx``)
 on 12.8+ and on 13 drivers, although CUDA 13 headers map the name to the 8-argument
-``cuMemcpyBatchAsync_v2`` (FACTS.md, "Driver and platform rules").
+``cuMemcpyBatchAsync_v2`` (CUDA driver API, ``cuGetProcAddress`` and the batch call's
+``_v2`` form).
 """
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """``rocm.batch``: one HIP call per chunk of descriptors, or one per copy on old runtimes.
 
 Which path a bound function takes is decided once, at resolve time, from the runtime
-version and the symbols it exports (FACTS.md, ROCm rules):
+version and the symbols it exports:
 
 * HIP < 7.1, or no ``hipMemcpyBatchAsync`` exported: ``hipMemcpyAsync`` per descriptor;
 * 7.1 <= HIP < 7.13: ``hipMemcpyBatchAsync`` with ``numAttrs = 0`` (7.2.x rejects
-  ``numAttrs > 0``);
+  ``numAttrs > 0``: ROCm/clr issue 273);
 * HIP >= 7.13: one attribute for the whole batch; source order ``ANY`` for a host source
   (host to device), ``STREAM`` for a device source (device to host: the copy must wait
   for the kernels that wrote the blocks).
@@ -43,7 +43,7 @@ from .hip import (
 
 NAME = "rocm.batch"
 
-DEFAULT_CHUNK = 8192  # hipMemcpyBatchAsync batches over 8,192 descriptors have faulted
+DEFAULT_CHUNK = 8192  # hipMemcpyBatchAsync batches over 8,192 descriptors have faulted (vLLM PR 43018)
 CHUNK_ENV = "KVSWAP_ROCM_BATCH_CHUNK"
 BATCH_SINCE = (7, 1)
 ATTRS_SINCE = (7, 13)

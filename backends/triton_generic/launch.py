@@ -28,13 +28,13 @@ from kvswap.errors import ConfigurationError
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 # Defaults for a step of one program: TILE_ELEMS 8-byte elements (64 KiB) across WARPS
-# warps. Small blocks need several whole blocks in flight per SM (FACTS.md: one 4 KiB
-# block per step reaches 24 GB/s on 12 SMs), and registers bound the tile: each element
+# warps. Small blocks need several whole blocks in flight per SM (on an H200, one 4 KiB
+# block per step reached 24 GB/s on 12 SMs), and registers bound the tile: each element
 # holds a 64-bit address besides its data, so past ~16-32 elements per thread the
 # compiler spills (ptxas -v, sm_90), and variants that spilled lost 25-75% of their
-# speed. Measured
-# on an H200 (tests/bench/bench_triton.py --sweep, N=10 000): host->device 4 KiB blocks
-# on 4 SMs went 0.76 -> 0.90 of the ceiling from 32 to 64 KiB tiles.
+# speed. Measured on an H200 (tests/bench/bench_triton.py --sweep, N=10 000):
+# host->device 4 KiB blocks on 4 SMs went 0.76 -> 0.90 of the ceiling from 32 to 64 KiB
+# tiles.
 TILE_ELEMS = 8192
 ROW_MAX = 1024  # elements of one descriptor per step; longer blocks loop
 ROW_MIN = 32

@@ -59,7 +59,7 @@ def test_registers_cuda_batch_for_cuda_only():
     owner, impl = impls["cuda.batch"]
     assert owner == "cuda"
     assert impl.kind == "batch" and impl.requires_pinned and impl.mixed_sizes
-    assert set(impl.directions) == {Direction.H2D, Direction.D2H}
+    assert set(impl.directions) == {Direction.H2D, Direction.D2H, Direction.D2D}
     assert impl.alignment == 1 and impl.min_block_bytes == 1
     for other in ("cpu", "rocm"):
         assert "cuda.batch" not in {i.name for _, i in collect_impls(host, other)}
@@ -185,7 +185,7 @@ def test_attribute_struct_layout_matches_cuda_h():
     assert (L.type.offset, L.id.offset) == (0, 4)
 
 
-@pytest.mark.parametrize("direction, order", [("h2d", 3), ("d2h", 1)])
+@pytest.mark.parametrize("direction, order", [("h2d", 3), ("d2h", 1), ("d2d", 1)])
 def test_one_attribute_any_only_for_a_host_source(direction, order):
     attr = batch.make_attributes(Direction.parse(direction))
     raw = bytes(attr)
@@ -264,12 +264,13 @@ def test_notes_say_which_path_and_why():
     note = batch.bind(d, Direction.H2D, 0).note
     assert note.startswith("batch path") and "CUDA 12.8 ABI" in note and "ANY" in note and "legacy default stream" in note
     assert "STREAM" in batch.bind(d, Direction.D2H, 0).note
+    assert "STREAM" in batch.bind(d, Direction.D2D, 0).note
     old, _ = standin_driver(version=12040)
     note = batch.bind(old, Direction.H2D, 0).note
     assert note.startswith("per-copy path") and "12.4" in note and "12.8" in note
 
 
-@pytest.mark.parametrize("direction, order", [(Direction.H2D, 3), (Direction.D2H, 1)])
+@pytest.mark.parametrize("direction, order", [(Direction.H2D, 3), (Direction.D2H, 1), (Direction.D2D, 1)])
 def test_one_batch_call_moves_every_block(direction, order):
     rng = np.random.default_rng(1)
     d, lib = standin_driver()

@@ -21,6 +21,7 @@ from kvswap import Direction, DriverError, Policy
 pytestmark = pytest.mark.gpu
 KiB, MiB = 1024, 1 << 20
 BOTH = (Direction.H2D, Direction.D2H)
+ALL = (Direction.H2D, Direction.D2H, Direction.D2D)
 
 
 def layout(rng: np.random.Generator, sizes: np.ndarray, max_gap: int = 4096) -> tuple[np.ndarray, int]:
@@ -37,7 +38,7 @@ def layout(rng: np.random.Generator, sizes: np.ndarray, max_gap: int = 4096) -> 
 
 class Pools:
     """A random source pool and a poisoned destination pool, one pinned on the host and one
-    on the GPU, with scattered blocks between them."""
+    on the GPU (both on the GPU for d2d), with scattered blocks between them."""
 
     def __init__(self, direction: Direction, sizes, seed: int) -> None:
         import torch
@@ -46,10 +47,13 @@ class Pools:
         self.sizes = np.asarray(sizes, dtype=np.int64)
         self.src_off, src_bytes = layout(rng, self.sizes)
         self.dst_off, dst_bytes = layout(rng, self.sizes)
-        host_bytes, gpu_bytes = (src_bytes, dst_bytes) if direction.src_is_host else (dst_bytes, src_bytes)
-        self.host = torch.from_numpy(rng.integers(0, 256, host_bytes, dtype=np.uint8)).pin_memory()
-        self.gpu = torch.from_numpy(rng.integers(0, 256, gpu_bytes, dtype=np.uint8)).cuda()
-        self.src_t, self.dst_t = (self.host, self.gpu) if direction.src_is_host else (self.gpu, self.host)
+        def make(nbytes: int, on_host: bool):
+            data = torch.from_numpy(rng.integers(0, 256, nbytes, dtype=np.uint8))
+            return data.pin_memory() if on_host else data.cuda()
+
+        self.src_t = make(src_bytes, direction.src_is_host)
+        self.dst_t = make(dst_bytes, direction.dst_is_host)
+        self.gpu = self.dst_t if direction.src_is_host else self.src_t  # h2d's destination, else the source
         torch.cuda.synchronize()
         self.src_bytes = self.src_t.cpu().numpy().copy()
         self.before = self.dst_t.cpu().numpy().copy()
@@ -100,7 +104,7 @@ def test_the_device_is_described(cuda):
     assert cuda.batch.availability(info) is None
 
 
-@pytest.mark.parametrize("direction", BOTH, ids=str)
+@pytest.mark.parametrize("direction", ALL, ids=str)
 @pytest.mark.parametrize("size", [8, 13, 64, 100, 4096, 4100, 65536, 65537, 262143, MiB])
 def test_block_sizes(cuda, side, direction, size):
     fn = bound(cuda, direction)
@@ -110,7 +114,7 @@ def test_block_sizes(cuda, side, direction, size):
     pools.check(side)
 
 
-@pytest.mark.parametrize("direction", BOTH, ids=str)
+@pytest.mark.parametrize("direction", ALL, ids=str)
 @pytest.mark.parametrize("n", [0, 1, 16, 10_000])
 def test_batch_lengths(cuda, side, direction, n):
     fn = bound(cuda, direction)
@@ -119,7 +123,7 @@ def test_batch_lengths(cuda, side, direction, n):
     pools.check(side)
 
 
-@pytest.mark.parametrize("direction", BOTH, ids=str)
+@pytest.mark.parametrize("direction", ALL, ids=str)
 def test_one_mib_single_and_tiny_blocks_many(cuda, side, direction):
     fn = bound(cuda, direction)
     for sizes, seed in (([MiB], 11), (np.full(10_000, 8), 12), (np.full(3000, 13), 13)):
@@ -128,7 +132,7 @@ def test_one_mib_single_and_tiny_blocks_many(cuda, side, direction):
         pools.check(side)
 
 
-@pytest.mark.parametrize("direction", BOTH, ids=str)
+@pytest.mark.parametrize("direction", ALL, ids=str)
 def test_mixed_sizes_in_one_batch(cuda, side, direction):
     rng = np.random.default_rng(21)
     sizes = np.concatenate([rng.choice([8, 13, 100, 4096, 4100, 65537, MiB], 300), rng.integers(1, 200_000, 700)])
@@ -139,7 +143,7 @@ def test_mixed_sizes_in_one_batch(cuda, side, direction):
     pools.check(side)
 
 
-@pytest.mark.parametrize("direction", BOTH, ids=str)
+@pytest.mark.parametrize("direction", ALL, ids=str)
 def test_streams_choose_the_path(cuda, direction):
     torch = cuda.torch
     fn = bound(cuda, direction)
@@ -162,7 +166,7 @@ def test_streams_choose_the_path(cuda, direction):
     pools.check(s)
 
 
-@pytest.mark.parametrize("direction", BOTH, ids=str)
+@pytest.mark.parametrize("direction", ALL, ids=str)
 def test_the_per_copy_path_on_a_non_default_stream(cuda, side, direction):
     d, index = cuda.driver, cuda.info.index
     fn = cuda.batch.BatchCopy(direction, index, abi=None, batch_fn=None, memcpy_fn=d.memcpy_async(),
@@ -174,11 +178,12 @@ def test_the_per_copy_path_on_a_non_default_stream(cuda, side, direction):
     pools.check(side)
 
 
-def test_d2h_reads_the_source_in_stream_order(cuda, side):
+@pytest.mark.parametrize("direction", [Direction.D2H, Direction.D2D], ids=str)
+def test_a_device_source_is_read_in_stream_order(cuda, side, direction):
     """Device data written on the stream just before the copy is what arrives (STREAM order)."""
     torch = cuda.torch
-    fn = bound(cuda, Direction.D2H)
-    pools = Pools(Direction.D2H, np.full(2000, 16 * KiB), seed=60)
+    fn = bound(cuda, direction)
+    pools = Pools(direction, np.full(2000, 16 * KiB), seed=60)
     fresh = torch.randint(0, 256, pools.gpu.shape, dtype=torch.uint8, device="cuda")
     torch.cuda.synchronize()
     with torch.cuda.stream(side):
@@ -202,7 +207,7 @@ def test_h2d_writes_after_earlier_work_on_the_stream(cuda, side):
     pools.check(side)
 
 
-@pytest.mark.parametrize("direction", BOTH, ids=str)
+@pytest.mark.parametrize("direction", ALL, ids=str)
 def test_resolve_forced_to_cuda_batch(cuda, side, direction):
     fn = kvswap.resolve(direction, device=f"cuda:{cuda.info.index}", policy=Policy(force="cuda.batch"))
     assert fn.plan.device.identity == cuda.info.identity and fn.impls == ("cuda.batch",)
@@ -262,7 +267,7 @@ def test_an_invalid_device_range_is_a_driver_error_with_its_name(path):
 
 # -- huge batches -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("direction", BOTH, ids=str)
+@pytest.mark.parametrize("direction", ALL, ids=str)
 def test_200000_descriptors_in_calls_of_at_most_the_cap(cuda, side, direction):
     """Split into ordered cuMemcpyBatchAsync calls of <= 32,768 (vLLM issue 49276: a hang at
     51,828 in one call); every byte of every block checked."""
@@ -277,7 +282,7 @@ def test_200000_descriptors_in_calls_of_at_most_the_cap(cuda, side, direction):
     pools.check(side)
 
 
-@pytest.mark.parametrize("direction", BOTH, ids=str)
+@pytest.mark.parametrize("direction", ALL, ids=str)
 def test_200000_descriptors_through_resolve_on_the_batch_route(cuda, side, direction):
     fn = kvswap.resolve(direction, device=f"cuda:{cuda.info.index}", policy=Policy(force="cuda.batch"))
     pools = Pools(direction, np.random.default_rng(92).integers(1, 4097, 200_000), seed=93)

@@ -38,7 +38,7 @@ from rocm_standin import RecordingHipStandIn, fresh_hip  # noqa: F401 (fixture)
 ROCM = DeviceInfo(platform="rocm", name="Stand-in AMD GPU", identity="rocm-standin-gfx942-304cu",
                   compute_units=304, index=0, arch="gfx942:sramecc+:xnack-")
 CUDA = DeviceInfo(platform="cuda", name="Stand-in NVIDIA GPU", identity="cuda-standin", compute_units=132, index=0)
-H2D, D2H = Direction.H2D, Direction.D2H
+H2D, D2H, D2D = Direction.H2D, Direction.D2H, Direction.D2D
 STREAM = 0x5EED
 
 
@@ -116,7 +116,7 @@ def test_version_decoding_and_ordering():
     ((7, 13, 0), "batch", 1),
     ((8, 0, 0), "batch", 1),
 ])
-@pytest.mark.parametrize("direction", [H2D, D2H])
+@pytest.mark.parametrize("direction", [H2D, D2H, D2D])
 def test_version_gating_makes_exactly_these_calls(version, path, num_attrs, direction):
     rng = np.random.default_rng()
     standin = RecordingHipStandIn(version=version)
@@ -126,7 +126,7 @@ def test_version_gating_makes_exactly_these_calls(version, path, num_attrs, dire
     fn(src, dst, sizes, STREAM)
     no_standin_errors(standin)
     assert standin.calls[0] == ("hipRuntimeGetVersion",)
-    kind = 1 if direction is H2D else 2
+    kind = {H2D: 1, D2H: 2, D2D: 3}[direction]  # hipMemcpyHostToDevice, DeviceToHost, DeviceToDevice
     if path == "per_copy":
         assert standin.calls[1:] == [("hipMemcpyAsync", d, s, n, kind, STREAM)
                                      for d, s, n in zip(dst.tolist(), src.tolist(), sizes.tolist())]
@@ -142,7 +142,7 @@ def test_version_gating_makes_exactly_these_calls(version, path, num_attrs, dire
     assert np.array_equal(dst_pool, want)
 
 
-@pytest.mark.parametrize("direction, order, word", [(H2D, 3, "ANY"), (D2H, 1, "STREAM")])
+@pytest.mark.parametrize("direction, order, word", [(H2D, 3, "ANY"), (D2H, 1, "STREAM"), (D2D, 1, "STREAM")])
 def test_attributes_any_only_for_a_host_source(direction, order, word):
     rng = np.random.default_rng()
     standin = RecordingHipStandIn(version=(7, 13, 1))

@@ -42,11 +42,13 @@ def _pools(direction: str, nbytes: int, rng: np.random.Generator):
         dev.fill_(0xA5)
         return host, dev
     dev.copy_(data.cuda())
+    if direction == "d2d":
+        return dev, torch.full((nbytes,), 0xA5, dtype=torch.uint8, device="cuda")
     host.fill_(0xA5)
     return dev, host
 
 
-@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+@pytest.mark.parametrize("direction", ["h2d", "d2h", "d2d"])
 @pytest.mark.parametrize("n, chunk", [(100, None), (DEFAULT_CHUNK + 808, None), (1000, "64")])
 def test_batch_copy_moves_exactly_the_blocks(direction, n, chunk, monkeypatch):
     if chunk:

@@ -161,7 +161,7 @@ def test_other_launch_shapes(shape: dict) -> None:
 
 
 @needs_interpreter
-@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+@pytest.mark.parametrize("direction", ["h2d", "d2h", "d2d"])
 def test_resolve_forced_on_cpu_uses_the_kernel(direction: str) -> None:
     fn = kvswap.resolve(direction, device="cpu", policy=Policy(force="triton.kernel"))
     assert fn.impls == ("triton.kernel",)
@@ -430,7 +430,7 @@ def test_registered_platforms_follow_the_interpreter(monkeypatch: pytest.MonkeyP
     impl = tk.copy_impl()
     assert impl.platforms == ("cuda", "rocm", "cpu")
     assert impl.kind == "kernel" and impl.requires_pinned and impl.alignment == 1
-    assert set(impl.directions) == {Direction.H2D, Direction.D2H}
+    assert set(impl.directions) == {Direction.H2D, Direction.D2H, Direction.D2D}
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert tk.copy_impl().platforms == ("cuda", "rocm")
     got = []

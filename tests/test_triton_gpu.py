@@ -20,7 +20,7 @@ from triton_cases import log_sizes, mixed_layout
 
 pytestmark = pytest.mark.gpu
 KiB = 1024
-DIRECTIONS = [Direction.H2D, Direction.D2H]
+DIRECTIONS = [Direction.H2D, Direction.D2H, Direction.D2D]
 
 
 

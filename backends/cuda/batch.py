@@ -41,7 +41,8 @@ def chunk_size(params: Any, env: Any = None) -> int:
 
 def access_order(direction: Direction) -> int:
     """ANY lets the copy engine read the source before earlier work on the stream is done:
-    safe only for a host source nobody on the GPU writes; device memory keeps STREAM order."""
+    safe only for a host source nobody on the GPU writes; a device source (d2h, d2d) keeps
+    STREAM order, as the kernels that wrote it must finish first."""
     return drv.ORDER_ANY if Direction.parse(direction).src_is_host else drv.ORDER_STREAM
 
 
@@ -197,7 +198,7 @@ CUDA_BATCH = CopyImpl(
     name=NAME,
     kind="batch",
     platforms=("cuda",),
-    directions=(Direction.H2D, Direction.D2H),
+    directions=(Direction.H2D, Direction.D2H, Direction.D2D),
     factory=_factory,
     availability=availability,
     requires_pinned=True,

@@ -30,6 +30,7 @@ from kvswap.types import DeviceInfo, Direction
 
 from . import hip as runtime
 from .hip import (
+    MEMCPY_DEVICE_TO_DEVICE,
     MEMCPY_DEVICE_TO_HOST,
     MEMCPY_HOST_TO_DEVICE,
     SIZE_MAX,
@@ -42,6 +43,12 @@ from .hip import (
 )
 
 NAME = "rocm.batch"
+# hipMemcpyAsync's kind per direction (the per-copy path; the batch call takes none).
+MEMCPY_KIND = {
+    Direction.H2D: MEMCPY_HOST_TO_DEVICE,
+    Direction.D2H: MEMCPY_DEVICE_TO_HOST,
+    Direction.D2D: MEMCPY_DEVICE_TO_DEVICE,
+}
 
 DEFAULT_CHUNK = 8192  # hipMemcpyBatchAsync batches over 8,192 descriptors have faulted (vLLM PR 43018)
 CHUNK_ENV = "KVSWAP_ROCM_BATCH_CHUNK"
@@ -97,7 +104,7 @@ def make_transfer(
     stream_handle: Callable[[Any, int], int] = raw_handle,
 ) -> Callable[[np.ndarray, np.ndarray, np.ndarray, Any], None]:
     """The per-transfer callable for ``path``; ``.note`` says which path and why."""
-    kind = MEMCPY_HOST_TO_DEVICE if direction.src_is_host else MEMCPY_DEVICE_TO_HOST
+    kind = MEMCPY_KIND[Direction.parse(direction)]
     if path.kind == "batch":
         batch_fn = hip.fn("hipMemcpyBatchAsync")
         attrs = (MemcpyAttributes * 1)()
@@ -178,7 +185,7 @@ ROCM_BATCH = CopyImpl(
     name=NAME,
     kind="batch",
     platforms=("rocm",),
-    directions=(Direction.H2D, Direction.D2H),
+    directions=(Direction.H2D, Direction.D2H, Direction.D2D),
     factory=bind,
     availability=availability,
     description="HIP copy engines: hipMemcpyBatchAsync in chunks (ROCm >= 7.1), else hipMemcpyAsync per block",

@@ -26,6 +26,7 @@ from kvswap.errors import DriverError
 HIP_SUCCESS = 0
 MEMCPY_HOST_TO_DEVICE = 1  # hipMemcpyKind
 MEMCPY_DEVICE_TO_HOST = 2
+MEMCPY_DEVICE_TO_DEVICE = 3
 SRC_ACCESS_ORDER_STREAM = 1  # hipMemcpySrcAccessOrder
 SRC_ACCESS_ORDER_ANY = 3
 POINTER_ATTRIBUTE_RANGE_START_ADDR = 11  # hipPointer_attribute

@@ -1,4 +1,4 @@
-"""``triton.kernel``: a batch of descriptors in one Triton kernel launch.
+"""``triton.kernel``: a batch of descriptors in one Triton kernel launch, h2d, d2h or d2d.
 
 The kernel (:mod:`.jit`) copies a whole batch on a bounded number of programs (the SM
 budget), several blocks side by side per step, so it stays near the link's ceiling at
@@ -73,7 +73,8 @@ def bind(ctx: BindContext) -> KernelCopy:
     from a calibration, and ``precompile`` (block sizes in bytes; empty: none).
     """
     num_sms = ctx.params.get("num_sms", 8)
-    # Host addresses are translated for the device; device addresses are used as they are.
+    # Host addresses are translated for the device; device addresses (both sides of d2d)
+    # are used as they are.
     translate = None if ctx.translate_host is same_addresses else ctx.translate_host
     direction = ctx.direction
     fn = KernelCopy(
@@ -94,7 +95,7 @@ def copy_impl() -> CopyImpl:
         name=NAME,
         kind="kernel",
         platforms=platforms,
-        directions=(Direction.H2D, Direction.D2H),
+        directions=(Direction.H2D, Direction.D2H, Direction.D2D),
         factory=bind,
         availability=availability,
         requires_pinned=True,

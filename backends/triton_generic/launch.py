@@ -153,9 +153,13 @@ class TilePlan:
 # Launch shapes per direction where the resolver passes none: the winners of
 # tests/bench/bench_triton.py --sweep on an H200 (best mean fraction of the ceiling at
 # 4-8 SMs). Device->host the 64 KiB tiles tie within 1%; 16 warps with L2-only loads led.
+# Device->device is not swept: it takes device->host's loads (its sources are device
+# memory too) and host->device's descriptor reads (a copy that does not cross the link is
+# short, so a round trip per tile to read descriptors from host memory weighs more).
 DEFAULT_PLANS: dict[str, TilePlan] = {
     "h2d": TilePlan(host_tiles=HOST_TILES["h2d"]),
     "d2h": TilePlan(warps=16, cache=".cg", host_tiles=HOST_TILES["d2h"]),
+    "d2d": TilePlan(warps=16, cache=".cg", host_tiles=HOST_TILES["h2d"]),
 }
 
 

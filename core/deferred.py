@@ -8,6 +8,10 @@ the work. A caller that tracks jobs (BlockMover) wraps its call in :func:`collec
 once the job's end marker has completed, asks :func:`failure` whether any of it failed;
 work whose failure was reported that way is marked ``reported``, so the copy function
 does not raise it a second time on its next call.
+
+``collect(stable=True)`` also promises that the descriptor arrays passed inside the block
+stay untouched until the stream has passed the work (BlockMover's pinned buffers return
+to its pool only then), so a copy function may keep them instead of copying them.
 """
 from __future__ import annotations
 
@@ -19,15 +23,24 @@ _local = threading.local()
 
 
 @contextmanager
-def collect() -> Iterator[list]:
-    """Collect, in a list, the work reported on this thread inside the block."""
-    outer = getattr(_local, "items", None)
+def collect(stable: bool = False) -> Iterator[list]:
+    """Collect, in a list, the work reported on this thread inside the block.
+
+    :param stable: the caller's descriptor arrays stay untouched until its stream has
+        passed the work (see the module docstring).
+    """
+    outer = getattr(_local, "items", None), getattr(_local, "stable", False)
     items: list = []
-    _local.items = items
+    _local.items, _local.stable = items, stable
     try:
         yield items
     finally:
-        _local.items = outer
+        _local.items, _local.stable = outer
+
+
+def arrays_stable() -> bool:
+    """Whether the current :func:`collect` block promised stable descriptor arrays."""
+    return getattr(_local, "stable", False)
 
 
 def report(item: Any) -> None:

@@ -355,3 +355,22 @@ def test_a_collected_failure_is_reported_once_not_raised_again(cleanup):
     lib.run()
     p.check()
     assert deferred.failure([fn.last_ticket]) is None
+
+
+def test_arrays_promised_stable_are_kept_not_copied(cleanup):
+    from kvswap import deferred
+
+    gate = threading.Event()
+    lib, iss, fn = make(gate=gate)
+    cleanup.append(iss)
+    _, p = pools(13)
+    src, dst, sizes = p.src.copy(), p.dst.copy(), p.sizes.copy()
+    with deferred.collect(stable=True):
+        fn(src, dst, sizes, CALLER)
+    assert deferred.arrays_stable() is False  # outside the block again
+    sizes[:] = 1  # the promise broken on purpose: the driver call reads the caller's arrays
+    gate.set()
+    lib.run()
+    want = p.before.copy()
+    want[p.dst_off] = p.src_pool[p.src_off]  # one byte a block: the arrays were kept, not copied
+    np.testing.assert_array_equal(p.dst_pool, want)

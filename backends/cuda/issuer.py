@@ -35,7 +35,8 @@ then copies nothing; the call after that works again.
 The descriptor arrays are copied on the caller's thread (24 bytes a descriptor, a few ns
 each) and held by the job until the issuer's driver call has returned, because the batch
 call reads them during the call and the caller may reuse its arrays as soon as it
-returns. Events go back to their pool only after ``cuStreamWaitEvent`` captured them.
+returns; a caller that keeps them until its stream passed the job (BlockMover, through
+``kvswap.deferred.collect(stable=True)``) saves the copy. Events go back to their pool only after ``cuStreamWaitEvent`` captured them.
 
 Small batches, whose synchronous call fits the budget, stay on the caller's thread
 (:data:`ASYNC_MIN`); ``KVSWAP_CUDA_ISSUER`` sets the threshold (descriptors) or turns
@@ -412,8 +413,11 @@ class IssuedCopy:
             issuer = self._issuer = self._make_issuer()
         if issuer.closed:
             return False
-        desc = np.empty((3, len(sizes)), dtype=np.int64)
-        desc[0], desc[1], desc[2] = src, dst, sizes
+        if deferred.arrays_stable():  # the caller keeps them until its stream passed the job
+            desc = (src, dst, sizes)
+        else:  # the caller may reuse its arrays at once: the job copies them (~3 ns each)
+            desc = np.empty((3, len(sizes)), dtype=np.int64)
+            desc[0], desc[1], desc[2] = src, dst, sizes
         copy = inner._copy_batch if path == "batch" else inner._copy_each
 
         def issue(issuer_stream: int) -> None:

@@ -65,6 +65,7 @@ class StandInStreams(StandInLibcuda):
             ("cuEventDestroy", 4000): P_PTR(lambda ev: 0),
             ("cuStreamCreate", 2000): P_CREATE(self._stream_create),
             ("cuStreamWaitEvent", 3020): P_WAIT_EVENT(self._wait_event),
+            ("cuStreamSynchronize", 2000): P_PTR(lambda s: self._note("cuStreamSynchronize")),
             ("cuStreamWaitValue32", 11070): P_VALUE(self._wait_value),
             ("cuStreamWriteValue32", 11070): P_VALUE(self._write_value),
             ("cuMemHostAlloc", 3020): P_HOST_ALLOC(self._host_alloc),

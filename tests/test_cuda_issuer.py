@@ -234,7 +234,7 @@ def test_unwritable_flag_is_released_from_the_host(cleanup):
     _, p = pools(9)
     fn(p.src, p.dst, p.sizes, CALLER)
     assert iss.drain(5)
-    assert iss.flag.value == 1
+    assert iss.flag.value == 1 and "cuStreamSynchronize" in lib.threads  # waited for its stream first
     lib.run()
     p.check()  # the copy itself was issued
     with pytest.raises(issuer.DeferredDriverError, match="cuStreamWriteValue32"):

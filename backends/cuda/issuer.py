@@ -26,7 +26,8 @@ the streams cannot wait for each other in a cycle.
 
 A driver error on the issuer thread never leaves a stream waiting: the flag is still
 written on the issuer stream after the failed call (in order, so earlier jobs keep their
-guarantee); should even that enqueue fail, the thread writes the word from the host.
+guarantee); should even that enqueue fail, the thread waits for its stream, then writes
+the word from the host.
 The error is kept on the job (:class:`Ticket`), which a BlockMover collects
 (:mod:`kvswap.deferred`) and reports as a failed job once its stream passed it; a
 failure nobody reported is raised by the owner's next call (:class:`IssuedCopy`), which
@@ -87,6 +88,7 @@ PROTOS = {
     "event_destroy": ("cuEventDestroy", 4000, ctypes.CFUNCTYPE(_R, _p)),
     "stream_create": ("cuStreamCreate", 2000, ctypes.CFUNCTYPE(_R, ctypes.POINTER(_p), ctypes.c_uint)),
     "stream_wait_event": ("cuStreamWaitEvent", 3020, ctypes.CFUNCTYPE(_R, _p, _p, ctypes.c_uint)),
+    "stream_synchronize": ("cuStreamSynchronize", 2000, ctypes.CFUNCTYPE(_R, _p)),
     "wait_value32": ("cuStreamWaitValue32", 12000, ctypes.CFUNCTYPE(_R, _p, _u64, _u32, ctypes.c_uint)),
     "write_value32": ("cuStreamWriteValue32", 12000, ctypes.CFUNCTYPE(_R, _p, _u64, _u32, ctypes.c_uint)),
     "host_alloc": ("cuMemHostAlloc", 3020, ctypes.CFUNCTYPE(_R, ctypes.POINTER(_p), ctypes.c_size_t, ctypes.c_uint)),
@@ -283,22 +285,17 @@ class Issuer:
             ticket.error = e
         self._events.append(job.event)  # captured (or unused): free to record again
         job.keep = None
-        if ticket.error is not None and job.on_error is not None:
-            # Before the flag: whoever sees the stream pass this job sees the failure too.
-            try:
-                job.on_error(ticket)
-            except BaseException:
-                pass
+        if ticket.error is not None:
+            _tell(job)  # before the flag: whoever sees the stream pass the job sees the failure
         rc = ops.write_value32(stream, self.flag.device, ticket.seq, CU_STREAM_WRITE_VALUE_DEFAULT)
         if rc:
-            self.flag.release_to(ticket.seq)  # the stream cannot: release from the host
+            # The stream cannot release the waiters: the host does, once the earlier jobs
+            # are done (or the stream has failed for good), so they keep their guarantee.
+            ops.stream_synchronize(stream)
+            self.flag.release_to(ticket.seq)
             if ticket.error is None:
                 ticket.error = ops.error("cuStreamWriteValue32", rc)
-                if job.on_error is not None:
-                    try:
-                        job.on_error(ticket)
-                    except BaseException:
-                        pass
+                _tell(job)
         ticket.done.set()
         with self._idle:
             self.issued += 1
@@ -323,6 +320,14 @@ class Issuer:
         with self._idle:
             target = self.queued
             return self._idle.wait_for(lambda: self.issued >= target, timeout)
+
+
+def _tell(job: _Job) -> None:
+    if job.on_error is not None:
+        try:
+            job.on_error(job.ticket)
+        except BaseException:  # the owner's bookkeeping must not stop the thread
+            pass
 
 
 _live: "set[Issuer]" = set()

@@ -400,6 +400,7 @@ def main() -> None:
         raise SystemExit("needs a CUDA GPU")
     torch.cuda.init()
     index = torch.cuda.current_device()
+    torch.empty(1, device=f"cuda:{index}")  # the primary context, current on this thread
     caller = Caller(index)
     stream = torch.cuda.Stream()
     rows: list = []

@@ -35,7 +35,8 @@ from .types import DeviceInfo, Direction, Policy  # noqa: E402
 from .plan import Plan, Route  # noqa: E402
 from .resolver import resolve  # noqa: E402
 from .swapfn import SwapFn  # noqa: E402
-from .mover import BlockMover, TransferResult  # noqa: E402
+from .mover import BlockMover, GroupLayout, KVGroup, TransferResult  # noqa: E402
+from .staging import PageableMemoryWarning  # noqa: E402
 from .host_memory import host_empty  # noqa: E402
 from .numa import NumaWarning  # noqa: E402
 
@@ -51,12 +52,15 @@ __all__ = [
     "DeviceInfo",
     "Direction",
     "DriverError",
+    "GroupLayout",
     "InvalidImplError",
     "InvalidTransferError",
+    "KVGroup",
     "KvSwapError",
     "KvSwapWarning",
     "MoverClosedError",
     "NumaWarning",
+    "PageableMemoryWarning",
     "Plan",
     "PluginWarning",
     "Policy",

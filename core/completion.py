@@ -10,6 +10,34 @@ import contextlib
 import time
 from typing import Any, ContextManager
 
+from .errors import ConfigurationError
+
+
+class _CurrentStream:
+    def __repr__(self) -> str:
+        return "CURRENT_STREAM"
+
+
+CURRENT_STREAM: Any = _CurrentStream()
+"""``submit(..., after=CURRENT_STREAM)``, the default: order after the work already
+queued on the current stream."""
+
+
+def _after_kind(after: Any) -> str:
+    """``"current"``, ``"none"``, ``"stream"`` or ``"event"``; refuses anything else."""
+    if after is CURRENT_STREAM:
+        return "current"
+    if after is None:
+        return "none"
+    if hasattr(after, "wait_stream") and hasattr(after, "cuda_stream"):
+        return "stream"
+    if hasattr(after, "record") and hasattr(after, "query") and hasattr(after, "synchronize"):
+        return "event"
+    raise ConfigurationError(
+        f"after={after!r} must be omitted (the current stream), None (wait for nothing), "
+        f"a torch.cuda.Stream or a torch.cuda.Event"
+    )
+
 
 class HostCompletion:
     """Synchronous copies on the host: markers are clock readings, always complete."""
@@ -18,6 +46,17 @@ class HostCompletion:
 
     def order_after_compute(self) -> None:
         """Nothing to order after: host copies run when called."""
+
+    def order_after(self, after: Any) -> None:
+        """Nothing to wait for: host copies run when called."""
+
+    def check_after(self, after: Any) -> None:
+        """Host copies run when called: only the default and None make sense here."""
+        if _after_kind(after) not in ("current", "none"):
+            raise ConfigurationError(
+                f"after={after!r}: a mover between host tensors copies when submit is called, so it "
+                f"can wait for no stream or event; pass None or leave after out"
+            )
 
     def device_guard(self) -> ContextManager[Any]:
         return contextlib.nullcontext()
@@ -63,6 +102,23 @@ class CudaCompletion:
         current = self._torch.cuda.current_stream(self.index)
         if current.cuda_stream != self.stream.cuda_stream:
             self.stream.wait_stream(current)
+
+    def check_after(self, after: Any) -> None:
+        """Refuse an ``after`` that is no stream, event, None or the default."""
+        _after_kind(after)
+
+    def order_after(self, after: Any) -> None:
+        """Make the transfer stream wait for ``after``: :data:`CURRENT_STREAM` (the
+        current stream, :meth:`order_after_compute`), None (nothing), a stream (the work
+        queued on it so far) or an event (its last record)."""
+        kind = _after_kind(after)
+        if kind == "current":
+            self.order_after_compute()
+        elif kind == "stream":
+            if after.cuda_stream != self.stream.cuda_stream:
+                self.stream.wait_stream(after)
+        elif kind == "event":
+            self.stream.wait_event(after)
 
     def device_guard(self) -> ContextManager[Any]:
         """Make the mover's device current while a backend enqueues (kernels launch on the

@@ -1,26 +1,29 @@
 """BlockMover: the one object an engine holds to move KV blocks between host and device.
 
-Built once from the per-layer tensors of both sides, it derives where every block lives,
-resolves the copy route once, and then per step turns two lists of block ids into
-descriptors (one numpy broadcast over all layers, chunks and ids, into a pooled pinned
-buffer), coalesces contiguous runs, and enqueues the copy on its own transfer stream after
-the work already queued on the compute stream.
+Built once from the per-layer tensors of both sides (or of several KV groups), it derives
+where every block lives, resolves the copy route once, and then per step turns lists of
+block ids into descriptors (one numpy broadcast over all layers, chunks and ids, into a
+pooled pinned buffer), coalesces contiguous runs, and enqueues the copy on its own
+transfer stream after what the engine says the copy waits for (by default, the work
+already queued on the current stream).
 """
 from __future__ import annotations
 
+import warnings
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
-from .completion import CudaCompletion, HostCompletion
-from .descriptors import as_int64, coalesce
+from .completion import CURRENT_STREAM, CudaCompletion, HostCompletion
+from .descriptors import as_int64, coalesce, first_overlap
 from .errors import ConfigurationError, InvalidTransferError
 from .errors import BlockIdError, BlockLayoutError, MoverClosedError, TensorPlacementError, UnpinnedMemoryError
 from .pinned_pool import DescriptorBuffer, DescriptorPool
 from .regions import BlockDim, DescriptorTemplate, pair_regions
 from .resolver import resolve
+from .staging import PageableMemoryWarning, Staged, Stager, storage_spans
 from .swapfn import SwapFn
 from .types import Direction, DirectionLike, Policy
 
@@ -46,6 +49,34 @@ class TransferResult:
     error: Optional[str] = None
 
 
+@dataclass(frozen=True)
+class KVGroup:
+    """One KV group of a :meth:`BlockMover.groups` mover: its tensors and block dims.
+
+    Arguments as :class:`BlockMover`'s ``src_tensors``, ``dst_tensors`` and ``block_dim``.
+    Each group has its own block ids (its own block pool, block size and layout).
+    """
+
+    src_tensors: Tensors
+    dst_tensors: Tensors
+    block_dim: BlockDim = 0
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """What one block id moves in one KV group.
+
+    :ivar factor: k where one side's blocks are k of the other side's (ids count the
+        smaller block), else 1.
+    """
+
+    block_bytes: int
+    chunks_per_block: int
+    num_src_blocks: int
+    num_dst_blocks: int
+    factor: int
+
+
 @dataclass(eq=False)
 class _Job:
     job_id: int
@@ -55,6 +86,7 @@ class _Job:
     start: Any
     end: Any
     error: Optional[str] = None
+    staged: Optional[Staged] = None
 
 
 class BlockMover:
@@ -62,17 +94,40 @@ class BlockMover:
 
     :param src_tensors: a tensor or a sequence of tensors (one per layer, or per K/V).
     :param dst_tensors: as many tensors; each may differ from its source in shape and
-        block count, but a block must be the same chunks of the same sizes on both sides.
+        block count, but a block must be the same chunks of the same sizes on both sides,
+        or k whole blocks of the other side (below).
     :param direction: ``"h2d"`` (sources on the host), ``"d2h"`` (destinations on the
         host) or ``"d2d"`` (both sides on one device). The device side may also be host
         memory: the host reference then copies.
-    :param block_dim: the dimension that indexes blocks, or a ``(src, dst)`` pair;
-        vLLM's FlashAttention layout ``(2, num_blocks, ...)`` is ``block_dim=1``.
-    :param policy: passed to :func:`kvswap.resolve` (SM budget, forced route).
+    :param block_dim: the dimension that indexes blocks: an int for every tensor, a
+        ``(src, dst)`` tuple for every pair, or a list with one entry (an int or a tuple)
+        per tensor pair. vLLM's FlashAttention layout ``(2, num_blocks, ...)`` is
+        ``block_dim=1``; FlashAttention, FlashInfer ``(num_blocks, 2, ...)`` and MLA
+        ``(num_blocks, ...)`` caches in one mover are ``block_dim=[1, 0, 0]``.
+    :param policy: passed to :func:`kvswap.resolve` (SM budget, forced route, whether
+        pageable host memory is refused).
     :param stream: the transfer stream on a GPU (default: a new one).
     :raises BlockLayoutError: blocks that are not contiguous chunks, or chunks that differ.
     :raises TensorPlacementError: tensors on the wrong device for ``direction``.
-    :raises UnpinnedMemoryError: pageable host tensors for a route that needs pinned ones.
+    :raises UnpinnedMemoryError: pageable host tensors with ``Policy(require_pinned=True)``.
+
+    **Blocks of different sizes** (vLLM's ``block_size_factor``, kernel block size below
+    the logical block size): one side's blocks may be k whole times the other's, cut
+    along one dimension into blocks of the other side's shape (the tokens of a block).
+    Ids on both sides then count the smaller block: id ``i`` on the larger side is
+    sub-block ``i % k`` of block ``i // k``. Rows may be padded (a block stride larger
+    than the block, as in a shared host region). k is derived once, here.
+
+    **Pageable host memory** works, more slowly: host tensors that are not page-locked
+    are staged through kvswap's own pinned buffers (a host memcpy of every byte on top of
+    the device copy; for host to device on the thread that submits, for device to host
+    on a worker thread after the device copy), with a :class:`PageableMemoryWarning`
+    once, when the mover is built. A job completes only once its bytes are in place.
+    ``Policy(require_pinned=True)`` refuses such memory instead.
+
+    **Several KV groups** (hybrid models): :meth:`groups` builds one mover over several
+    groups, each with its own tensors and block ids; one ``submit`` moves blocks of every
+    group in one transfer with one completion.
 
     Not thread-safe: one engine thread submits and polls.
     """
@@ -87,32 +142,113 @@ class BlockMover:
         policy: Optional[Policy] = None,
         stream: Any = None,
     ) -> None:
+        self._setup([KVGroup(src_tensors, dst_tensors, block_dim)], False, direction, policy, stream)
+
+    @classmethod
+    def groups(
+        cls,
+        groups: Sequence[Union[KVGroup, tuple]],
+        direction: DirectionLike,
+        *,
+        policy: Optional[Policy] = None,
+        stream: Any = None,
+    ) -> BlockMover:
+        """A mover over several KV groups: one transfer and one completion per step.
+
+        :param groups: a :class:`KVGroup` per group, or a tuple ``(src_tensors,
+            dst_tensors)`` or ``(src_tensors, dst_tensors, block_dim)``.
+
+        Its :meth:`submit` and :meth:`descriptors` take one id list per group on each
+        side, in the order of ``groups``: ``submit([src_ids_0, src_ids_1],
+        [dst_ids_0, dst_ids_1])`` (an empty list moves nothing of that group).
+        :attr:`layouts` describes each group. Groups may share tensors (blocks of one
+        pool that the groups divide): then destinations are checked across groups per job.
+
+        ::
+
+            mover = kvswap.BlockMover.groups(
+                [kvswap.KVGroup(full_attn_gpu, full_attn_cpu, block_dim=1),
+                 kvswap.KVGroup(sliding_gpu, sliding_cpu, block_dim=1)], "d2h")
+            job = mover.submit([gpu_ids_full, gpu_ids_sliding], [cpu_ids_full, cpu_ids_sliding])
+        """
+        if isinstance(groups, KVGroup) or not isinstance(groups, Sequence) or not len(groups):
+            raise BlockLayoutError(f"groups={groups!r} must be a non-empty list of KVGroup or (src, dst[, block_dim])")
+        specs = []
+        for g, spec in enumerate(groups):
+            if isinstance(spec, KVGroup):
+                specs.append(spec)
+            elif isinstance(spec, tuple) and len(spec) in (2, 3):
+                specs.append(KVGroup(*spec))
+            else:
+                raise BlockLayoutError(
+                    f"groups[{g}] is a {type(spec).__name__}; pass a KVGroup or a tuple (src_tensors, dst_tensors"
+                    f"[, block_dim])"
+                )
+        mover = cls.__new__(cls)
+        mover._setup(specs, True, direction, policy, stream)
+        return mover
+
+    def _setup(self, specs: list[KVGroup], grouped: bool, direction: DirectionLike,
+               policy: Optional[Policy], stream: Any) -> None:
+        self._closed = True  # until built: __del__ and close() have nothing to wait for
+        self._inflight: deque[_Job] = deque()
         self.direction = Direction.parse(direction)
-        src, dst = _tensor_list(src_tensors, "src_tensors"), _tensor_list(dst_tensors, "dst_tensors")
-        if len(src) != len(dst):
-            raise BlockLayoutError(
-                f"src_tensors has {len(src)} tensor(s) but dst_tensors has {len(dst)}; pass one destination per source"
-            )
-        device = _device_side(src, dst, self.direction)
-        self._template: DescriptorTemplate = pair_regions(src, dst, block_dim)
+        self._grouped = grouped
+        sides = []
+        for g, spec in enumerate(specs):
+            where = f"groups[{g}]: " if grouped else ""
+            src = _tensor_list(spec.src_tensors, "src_tensors", where)
+            dst = _tensor_list(spec.dst_tensors, "dst_tensors", where)
+            if len(src) != len(dst):
+                raise BlockLayoutError(
+                    f"{where}src_tensors has {len(src)} tensor(s) but dst_tensors has {len(dst)}; "
+                    f"pass one destination per source"
+                )
+            sides.append((src, dst))
+        all_src = [t for s, _ in sides for t in s]
+        all_dst = [t for _, d in sides for t in d]
+        device = _device_side(all_src, all_dst, self.direction)
+        templates = []
+        for g, ((src, dst), spec) in enumerate(zip(sides, specs)):
+            try:
+                templates.append(pair_regions(src, dst, spec.block_dim))
+            except BlockLayoutError as e:
+                if not grouped:
+                    raise
+                raise BlockLayoutError(f"groups[{g}]: {e}") from None
+        self._templates: list[DescriptorTemplate] = templates
+        self._per_block = np.array([t.count for t in templates], dtype=np.int64)
+        on_device = device.type != "cpu"
         self._fn: SwapFn = resolve(
             self.direction,
-            device="cpu" if device.type == "cpu" else str(device),
-            block_bytes=list(self._template.chunk_sizes),
+            device="cpu" if not on_device else str(device),
+            block_bytes=sorted({c for t in templates for c in t.chunk_sizes}),
             policy=policy,
         )
-        pinned_for = _pinned_routes(self._fn, on_device=device.type != "cpu")
-        if pinned_for:
-            _require_pinned(src if self.direction.src_is_host else dst, self.direction, pinned_for)
-        if device.type == "cpu":
+        policy = policy or Policy()
+        self._stager: Optional[Stager] = None
+        host = [] if self.direction is Direction.D2D else (all_src if self.direction.src_is_host else all_dst)
+        pageable = [i for i, t in enumerate(host) if not t.is_pinned()]
+        pinned_for = _pinned_routes(self._fn, on_device=on_device)
+        if pageable and (on_device or pinned_for):
+            if policy.require_pinned:
+                _refuse_pageable(host, pageable, self.direction, pinned_for, grouped)
+            self._stager = Stager(storage_spans([host[i] for i in pageable]),
+                                  0 if self.direction.src_is_host else 1, pinned=on_device)
+            warnings.warn(PageableMemoryWarning(
+                f"{len(pageable)} of the {len(host)} host tensor(s) of this {self.direction} mover are pageable: "
+                f"their blocks are staged through pinned buffers, a host memcpy of every byte on top of the "
+                f"device copy; allocate host KV with pin_memory=True (or kvswap.host_empty) to avoid it"
+            ), stacklevel=3)
+        if not on_device:
             if stream is not None:
                 raise ConfigurationError(f"stream={stream!r}: a mover between host tensors has no stream")
             self._completion: Any = HostCompletion()
         else:
             self._completion = CudaCompletion(device.index or 0, stream)
-        self.pool = DescriptorPool(pinned=device.type != "cpu")
-        self._tensors: Optional[tuple[list, list]] = (src, dst)  # the memory the addresses point into
-        self._inflight: deque[_Job] = deque()
+        self.pool = DescriptorPool(pinned=on_device)
+        self._check_across = grouped and _groups_share_destinations(sides)
+        self._tensors: Optional[list] = sides  # the memory the addresses point into
         self._results: deque[TransferResult] = deque()
         self._next_id = 1
         self._closed = False
@@ -133,22 +269,47 @@ class BlockMover:
         return self._completion.stream
 
     @property
+    def layouts(self) -> tuple[GroupLayout, ...]:
+        """Per KV group (one for a mover built without :meth:`groups`): what an id moves."""
+        return tuple(GroupLayout(t.block_bytes, t.count, t.src_blocks, t.dst_blocks, t.factor)
+                     for t in self._templates)
+
+    def _one(self) -> DescriptorTemplate:
+        if len(self._templates) != 1:
+            raise ConfigurationError(
+                f"this mover moves {len(self._templates)} KV groups; read each group's numbers from .layouts"
+            )
+        return self._templates[0]
+
+    @property
     def block_bytes(self) -> int:
         """Bytes moved per block id, over every tensor pair."""
-        return self._template.block_bytes
+        return self._one().block_bytes
 
     @property
     def chunks_per_block(self) -> int:
         """Descriptors per block id before coalescing, over every tensor pair."""
-        return self._template.count
+        return self._one().count
 
     @property
     def num_src_blocks(self) -> int:
-        return self._template.src_blocks
+        """Ids the source side holds (its blocks, or its sub-blocks where they are larger)."""
+        return self._one().src_blocks
 
     @property
     def num_dst_blocks(self) -> int:
-        return self._template.dst_blocks
+        """Ids the destination side holds (its blocks, or its sub-blocks where they are larger)."""
+        return self._one().dst_blocks
+
+    @property
+    def block_size_factor(self) -> int:
+        """k where one side's blocks are k of the other's (ids count the smaller), else 1."""
+        return self._one().factor
+
+    @property
+    def stages_host_memory(self) -> bool:
+        """Whether pageable host tensors go through staging buffers (the slower route)."""
+        return self._stager is not None
 
     @property
     def in_flight(self) -> int:
@@ -160,40 +321,59 @@ class BlockMover:
         return self._closed
 
     # -- per step ------------------------------------------------------------------------
-    def submit(self, src_block_ids: Any, dst_block_ids: Any) -> int:
+    def submit(self, src_block_ids: Any, dst_block_ids: Any, *, after: Any = CURRENT_STREAM) -> int:
         """Copy block ``src_block_ids[i]`` to block ``dst_block_ids[i]`` in every tensor pair.
 
-        Ids are lists, numpy arrays or CPU tensors of integers. Everything is checked
-        before anything is enqueued; the copy starts after the work already queued on the
-        current (compute) stream and runs on the mover's transfer stream.
+        Ids are lists, numpy arrays or CPU tensors of integers; a :meth:`groups` mover
+        takes a sequence of them per side, one per group. Everything is checked before
+        anything is enqueued; the copy runs on the mover's transfer stream.
 
+        :param after: what the copy waits for. Left out: the work already queued on the
+            current stream (right for an offload of KV the step just wrote). ``None``:
+            nothing (a prefix load into free blocks starts while the step computes). A
+            ``torch.cuda.Stream``: the work queued on it so far. A ``torch.cuda.Event``:
+            its last record. A mover between host tensors copies at once and takes only
+            the default or None.
         :return: the job id :meth:`poll` and :meth:`wait` refer to.
         :raises BlockIdError: ids out of range or negative, unequal in number, not
             integers, or a destination id repeated.
+        :raises ConfigurationError: ``after`` is none of the above.
         :raises MoverClosedError: after :meth:`close`.
         """
         if self._closed:
             raise MoverClosedError("submit() after close(): this BlockMover no longer moves blocks")
-        sid, did = self._checked_ids(src_block_ids, dst_block_ids)
+        ids = self._checked_ids(src_block_ids, dst_block_ids)
+        c = self._completion
+        c.check_after(after)
         self._reap()
-        buf, m = self._build(sid, did)
-        arr, c = buf.array, self._completion
+        buf, m = self._build(ids)
+        staged = None
+        try:
+            if self._stager is not None:
+                staged = self._stager.stage(buf.array, m)
+        except BaseException:
+            self.pool.release(buf)
+            raise
+        arr = buf.array
         error = None
         with c.device_guard():
-            c.order_after_compute()
+            c.order_after(after)
             start = c.mark()
             try:
                 if m:
                     self._fn(arr[0, :m], arr[1, :m], arr[2, :m], stream=c.stream)
             except BaseException as e:
-                # Part of the batch may be enqueued: the buffer stays with a failed job
+                # Part of the batch may be enqueued: the buffers stay with a failed job
                 # until the end marker shows the stream is past it.
                 error = e
             end = c.mark()
+        if staged is not None and self._stager.row == 1 and error is None:
+            self._stager.copy_out(staged, lambda: c.wait(end))
         job_id = self._next_id
         self._next_id += 1
-        self._inflight.append(_Job(job_id, buf, len(sid) * self._template.block_bytes, m, start, end,
-                                   None if error is None else f"{type(error).__name__}: {error}"))
+        nbytes = sum(len(s) * t.block_bytes for (s, _), t in zip(ids, self._templates))
+        self._inflight.append(_Job(job_id, buf, nbytes, m, start, end,
+                                   None if error is None else f"{type(error).__name__}: {error}", staged))
         if error is not None:
             raise error
         return job_id
@@ -201,11 +381,10 @@ class BlockMover:
     def descriptors(self, src_block_ids: Any, dst_block_ids: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The descriptors ``submit`` would enqueue for these ids, after coalescing, as
         copies ``(src addresses, dst addresses, sizes)``; nothing is copied. Same checks
-        as :meth:`submit`."""
+        as :meth:`submit`. Host addresses are the tensors', before any staging."""
         if self._closed:
             raise MoverClosedError("descriptors() after close()")
-        sid, did = self._checked_ids(src_block_ids, dst_block_ids)
-        buf, m = self._build(sid, did)
+        buf, m = self._build(self._checked_ids(src_block_ids, dst_block_ids))
         try:
             return buf.array[0, :m].copy(), buf.array[1, :m].copy(), buf.array[2, :m].copy()
         finally:
@@ -236,7 +415,10 @@ class BlockMover:
             return
         k = len(q) - 1 if job_id is None else int(job_id) - q[0].job_id
         if k >= 0:  # otherwise already complete: in-flight ids are consecutive
-            self._completion.wait(q[k].end)
+            job = q[k]
+            self._completion.wait(job.end)
+            if job.staged is not None and job.staged.finish is not None:
+                job.staged.finish.exception()  # copied out (or failed: poll reports it)
             self._reap()
 
     def close(self) -> None:
@@ -247,6 +429,8 @@ class BlockMover:
         self.wait()
         self._closed = True
         self.pool.clear()
+        if self._stager is not None:
+            self._stager.close()
         self._tensors = None
 
     def __enter__(self) -> BlockMover:
@@ -259,44 +443,52 @@ class BlockMover:
         # The device may still read descriptors or tensors of jobs nobody waited for.
         try:
             if not self._closed and self._inflight:
-                self._completion.wait(self._inflight[-1].end)
+                self.wait()
         except Exception:
             pass
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._inflight)} in flight"
-        return (f"<kvswap.BlockMover {self.direction} {self._template.count} chunk(s)/block, "
-                f"{self.block_bytes} B/block, {', '.join(self._fn.impls)}; {state}>")
+        shape = "; ".join(f"{t.count} chunk(s)/block, {t.block_bytes} B/block" for t in self._templates)
+        return f"<kvswap.BlockMover {self.direction} {shape}, {', '.join(self._fn.impls)}; {state}>"
 
     # -- internals -----------------------------------------------------------------------
-    def _checked_ids(self, src_block_ids: Any, dst_block_ids: Any) -> tuple[np.ndarray, np.ndarray]:
-        t = self._template
-        sid = _ids(src_block_ids, "src_block_ids")
-        did = _ids(dst_block_ids, "dst_block_ids")
-        if len(sid) != len(did):
-            raise BlockIdError(
-                f"src_block_ids has {len(sid)} ids but dst_block_ids has {len(did)}; they pair up one to one"
-            )
-        if len(sid):
-            _in_range(sid, "src_block_ids", t.src_blocks, "source")
-            _in_range(did, "dst_block_ids", t.dst_blocks, "destination")
-            if len(did) > 1:
-                s = np.sort(did)
-                rep = s[1:] == s[:-1]
-                if rep.any():
-                    v = s[1:][rep][0]
-                    i, j = np.flatnonzero(did == v)[:2]
+    def _checked_ids(self, src_block_ids: Any, dst_block_ids: Any) -> list[tuple[np.ndarray, np.ndarray]]:
+        if not self._grouped:
+            return [_checked_pair(self._templates[0], src_block_ids, dst_block_ids, "")]
+        n = len(self._templates)
+        for what, ids in (("src_block_ids", src_block_ids), ("dst_block_ids", dst_block_ids)):
+            if isinstance(ids, (np.ndarray, str, bytes)) or not isinstance(ids, Sequence) or len(ids) != n:
+                raise BlockIdError(
+                    f"{what} must be a list of {n} id lists, one per KV group, got {type(ids).__name__}"
+                    + (f" of {len(ids)}" if isinstance(ids, Sequence) else "")
+                )
+            for g, x in enumerate(ids):
+                if isinstance(x, (int, np.integer)):
                     raise BlockIdError(
-                        f"dst_block_ids[{i}] and dst_block_ids[{j}] are both {int(v)}: a destination block "
-                        f"may be written once per job"
+                        f"{what}[{g}] is {x!r}, not a list of ids: a mover built by groups() takes one id "
+                        f"list per KV group"
                     )
-        return sid, did
+        return [_checked_pair(t, s, d, f"[{g}]")
+                for g, (t, s, d) in enumerate(zip(self._templates, src_block_ids, dst_block_ids))]
 
-    def _build(self, sid: np.ndarray, did: np.ndarray) -> tuple[DescriptorBuffer, int]:
-        buf = self.pool.acquire(len(sid) * self._template.count)
+    def _build(self, ids: list[tuple[np.ndarray, np.ndarray]]) -> tuple[DescriptorBuffer, int]:
+        counts = [len(s) * t.count for (s, _), t in zip(ids, self._templates)]
+        buf = self.pool.acquire(sum(counts))
         arr = buf.array
-        m = self._template.fill(sid, did, arr)
+        m = 0
+        for (sid, did), t in zip(ids, self._templates):
+            if len(sid):
+                m += t.fill(sid, did, arr[:, m:])
         s, d, z = arr[0, :m], arr[1, :m], arr[2, :m]
+        if self._check_across and m:
+            clash = first_overlap(d, z)
+            if clash is not None:
+                self.pool.release(buf)
+                raise BlockIdError(
+                    "two KV groups write the same destination bytes in this job (groups that share tensors "
+                    "must use distinct blocks)"
+                )
         cs, cd, cz = coalesce(s, d, z)
         if cz is not z:  # merged: the shorter arrays go back into the pinned buffer
             m = len(cz)
@@ -307,25 +499,35 @@ class BlockMover:
         """Hand back the buffers of completed jobs; jobs complete in order on one stream."""
         q, c = self._inflight, self._completion
         while q and c.done(q[0].end):
-            job = q.popleft()
+            job = q[0]
+            st = job.staged
+            if st is not None and st.finish is not None and not st.finish.done():
+                break  # the device copy is done, the copy out to pageable memory is not yet
+            q.popleft()
+            error = job.error
+            if error is None and st is not None and st.finish is not None and st.finish.exception() is not None:
+                e = st.finish.exception()
+                error = f"{type(e).__name__}: {e}"
             seconds = c.seconds(job.start, job.end)
             c.recycle(job.start, job.end)
             self.pool.release(job.buffer)
+            if st is not None:
+                self._stager.release(st)
             self._results.append(TransferResult(
-                job.job_id, job.error is None, job.nbytes if job.error is None else 0,
-                seconds, job.descriptors, job.error,
+                job.job_id, error is None, job.nbytes if error is None else 0,
+                seconds, job.descriptors, error,
             ))
 
 
-def _tensor_list(tensors: Tensors, what: str) -> list:
+def _tensor_list(tensors: Tensors, what: str, where: str = "") -> list:
     import torch
 
     items = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
     if not items:
-        raise BlockLayoutError(f"{what} is empty; pass at least one tensor")
+        raise BlockLayoutError(f"{where}{what} is empty; pass at least one tensor")
     for i, t in enumerate(items):
         if not isinstance(t, torch.Tensor):
-            raise BlockLayoutError(f"{what}[{i}] is a {type(t).__name__}, not a torch.Tensor")
+            raise BlockLayoutError(f"{where}{what}[{i}] is a {type(t).__name__}, not a torch.Tensor")
     return items
 
 
@@ -376,14 +578,50 @@ def _pinned_routes(fn: SwapFn, on_device: bool) -> list[str]:
     return sorted(names & need)
 
 
-def _require_pinned(host: list, direction: Direction, routes: list[str]) -> None:
+def _refuse_pageable(host: list, pageable: list[int], direction: Direction, routes: list[str], grouped: bool) -> None:
     name = "src" if direction.src_is_host else "dst"
-    for i, t in enumerate(host):
-        if not t.is_pinned():
-            raise UnpinnedMemoryError(
-                f"{name}_tensors[{i}] is pageable host memory, but the route(s) {', '.join(routes)} need "
-                f"pinned (page-locked) memory; allocate it with pin_memory=True"
-            )
+    which = f"host tensor {pageable[0]} (over all groups)" if grouped else f"{name}_tensors[{pageable[0]}]"
+    need = f"the route(s) {', '.join(routes)} need" if routes else "a device reads it asynchronously only when it is"
+    raise UnpinnedMemoryError(
+        f"{which} is pageable host memory, but {need} pinned (page-locked) memory and the policy sets "
+        f"require_pinned=True; allocate it with pin_memory=True, or drop require_pinned to stage it (slower)"
+    )
+
+
+def _groups_share_destinations(sides: list[tuple[list, list]]) -> bool:
+    """Whether two groups' destination tensors share storage (then a job's destinations
+    are checked across groups)."""
+    seen: dict[int, int] = {}
+    for g, (_, dst) in enumerate(sides):
+        for t in dst:
+            key = t.untyped_storage().data_ptr() if t.device.type != "meta" else id(t)
+            if seen.setdefault(key, g) != g:
+                return True
+    return False
+
+
+def _checked_pair(t: DescriptorTemplate, src_block_ids: Any, dst_block_ids: Any,
+                  at: str) -> tuple[np.ndarray, np.ndarray]:
+    sid = _ids(src_block_ids, f"src_block_ids{at}")
+    did = _ids(dst_block_ids, f"dst_block_ids{at}")
+    if len(sid) != len(did):
+        raise BlockIdError(
+            f"src_block_ids{at} has {len(sid)} ids but dst_block_ids{at} has {len(did)}; they pair up one to one"
+        )
+    if len(sid):
+        _in_range(sid, f"src_block_ids{at}", t.src_blocks, "source")
+        _in_range(did, f"dst_block_ids{at}", t.dst_blocks, "destination")
+        if len(did) > 1:
+            s = np.sort(did)
+            rep = s[1:] == s[:-1]
+            if rep.any():
+                v = s[1:][rep][0]
+                i, j = np.flatnonzero(did == v)[:2]
+                raise BlockIdError(
+                    f"dst_block_ids{at}[{i}] and dst_block_ids{at}[{j}] are both {int(v)}: a destination block "
+                    f"may be written once per job"
+                )
+    return sid, did
 
 
 def _ids(ids: Any, what: str) -> np.ndarray:

@@ -1,8 +1,10 @@
 """Reusable descriptor buffers, page-locked where a device reads them.
 
 A transfer's descriptors (src addresses, dst addresses, sizes) must stay valid until the
-device has finished with them, and an async upload from pageable memory is synchronous
-(FACTS.md), so on a GPU they live in pinned memory. Pinning is slow (a driver call per
+device has finished with them, and an asynchronous upload from pageable memory is
+synchronous (CUDA runtime API, "API synchronization behavior"), so on a GPU they live in
+pinned memory. The staging buffers that carry pageable host memory's blocks are pooled
+the same way. Pinning is slow (a driver call per
 allocation), hence a pool: buffers are sized in powers of two and come back to the pool
 only when the owner says the job that used them has completed.
 """
@@ -79,4 +81,30 @@ class DescriptorPool:
         import torch
 
         owner = torch.empty((3, cap), dtype=torch.int64, pin_memory=True)
+        return DescriptorBuffer(owner.numpy(), owner, cap)
+
+
+# A staging buffer is at least 1 MiB: small jobs share one size class.
+MIN_STAGING_BYTES = 1 << 20
+
+
+class StagingPool(DescriptorPool):
+    """Byte buffers (``array`` is 1-D uint8) that stage pageable host memory's blocks,
+    page-locked where a device reads them; reused by power-of-two size class."""
+
+    def acquire(self, count: int) -> DescriptorBuffer:
+        """A buffer of at least ``count`` bytes."""
+        cap = MIN_STAGING_BYTES if count <= MIN_STAGING_BYTES else 1 << (count - 1).bit_length()
+        shelf = self._free.get(cap)
+        buf = shelf.pop() if shelf else self._allocate(cap)
+        self._lent.add(id(buf))
+        return buf
+
+    def _allocate(self, cap: int) -> DescriptorBuffer:
+        self.allocated += 1
+        if not self.pinned:
+            return DescriptorBuffer(np.empty(cap, dtype=np.uint8), None, cap)
+        import torch
+
+        owner = torch.empty(cap, dtype=torch.uint8, pin_memory=True)
         return DescriptorBuffer(owner.numpy(), owner, cap)

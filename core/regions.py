@@ -8,15 +8,16 @@ into the caller's (pinned) buffer: no per-layer or per-block Python work.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Sequence, Union
+from dataclasses import dataclass, replace
+from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
 from .descriptors import coalesce, first_overlap
 from .errors import BlockLayoutError
 
-BlockDim = Union[int, tuple[int, int]]
+PairDim = Union[int, tuple[int, int]]
+BlockDim = Union[PairDim, Sequence[PairDim]]
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,9 @@ class BlockRegions:
 
     ``shape`` and ``order`` describe one block (size-1 dims dropped): its logical shape
     and its dims from innermost to outermost in memory, to tell a pair that stores a
-    block's elements in different orders.
+    block's elements in different orders. With ``factor`` k > 1 the regions describe a
+    sub-block: id ``i`` is sub-block ``i % k`` of block ``i // k``, which starts
+    ``sub_step`` bytes after the one before it.
     """
 
     base: int
@@ -36,11 +39,24 @@ class BlockRegions:
     chunk_bytes: int
     shape: tuple[int, ...]
     order: tuple[int, ...]
+    factor: int = 1
+    sub_step: int = 0
+
+    @property
+    def ids(self) -> int:
+        """How many ids address this tensor: its blocks, or its sub-blocks."""
+        return self.num_blocks * self.factor
+
+    @property
+    def block_bytes(self) -> int:
+        return len(self.offsets) * self.chunk_bytes
 
 
-def block_regions(tensor: Any, block_dim: int, what: str) -> BlockRegions:
+def block_regions(tensor: Any, block_dim: int, what: str, split: Optional[tuple[int, int]] = None) -> BlockRegions:
     """Cut the blocks of ``tensor`` (indexed along ``block_dim``) into contiguous chunks.
 
+    :param split: ``(dim, k)``: cut every block into k sub-blocks along ``dim`` and
+        describe sub-block 0 (see :attr:`BlockRegions.factor`).
     :raises BlockLayoutError: the tensor is empty, ``block_dim`` is out of range, elements
         overlap (stride 0, ``expand``, ``as_strided``), or a block's innermost dimension is
         strided, so a block is scattered single elements rather than contiguous chunks.
@@ -63,6 +79,13 @@ def block_regions(tensor: Any, block_dim: int, what: str) -> BlockRegions:
                 f"(an expanded or as_strided view); blocks would overlap"
             )
         reach += stride * (size - 1)
+    factor, sub_step = 1, 0
+    if split is not None:
+        t, factor = split
+        sub = list(shape)
+        sub[t] //= factor
+        sub_step = strides[t] * sub[t] * item
+        shape = tuple(sub)
     dims = [i for i in range(nd) if i != b and shape[i] > 1]
     order = tuple(sorted(dims, key=lambda i: strides[i]))
     chunk, run = 1, 0
@@ -90,6 +113,8 @@ def block_regions(tensor: Any, block_dim: int, what: str) -> BlockRegions:
         chunk_bytes=chunk * item,
         shape=tuple(shape[i] for i in dims),
         order=tuple(dims.index(i) for i in order),
+        factor=factor,
+        sub_step=sub_step,
     )
 
 
@@ -98,7 +123,9 @@ class DescriptorTemplate:
     """Every chunk of every (src, dst) pair, as arrays over pieces, ready to broadcast.
 
     Piece ``p`` of block ids ``(i, j)`` copies ``sizes[p]`` bytes from
-    ``src_base[p] + i * src_stride[p]`` to ``dst_base[p] + j * dst_stride[p]``.
+    ``src_base[p] + i * src_stride[p]`` to ``dst_base[p] + j * dst_stride[p]``. Where a
+    side's blocks are ``k = src_factor`` (``dst_factor``) times the other side's, its ids
+    count sub-blocks: ``i`` stands for ``(i // k) * stride[p] + (i % k) * sub[p]``.
     ``id_major`` puts a block's pieces next to each other in the descriptor list (chosen
     when that lets contiguous pieces coalesce, as in a cross-layer layout); otherwise a
     piece's ids are neighbours, so runs of consecutive ids coalesce.
@@ -113,6 +140,10 @@ class DescriptorTemplate:
     src_blocks: int
     dst_blocks: int
     id_major: bool = False
+    src_sub: Optional[np.ndarray] = None
+    dst_sub: Optional[np.ndarray] = None
+    src_factor: int = 1
+    dst_factor: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_filler", _Filler(self))
@@ -126,14 +157,18 @@ class DescriptorTemplate:
     def chunk_sizes(self) -> tuple[int, ...]:
         return tuple(sorted(set(self.sizes.tolist())))
 
+    @property
+    def factor(self) -> int:
+        """k: how many of one side's blocks make one of the other side's (1: equal)."""
+        return max(self.src_factor, self.dst_factor)
+
     def fill(self, src_ids: np.ndarray, dst_ids: np.ndarray, out: np.ndarray) -> int:
         """Write the descriptors of ``len(src_ids)`` block pairs into ``out[0..2, :m]``
         (src, dst, sizes) and return ``m``. Ids must already be validated."""
         return self._filler(src_ids, dst_ids, out)
 
     def with_order(self, id_major: bool) -> DescriptorTemplate:
-        return DescriptorTemplate(self.src_base, self.src_stride, self.dst_base, self.dst_stride,
-                                  self.sizes, self.pair, self.src_blocks, self.dst_blocks, id_major)
+        return replace(self, id_major=id_major)
 
 
 class _Filler:
@@ -143,8 +178,8 @@ class _Filler:
         axis = (None, slice(None)) if t.id_major else (slice(None), None)
         self.id_major = t.id_major
         self.count = t.count
-        self.src = _side(t.src_base, t.src_stride, axis)
-        self.dst = _side(t.dst_base, t.dst_stride, axis)
+        self.src = _Side(t.src_base, t.src_stride, t.src_sub, t.src_factor, axis, t.id_major)
+        self.dst = _Side(t.dst_base, t.dst_stride, t.dst_sub, t.dst_factor, axis, t.id_major)
         size0 = int(t.sizes[0])
         self.size = size0 if (t.sizes == size0).all() else None
         self.size_grid = t.sizes[axis]
@@ -153,29 +188,48 @@ class _Filler:
         n = len(src_ids)
         m = n * self.count
         shape = (n, self.count) if self.id_major else (self.count, n)
-        self._place(out[0, :m].reshape(shape), src_ids, *self.src)
-        self._place(out[1, :m].reshape(shape), dst_ids, *self.dst)
+        self.src.place(out[0, :m].reshape(shape), src_ids)
+        self.dst.place(out[1, :m].reshape(shape), dst_ids)
         if self.size is not None:
             out[2, :m].fill(self.size)
         else:
             np.copyto(out[2, :m].reshape(shape), self.size_grid)
         return m
 
-    def _place(self, out: np.ndarray, ids: np.ndarray, base: np.ndarray, step: Any, stride: np.ndarray) -> None:
-        ids = ids[:, None] if self.id_major else ids[None, :]
-        if step is not None:  # one stride for every piece: scale the few ids, then one add
-            np.add(base, ids * step, out=out)
+
+class _Side:
+    """One side's addresses: ``base + id * stride``, or with sub-blocks
+    ``base + (id // k) * stride + (id % k) * sub``, broadcast over pieces x ids."""
+
+    def __init__(self, base: np.ndarray, stride: np.ndarray, sub: Optional[np.ndarray], factor: int,
+                 axis: tuple, id_major: bool) -> None:
+        self.base, self.stride = base[axis], stride[axis]
+        self.step = int(stride[0]) if (stride == stride[0]).all() else None
+        self.factor = factor
+        sub = np.zeros_like(stride) if sub is None else sub
+        self.sub = sub[axis]
+        self.sub_step = int(sub[0]) if (sub == sub[0]).all() else None
+        self.id_major = id_major
+
+    def place(self, out: np.ndarray, ids: np.ndarray) -> None:
+        k = self.factor
+        if k == 1:
+            q, r = ids, None
         else:
-            np.multiply(ids, stride, out=out)
-            np.add(out, base, out=out)
+            q, r = np.divmod(ids, k)
+        if self.step is not None and (r is None or self.sub_step is not None):
+            # one stride for every piece: the offset of each id once, then one add
+            off = q * self.step if r is None else q * self.step + r * self.sub_step
+            np.add(self.base, off[:, None] if self.id_major else off[None, :], out=out)
+            return
+        qa = q[:, None] if self.id_major else q[None, :]
+        np.multiply(qa, self.stride, out=out)
+        if r is not None:
+            out += (r[:, None] if self.id_major else r[None, :]) * self.sub
+        np.add(out, self.base, out=out)
 
 
-def _side(base: np.ndarray, stride: np.ndarray, axis: tuple) -> tuple[np.ndarray, Any, np.ndarray]:
-    step = int(stride[0]) if (stride == stride[0]).all() else None
-    return base[axis], step, stride[axis]
-
-
-def _as_pair(block_dim: BlockDim) -> tuple[int, int]:
+def _as_pair(block_dim: Any) -> tuple[int, int]:
     if isinstance(block_dim, bool):
         raise BlockLayoutError(f"block_dim={block_dim!r} must be an int or a (src, dst) pair of ints")
     if isinstance(block_dim, int):
@@ -186,48 +240,155 @@ def _as_pair(block_dim: BlockDim) -> tuple[int, int]:
     raise BlockLayoutError(f"block_dim={block_dim!r} must be an int or a (src, dst) pair of ints")
 
 
-def pair_regions(src_tensors: Sequence[Any], dst_tensors: Sequence[Any], block_dim: BlockDim) -> DescriptorTemplate:
-    """Derive, once, the descriptor template of ``src_tensors[k] -> dst_tensors[k]``.
+def block_dims(block_dim: BlockDim, pairs: int) -> list[tuple[int, int]]:
+    """``(src, dst)`` block dims for each of ``pairs`` tensor pairs.
 
-    :raises BlockLayoutError: a tensor's blocks are not contiguous chunks; a pair differs
-        in dtype (other than a ``torch.uint8`` byte pool on one side), in chunk sizes or in
-        the order a block's elements are stored; tensors on one side hold different numbers
-        of blocks; or two destination tensors share memory.
+    An int or a ``(src, dst)`` tuple holds for every pair; a list gives one entry (an int
+    or a tuple) per pair, so layouts mix in one mover: FlashAttention ``(2, n, ...)``,
+    FlashInfer ``(n, 2, ...)`` and MLA ``(n, ...)`` caches are ``[1, 0, 0]``.
     """
-    sdim, ddim = _as_pair(block_dim)
-    rows, src_counts, dst_counts = [], set(), set()
-    for k, (s, d) in enumerate(zip(src_tensors, dst_tensors)):
-        if s.dtype != d.dtype and "torch.uint8" not in (str(s.dtype), str(d.dtype)):
+    if isinstance(block_dim, list):
+        if len(block_dim) != pairs:
             raise BlockLayoutError(
-                f"src_tensors[{k}] is {s.dtype} but dst_tensors[{k}] is {d.dtype}; a byte copy would "
-                f"reinterpret the values (use torch.uint8 on one side for a raw byte pool)"
+                f"block_dim is a list of {len(block_dim)} entries but there are {pairs} tensor pair(s); "
+                f"a list gives one entry per pair (a tuple is one (src, dst) pair for all)"
             )
-        rs = block_regions(s, sdim, f"src_tensors[{k}]")
-        rd = block_regions(d, ddim, f"dst_tensors[{k}]")
+        out = []
+        for k, d in enumerate(block_dim):
+            try:
+                out.append(_as_pair(d))
+            except BlockLayoutError:
+                raise BlockLayoutError(
+                    f"block_dim[{k}]={d!r} must be an int or a (src, dst) pair of ints"
+                ) from None
+        return out
+    return [_as_pair(block_dim)] * pairs
+
+
+def _describe(r: BlockRegions) -> str:
+    return f"{len(r.offsets)} chunk(s) of {r.chunk_bytes} bytes"
+
+
+def _split_dim(big: Any, bdim: int, small: Any, sdim: int, small_r: BlockRegions, k: int, what: str) -> BlockRegions:
+    """The regions of sub-block 0 of ``big`` cut into ``k`` along the one dimension that
+    makes its blocks ``small``'s blocks; raises when there is none.
+
+    With the same dtype and rank on both sides, the sub-block's shape must be the small
+    block's; with a byte pool on one side, its chunks must be the small block's (the
+    outermost dimension that fits wins). The innermost dimension is never cut.
+    """
+    nd = big.dim()
+    b = bdim % nd
+    inner = min((i for i in range(nd) if i != b and big.shape[i] > 1), key=lambda i: big.stride(i), default=None)
+    same_kind = big.dtype == small.dtype and big.dim() == small.dim()
+    small_shape = [x for i, x in enumerate(small.shape) if i != sdim % small.dim()]
+    for t in range(nd):
+        if t == b or t == inner or big.shape[t] % k:
+            continue
+        if same_kind:
+            sub = [x // k if i == t else x for i, x in enumerate(big.shape)]
+            if [x for i, x in enumerate(sub) if i != b] != small_shape:
+                continue
+            r = block_regions(big, bdim, what, split=(t, k))
+            if r.shape == small_r.shape and r.order != small_r.order:
+                continue
+            return r
+        r = block_regions(big, bdim, what, split=(t, k))
+        if len(r.offsets) == len(small_r.offsets) and r.chunk_bytes == small_r.chunk_bytes:
+            return r
+    raise BlockLayoutError("no split")
+
+
+def _refine(a: BlockRegions, b: BlockRegions) -> tuple[list[int], list[int], int]:
+    """Cut the chunks of two descriptions of one block (same bytes in the same order) to
+    a common size: ``(a offsets, b offsets, chunk bytes)``."""
+    g = min(a.chunk_bytes, b.chunk_bytes)
+    if a.chunk_bytes % g or b.chunk_bytes % g:
+        raise BlockLayoutError("no common chunk")
+
+    def cut(r: BlockRegions) -> list[int]:
+        return [o + m * g for o in r.offsets for m in range(r.chunk_bytes // g)]
+
+    return cut(a), cut(b), g
+
+
+def _pair(k: int, s: Any, d: Any, sdim: int, ddim: int) -> tuple[BlockRegions, BlockRegions, list[int], list[int], int]:
+    """Regions of one pair, its chunk offsets on each side, and the chunk size."""
+    rs = block_regions(s, sdim, f"src_tensors[{k}]")
+    rd = block_regions(d, ddim, f"dst_tensors[{k}]")
+    mismatch = BlockLayoutError(
+        f"pair {k}: a src block is {_describe(rs)} but a dst block is {_describe(rd)}; chunk sizes must match, "
+        f"or one side's blocks must be k whole times the other's, cut along one dimension (not the innermost) "
+        f"into blocks of the other side's shape (src shape {tuple(s.shape)}, dst shape {tuple(d.shape)})"
+    )
+    if rs.block_bytes == rd.block_bytes:
         if len(rs.offsets) != len(rd.offsets) or rs.chunk_bytes != rd.chunk_bytes:
-            raise BlockLayoutError(
-                f"pair {k}: a src block is {len(rs.offsets)} chunk(s) of {rs.chunk_bytes} bytes but a dst block "
-                f"is {len(rd.offsets)} chunk(s) of {rd.chunk_bytes} bytes; chunk sizes must match "
-                f"(src shape {tuple(s.shape)}, dst shape {tuple(d.shape)})"
-            )
+            raise mismatch
         if rs.shape == rd.shape and rs.order != rd.order:
             raise BlockLayoutError(
                 f"pair {k}: src and dst blocks have the same shape {rs.shape} but store its elements in "
                 f"different orders (strides {tuple(s.stride())} vs {tuple(d.stride())}); a byte copy would "
                 f"scramble them"
             )
-        src_counts.add(rs.num_blocks)
-        dst_counts.add(rd.num_blocks)
-        for so, do in zip(rs.offsets, rd.offsets):
-            rows.append((rs.base + so, rs.stride, rd.base + do, rd.stride, rs.chunk_bytes, k))
+        return rs, rd, list(rs.offsets), list(rd.offsets), rs.chunk_bytes
+    big_is_src = rs.block_bytes > rd.block_bytes
+    big, small = (rs, rd) if big_is_src else (rd, rs)
+    if big.block_bytes % small.block_bytes:
+        raise mismatch
+    factor = big.block_bytes // small.block_bytes
+    try:
+        if big_is_src:
+            rs = _split_dim(s, sdim, d, ddim, rd, factor, f"src_tensors[{k}]")
+        else:
+            rd = _split_dim(d, ddim, s, sdim, rs, factor, f"dst_tensors[{k}]")
+        so, do, size = _refine(rs, rd)
+    except BlockLayoutError:
+        raise mismatch from None
+    return rs, rd, so, do, size
+
+
+def pair_regions(src_tensors: Sequence[Any], dst_tensors: Sequence[Any], block_dim: BlockDim) -> DescriptorTemplate:
+    """Derive, once, the descriptor template of ``src_tensors[k] -> dst_tensors[k]``.
+
+    A pair's blocks may differ in size when one side's are k whole times the other's
+    (vLLM's ``block_size_factor``): the larger block is cut into k sub-blocks along the
+    dimension whose size is k times the other side's (the tokens of a block), and ids on
+    both sides count the smaller block. Every pair must have the same k on the same side.
+
+    :raises BlockLayoutError: a tensor's blocks are not contiguous chunks; a pair differs
+        in dtype (other than a ``torch.uint8`` byte pool on one side), in chunk sizes (and
+        is no whole multiple) or in the order a block's elements are stored; tensors on
+        one side hold different numbers of blocks; or two destination tensors share memory.
+    """
+    dims = block_dims(block_dim, len(src_tensors))
+    rows, src_counts, dst_counts, factors = [], set(), set(), set()
+    for k, (s, d) in enumerate(zip(src_tensors, dst_tensors)):
+        if s.dtype != d.dtype and "torch.uint8" not in (str(s.dtype), str(d.dtype)):
+            raise BlockLayoutError(
+                f"src_tensors[{k}] is {s.dtype} but dst_tensors[{k}] is {d.dtype}; a byte copy would "
+                f"reinterpret the values (use torch.uint8 on one side for a raw byte pool)"
+            )
+        rs, rd, so_list, do_list, size = _pair(k, s, d, *dims[k])
+        src_counts.add(rs.ids)
+        dst_counts.add(rd.ids)
+        factors.add((rs.factor, rd.factor))
+        for so, do in zip(so_list, do_list):
+            rows.append((rs.base + so, rs.stride, rd.base + do, rd.stride, size, k, rs.sub_step, rd.sub_step))
     for side, counts in (("src", src_counts), ("dst", dst_counts)):
         if len(counts) > 1:
             raise BlockLayoutError(
                 f"the {side} tensors hold different numbers of blocks ({sorted(counts)}); every tensor of a "
                 f"side must hold the same blocks, since one id addresses a block in all of them"
             )
-    cols = np.array(rows, dtype=np.int64).T
-    template = DescriptorTemplate(*(np.ascontiguousarray(c) for c in cols), src_counts.pop(), dst_counts.pop())
+    if len(factors) > 1:
+        raise BlockLayoutError(
+            "the tensor pairs differ in how many blocks of one side make a block of the other "
+            f"((src, dst) sub-blocks per block: {sorted(factors)}); ids count one block size for every pair"
+        )
+    (sf, df), = factors
+    cols = [np.ascontiguousarray(c) for c in np.array(rows, dtype=np.int64).T]
+    template = DescriptorTemplate(*cols[:6], src_counts.pop(), dst_counts.pop(),
+                                  src_sub=cols[6], dst_sub=cols[7], src_factor=sf, dst_factor=df)
     _check_aliasing(template)
     return _best_order(template)
 

@@ -118,11 +118,15 @@ class Policy:
         keeps kernels on their knee.
     :param force: an implementation name to use for every transfer; resolution fails if
         it cannot be honoured.
+    :param require_pinned: a BlockMover refuses pageable host tensors
+        (:class:`~kvswap.UnpinnedMemoryError`) instead of staging them through pinned
+        buffers, the slower route it takes by default.
     """
 
     max_sms: int | None = None
     prefer: str = "throughput"
     force: str | None = None
+    require_pinned: bool = False
 
     def __post_init__(self) -> None:
         if self.max_sms is not None and (
@@ -135,3 +139,5 @@ class Policy:
             )
         if self.force is not None and (not isinstance(self.force, str) or not self.force):
             raise ConfigurationError(f"Policy.force={self.force!r} must be None or an impl name")
+        if not isinstance(self.require_pinned, bool):
+            raise ConfigurationError(f"Policy.require_pinned={self.require_pinned!r} must be True or False")

@@ -189,7 +189,10 @@ class DeferredStream:
         self.executed = min(len(self.queue), self.executed + count)
 
     # the completion protocol BlockMover uses
-    def order_after_compute(self) -> None:
+    def check_after(self, after) -> None:
+        pass
+
+    def order_after(self, after) -> None:
         pass
 
     def device_guard(self):
@@ -384,14 +387,15 @@ def test_tensors_on_the_wrong_device_for_the_direction(direction):
     assert dst.matches(before)
 
 
-def test_pageable_host_memory_refused_where_the_route_needs_pinned():
+def test_pageable_host_memory_refused_where_the_route_needs_pinned_and_the_policy_is_strict():
     copied = []
     _install("test.pinned", lambda ctx: lambda s, d, n, stream: copied.append(len(n)), requires_pinned=True)
     src, dst = _pools("flash", 13)
     before = dst.snapshot()
+    strict = Policy(force="test.pinned", require_pinned=True)
     for direction, side in (("h2d", "src"), ("d2h", "dst")):
         _bad_construction(
-            lambda: BlockMover(src.tensors, dst.tensors, direction, block_dim=1, policy=Policy(force="test.pinned")),
+            lambda: BlockMover(src.tensors, dst.tensors, direction, block_dim=1, policy=strict),
             UnpinnedMemoryError, f"{side}_tensors\\[0\\] is pageable host memory, but the route\\(s\\) test.pinned "
                                  f"need pinned")
     assert copied == [] and dst.matches(before)

@@ -126,12 +126,13 @@ def test_jobs_in_flight_keep_pinned_buffers_until_their_events_complete():
     assert dst.matches(expected_after(dst, before, src_before, src, jobs + more))
 
 
-def test_pageable_host_tensors_refused_for_the_kernel_route():
+def test_pageable_host_tensors_refused_for_the_kernel_route_when_the_policy_is_strict():
     assert kvswap.resolve("h2d", device="cuda", policy=Policy(force="triton.kernel")).requires_pinned
     src, dst = _pair("flash", "h2d", seed=7, pinned=False)
     before = dst.snapshot()
     with pytest.raises(UnpinnedMemoryError, match="src_tensors\\[0\\] is pageable host memory"):
-        BlockMover(src.tensors, dst.tensors, "h2d", block_dim=1, policy=Policy(force="triton.kernel"))
+        BlockMover(src.tensors, dst.tensors, "h2d", block_dim=1,
+                   policy=Policy(force="triton.kernel", require_pinned=True))
     assert dst.matches(before)
 
 

@@ -53,7 +53,7 @@ class MultiSettings:
     numa: bool = True
     seed: int = 0
     # How long a process waits at a barrier for the others before it gives up on them.
-    barrier_s: float = 900.0
+    barrier_s: float = 600.0
 
 
 def multi_settings(host_only: bool, block_sizes: Optional[Sequence[int]] = None,
@@ -294,16 +294,27 @@ def run_multi(specs: Sequence[str], settings: MultiSettings, directions: Sequenc
         p.start()
         send.close()
         procs.append((rank, spec, p, recv))
-    outs = []
-    for rank, spec, p, recv in procs:
-        try:
-            outs.append(recv.recv())
-        except EOFError:
+    outs: dict[int, dict[str, Any]] = {}
+    while len(outs) < len(procs):
+        for rank, spec, p, recv in procs:
+            if rank in outs:
+                continue
+            if recv.poll(0.2):
+                try:
+                    outs[rank] = recv.recv()
+                    continue
+                except EOFError:
+                    pass
+            elif p.is_alive() or recv.poll():  # alive, or it sent its results and exited just now
+                continue
+            # Gone without its results (killed, crashed): the others stop waiting for it.
             p.join()
-            outs.append({"rank": rank, "spec": spec, "info": {"spec": spec}, "records": [], "failures": [
-                {"device": spec, "stage": "process", "error": f"the process exited with status {p.exitcode}"}]})
+            barrier.abort()
+            outs[rank] = {"rank": rank, "spec": spec, "info": {"spec": spec}, "records": [], "failures": [
+                {"device": spec, "stage": "process", "error": f"the process exited with status {p.exitcode}"}]}
+    for _, _, p, _ in procs:
         p.join()
-    return aggregate(outs, steps, settings, directions)
+    return aggregate(list(outs.values()), steps, settings, directions)
 
 
 # -- the command line ------------------------------------------------------------------

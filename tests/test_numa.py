@@ -185,12 +185,15 @@ def test_page_nodes_samples_evenly_and_says_unknown(monkeypatch):
 
 @needs_query
 def test_remote_host_memory_names_tensors_off_the_devices_node(tmp_path, monkeypatch):
-    here = Topology().memory_nodes()[0] if Topology().memory_nodes() else 0
+    tensors = [torch.randn(4096), torch.randn(64, 1024)]
+    nodes = {n for t in tensors for n in numa.tensor_nodes(t).nodes}
+    if len(nodes) != 1:
+        pytest.skip(f"this machine spread two small tensors over nodes {sorted(nodes)}")
+    here = nodes.pop()
     other = here + 1
     cpus = format_cpulist(allowed_cpus())
     monkeypatch.setattr(numa, "SYSFS_ROOT", fake_sysfs(tmp_path, {here: cpus, other: ""}, {
         "0000:17:00.0": (str(here), ""), "0000:c1:00.0": (str(other), ""), "0000:50:00.0": ("-1", "")}))
-    tensors = [torch.randn(4096), torch.randn(64, 1024)]
     assert numa.remote_host_memory(tensors, gpu(bus="0000:17:00.0")) == []
     assert numa.remote_host_memory(tensors, gpu(bus="0000:50:00.0")) == []  # unknown: never "remote"
     remote = numa.remote_host_memory(tensors, gpu(index=1, bus="0000:c1:00.0"))
@@ -230,9 +233,11 @@ def _check_tensor(t, shape, dtype):
 
 @needs_query
 def test_host_empty_touches_its_pages_from_threads_bound_to_the_node(tmp_path, monkeypatch):
-    cpus = allowed_cpus()
-    node = Topology().memory_nodes()[0] if Topology().memory_nodes() else 0
-    # Node `node` is this machine's CPUs; a second node makes placement matter.
+    real = Topology()
+    # The first real node with CPUs this process may use (on a machine of one node: all of them).
+    node, cpus = next(((n, sorted(set(real.node_cpus(n)) & set(allowed_cpus()))) for n in real.memory_nodes()
+                       if set(real.node_cpus(n)) & set(allowed_cpus())), (0, allowed_cpus()))
+    # The fake node `node` is those CPUs; a second node makes placement matter.
     monkeypatch.setattr(numa, "SYSFS_ROOT", fake_sysfs(tmp_path, {node: format_cpulist(cpus), node + 1: ""},
                                                        {"0000:17:00.0": (str(node), format_cpulist(cpus))}))
     monkeypatch.setattr(host_memory, "TOUCH_THREADS", 3)

@@ -21,7 +21,6 @@ from kvswap.platform import detect
 from kvswap.resolver import resolve
 from kvswap.types import Direction, Policy
 
-from . import store
 from .progress import Progress
 from .sweep import measurement_calibration
 from .timing import in_passes, make_timer, median, on_host, paired, per_pass, pooled, rounds_for
@@ -122,8 +121,8 @@ def _candidates(d: str, dev: Any, device: Any, host: PluginHost, resolved: dict[
 
 def bound_at(d: str, dev: Any, device: Any, host: PluginHost, impl: str, num_sms: int) -> Any:
     """``impl`` forced and bound at exactly ``num_sms`` SMs."""
-    with store.override(measurement_calibration(dev, num_sms)):
-        return resolve(d, device=device, host=host, policy=Policy(force=impl, max_sms=num_sms))
+    return resolve(d, device=device, host=host, policy=Policy(force=impl, max_sms=num_sms),
+                   calibration=measurement_calibration(dev, num_sms))
 
 
 def run_bench(device: Any, settings: BenchSettings, directions: Sequence[Any], *,

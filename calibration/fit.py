@@ -45,7 +45,7 @@ import math
 from collections import defaultdict
 from typing import Any, Iterable, Optional
 
-from kvswap.resolver import KERNEL_MARGIN, SIZE_CLASSES
+from kvswap.routing import KERNEL_MARGIN, SIZE_CLASSES
 from kvswap.thresholds import Calibration, Curve
 from kvswap.types import Direction
 

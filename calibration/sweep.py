@@ -25,7 +25,7 @@ from kvswap.resolver import resolve
 from kvswap.thresholds import Calibration
 from kvswap.types import DeviceInfo, Direction, Policy
 
-from . import fit, store
+from . import fit
 from .records import BATCH, CEILING, SIZE, Failure, Interference, Measurement
 from .progress import Progress
 from .timing import HostTimer, in_passes, make_timer, median, on_host, per_pass, pooled, round_ratios, rounds_for, spread
@@ -248,12 +248,11 @@ class Sweep:
     # -- binding -------------------------------------------------------------------------
     def bind(self, direction: Direction) -> list[Bound]:
         """Every usable route for ``direction``; kernels once per SM count."""
-        with store.override(None):
-            try:
-                plan = resolve(direction, device=self.spec, host=self.host).plan
-            except KvSwapError as e:
-                self._fail(direction, "resolve", None, None, e)
-                return []
+        try:
+            plan = resolve(direction, device=self.spec, host=self.host, profiles=False).plan
+        except KvSwapError as e:
+            self._fail(direction, "resolve", None, None, e)
+            return []
         out = []
         for c in plan.candidates:
             if not c.available:
@@ -264,8 +263,8 @@ class Sweep:
                 self.result.notes.append(f"{direction}: {c.name} not measured: no SM budget (--max-sms 0)")
             for k in counts:
                 try:
-                    with store.override(measurement_calibration(self.dev, k)):
-                        fn = resolve(direction, device=self.spec, host=self.host, policy=Policy(force=c.name, max_sms=k))
+                    fn = resolve(direction, device=self.spec, host=self.host, policy=Policy(force=c.name, max_sms=k),
+                                 calibration=measurement_calibration(self.dev, k))
                     got = fn.plan.params.get(c.name, {}).get("num_sms")
                     if k is not None and got != k:
                         raise KvSwapError(f"resolve bound it with num_sms={got!r}, not {k}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from .profiles import is_shipped
 from .types import DeviceInfo, Direction, Policy
 
 
@@ -113,11 +114,9 @@ def _explain_lines(p: Plan) -> list[str]:
         f"runtime {d.runtime_version}, link {d.link}",
         f"  policy: prefer={p.policy.prefer}, max_sms={p.policy.max_sms}, force={p.policy.force}",
     ]
-    from .calibration import store
-
     cal = p.calibration
     state = "measured" if cal.get("calibrated") else "NOT calibrated: run `kvswap calibrate` on this device"
-    if cal.get("calibrated") and store.is_shipped(str(cal.get("source"))):
+    if cal.get("calibrated") and is_shipped(str(cal.get("source"))):
         state = "measured on another machine of this kind, shipped with kvswap: `kvswap calibrate` measures this one"
     lines.append(f"  calibration: {cal.get('source')} ({state})")
     if p.forced:

@@ -1,7 +1,6 @@
 """``resolve()``: choose, once, how a device copies batches of blocks in one direction."""
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import replace
 from typing import Any, Iterable, Optional, Union
@@ -10,6 +9,7 @@ from .errors import ConfigurationError, ResolutionError
 from .impl import BindContext, CopyImpl, same_addresses
 from .lookup import find_calibration
 from .plan import Candidate, Plan, Route
+from .routing import knee_sms, routes as build_routes, tiers_at
 from .platform import detect
 from .plugins import PluginHost, plugin_host
 from .swapfn import SwapFn
@@ -17,35 +17,6 @@ from .thresholds import Calibration
 from .types import DeviceInfo, Direction, DirectionLike, Policy
 
 FORCE_ENV = "KVSWAP_FORCE_IMPL"
-KiB = 1024
-# Block-size classes the plan decides for: powers of two and their midpoints, 1 KiB-4 MiB.
-EDGES = (1,) + tuple(
-    sorted({KiB << i for i in range(13)} | {3 * (KiB << i) // 2 for i in range(12)})
-)
-
-
-# ``(min_bytes, max_bytes or None, at_bytes)`` per class: from one edge to the next, decided
-# at its lower edge. The edges are the sizes calibration measures, and the block sizes of KV
-# caches are powers of two and their midpoints too, so a block of exactly an edge's size gets
-# the decision of its own measurements, not of a size between two of them (whose nearest row
-# of SM tiers can be the next edge's). The class under 1 KiB, below every measurement, is
-# decided at its geometric middle.
-SIZE_CLASSES: tuple[tuple[int, Optional[int], int], ...] = tuple(
-    (lo, hi, lo if lo >= KiB else int(math.sqrt(lo * (hi + 1))))
-    for lo, hi in zip(EDGES, [e - 1 for e in EDGES[1:]] + [None])
-)
-
-# A route that takes SMs takes a block size, or a batch size, from one that takes none only
-# when it is predicted (measured) faster by more than this: its SMs are taken from compute,
-# and routes this close can swap places between two runs. A guard against measurement
-# noise, so it applies to measured calibrations only: thresholds that are published or
-# guessed (``calibrated=False``) are taken as they are drawn. Its size centres the tie on
-# the 3% of regret issue 6 allows: a tie given to the batch route gives up at most the
-# margin plus two standard errors plus the drift between runs (about 1% on the H200 once
-# calls were timed in blocks, calibration.timing); at 2% that sum passed 3% at two points
-# of the H200 bench (device->host 32 KiB x 16 and 256 KiB x 256, where the kernel led by
-# 2.1% in calibration and by 3-11% in the bench).
-KERNEL_MARGIN = 0.01
 
 
 def collect_impls(host: PluginHost, platform: str) -> list[tuple[str, CopyImpl]]:
@@ -70,112 +41,6 @@ def _block_sizes(block_bytes: Union[None, int, Iterable[int]]) -> tuple[int, ...
     if not values or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in values):
         raise ConfigurationError(f"block_bytes={block_bytes!r} must be a positive int or a list of them")
     return tuple(sorted(set(values)))
-
-
-def _sm_cap(n: int, policy: Policy, device: DeviceInfo) -> int:
-    """``n`` SMs within the policy's budget and the device's count."""
-    if policy.max_sms is not None:
-        n = min(n, policy.max_sms)
-    if device.compute_units and device.platform != "cpu":  # CPU cores are not SMs
-        n = min(n, device.compute_units)
-    return max(n, 1)
-
-
-def _num_sms(cal: Calibration, direction: Direction, policy: Policy, device: DeviceInfo) -> int:
-    return _sm_cap(cal.sms(direction), policy, device)
-
-
-def _tiers_at(tiers: Iterable[tuple[int, int]], knee: Optional[int]) -> tuple[tuple[int, int], ...]:
-    """``tiers`` with equal neighbours merged; empty when every tier runs on ``knee``, the
-    SMs the kernel is bound with (no tiers: the knee for every batch)."""
-    out: list[tuple[int, int]] = []
-    for start, k in tiers:
-        if not out or out[-1][1] != k:
-            out.append((start, k))
-    return () if all(k == knee for _, k in out) else tuple(out)
-
-
-def _sms_by_batch(cal: Calibration, direction: Direction, policy: Policy, device: DeviceInfo,
-                  size: int, num_sms: int) -> tuple[tuple[int, int], ...]:
-    """The calibration's SM tiers at ``size``, capped like the knee (0, the route that
-    takes no SMs, stays 0): :func:`_tiers_at` the knee ``num_sms``."""
-    return _tiers_at(((start, _sm_cap(k, policy, device) if k else 0)
-                      for start, k in cal.sms_tiers(direction, size)), num_sms)
-
-
-def _rank(
-    usable: list[CopyImpl], cal: Calibration, direction: Direction, policy: Policy,
-    size: int, exact: bool, num_sms: int,
-) -> list[tuple[CopyImpl, Optional[float]]]:
-    """Usable impls that can take ``size``, best first, with predicted GB/s.
-
-    Unknown predictions rank last; a route that takes SMs ranks above one that takes none
-    only when faster by more than ``KERNEL_MARGIN`` (on a measured calibration); ties go to
-    the route that takes no SMs, then by name, so registration order never decides.
-    """
-    margin = KERNEL_MARGIN if cal.calibrated else 0.0
-    rows = []
-    for impl in usable:
-        if not (impl.accepts_size(size) if exact else impl.accepts_range(size)):
-            continue
-        g = cal.predict(impl.name, impl.kind, direction, size, num_sms if impl.uses_sms else None)
-        score = None if g is None else g
-        if score is not None and policy.prefer == "low_interference":
-            score *= 1.0 - cal.slowdown_of(impl.name, impl.kind)
-        if score is not None and impl.uses_sms:
-            score /= 1.0 + margin
-        rows.append((score is None, -(score or 0.0), impl.uses_sms, impl.name, impl, g))
-    rows.sort(key=lambda r: r[:4])
-    return [(r[4], r[5]) for r in rows]
-
-
-def _routes(
-    usable: list[CopyImpl], cal: Calibration, direction: Direction, policy: Policy,
-    sizes: tuple[int, ...], num_sms: int, device: DeviceInfo,
-) -> tuple[Route, ...]:
-    routes: list[Route] = []
-    for lo, hi, at in SIZE_CLASSES:
-        given = [s for s in sizes if s >= lo and (hi is None or s <= hi)]
-        rep = given[0] if given else at
-        ranked = _rank(usable, cal, direction, policy, rep, bool(given), num_sms)
-        if not ranked:
-            continue
-        best = ranked[0][0]
-        # Tiers buy throughput with SMs: a low-interference policy keeps the knee.
-        tiers = _sms_by_batch(cal, direction, policy, device, rep, num_sms) if policy.prefer == "throughput" else ()
-        if best.uses_sms:
-            small = next((impl for impl, _ in ranked[1:] if not impl.uses_sms), None)
-            min_batch = cal.min_batch(direction, block_bytes=rep) if small else 0
-        else:
-            # Ranked at a large batch, a route without SMs can still lose the small batches
-            # of this size to a kernel: a tier of 0 SMs says the calibration measured where.
-            kernel = next((impl for impl, _ in ranked[1:] if impl.uses_sms), None)
-            if kernel is not None and any(k == 0 for _, k in tiers) and any(k for _, k in tiers):
-                best, small, min_batch = kernel, best, 0
-            else:
-                small, min_batch, tiers = None, 0, ()
-        if small is None:  # no route without SMs to give 0-SM tiers to: they keep the knee
-            tiers = _tiers_at(((n, k or num_sms) for n, k in tiers), num_sms)
-        route = Route(
-            min_bytes=lo,
-            max_bytes=hi,
-            impl=best.name,
-            at_bytes=rep,
-            predicted=tuple((impl.name, None if g is None else round(g, 2)) for impl, g in ranked),
-            min_batch=min_batch,
-            small_batch_impl=small.name if small else None,
-            fallbacks=tuple(impl.name for impl, _ in ranked if impl is not best),
-            sms_by_batch=tiers,
-        )
-        prev = routes[-1] if routes else None
-        decided = ("impl", "small_batch_impl", "min_batch", "fallbacks", "sms_by_batch")
-        same = prev and prev.max_bytes == lo - 1 and all(getattr(prev, a) == getattr(route, a) for a in decided)
-        if same:
-            keep = route if given and prev.at_bytes not in sizes else prev
-            routes[-1] = replace(prev, max_bytes=hi, at_bytes=keep.at_bytes, predicted=keep.predicted)
-        else:
-            routes.append(route)
-    return tuple(routes)
 
 
 def _bind_tiers(
@@ -204,14 +69,16 @@ def _bind_tiers(
     if failed:
         def knee(r: Route) -> Route:
             at = params.get(r.impl, {}).get("num_sms")
-            return replace(r, sms_by_batch=_tiers_at(((n, at if (r.impl, k) in failed else k)
-                                                      for n, k in r.sms_by_batch), at))
+            return replace(r, sms_by_batch=tiers_at(((n, at if (r.impl, k) in failed else k)
+                                                     for n, k in r.sms_by_batch), at))
 
         routes = tuple(knee(r) for r in routes)
     return routes, tiered
 
 
-def _translator(host: PluginHost, device: DeviceInfo) -> Any:
+def host_translator(host: PluginHost, device: DeviceInfo) -> Any:
+    """The host address translation kernels on ``device`` use: the first plugin's (by
+    name) that offers one, else :func:`~kvswap.impl.same_addresses`."""
     for plugin, fn in host.call_each("kvswap_host_address_translator", device=device):
         if fn is None:
             continue
@@ -229,6 +96,8 @@ def resolve(
     block_bytes: Union[None, int, Iterable[int]] = None,
     policy: Optional[Policy] = None,
     host: Optional[PluginHost] = None,
+    calibration: Optional[Calibration] = None,
+    profiles: bool = True,
 ) -> SwapFn:
     """Choose how to copy batches of blocks in ``direction`` on ``device``, once.
 
@@ -240,6 +109,10 @@ def resolve(
     :param policy: SM budget, throughput vs low interference, a forced implementation.
         ``KVSWAP_FORCE_IMPL`` forces one when the policy does not.
     :param host: a plugin host (tests); default the process's, loaded on first use.
+    :param calibration: decide by this calibration instead of looking one up (calibration
+        binds routes at exact SM counts this way).
+    :param profiles: False skips measured profiles in the lookup: the backends' defaults
+        decide, else the built-in fallback.
     :return: a :class:`SwapFn` with ``.plan`` and ``.explain()``.
     :raises ResolutionError: no implementation can serve the request, or a forced one
         cannot be honoured (the message names it, the reason and the valid choices).
@@ -251,9 +124,14 @@ def resolve(
     sizes = _block_sizes(block_bytes)
     host = plugin_host() if host is None else host
     dev = detect(host, device)
-    cal = find_calibration(host, dev)
-    num_sms = _num_sms(cal, direction, policy, dev)
-    translate = _translator(host, dev)
+    if calibration is None:
+        cal = find_calibration(host, dev, profiles=profiles)
+    elif isinstance(calibration, Calibration):
+        cal = calibration
+    else:
+        raise ConfigurationError(f"calibration={calibration!r} must be a kvswap.Calibration or None")
+    num_sms = knee_sms(cal, direction, policy, dev)
+    translate = host_translator(host, dev)
     notes = [] if cal.calibrated else [
         f"device {dev.identity} is not calibrated; run `kvswap calibrate` on it for measured thresholds"
     ]
@@ -305,7 +183,7 @@ def resolve(
         usable = [impl]
         notes.append(f"forced by {where}")
     else:
-        routes = _routes(usable, cal, direction, policy, sizes, num_sms, dev)
+        routes = build_routes(usable, cal, direction, policy, sizes, num_sms, dev)
         if not routes:
             rejected = "; ".join(f"{c.name}: {c.reason}" for c in candidates) or "no backend registered any"
             raise ResolutionError(

@@ -6,6 +6,7 @@ the conservative built-in fallback below; the resolver never guesses outside one
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
@@ -121,8 +122,9 @@ class Calibration:
             raise bad("curves must be Curve objects")
         for name in ("kernel_sms", "kernel_min_batch", "ceiling_gbps"):
             value = {str(Direction.parse(k)): v for k, v in dict(getattr(self, name)).items()}
-            if any(not isinstance(v, (int, float)) or v < 0 for v in value.values()):
-                raise bad(f"{name} values must be numbers >= 0")
+            if any(isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 <= v < math.inf
+                   for v in value.values()):
+                raise bad(f"{name} values must be finite numbers >= 0")
             object.__setattr__(self, name, value)
         for name, value, rule in (
             ("min_batch_by_size", _batch, "(block_bytes >= 1, batch >= 1) pairs, one per size"),

@@ -11,6 +11,7 @@ import pytest
 
 import kvswap
 from kvswap import ProfileWarning
+from kvswap import profiles
 from kvswap.calibration import store
 from kvswap.platform import cpu_device
 
@@ -30,7 +31,7 @@ def profile(device=CPU, sms: int = 6, gbps: float = 3.0) -> dict:
 def shipped(tmp_path, monkeypatch):
     folder = tmp_path / "shipped"
     folder.mkdir()
-    monkeypatch.setattr(store, "SHIPPED", folder)
+    monkeypatch.setattr(profiles, "shipped_dir", lambda: folder)
     return folder
 
 

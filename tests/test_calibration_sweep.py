@@ -12,7 +12,7 @@ from kvswap.calibration.records import BATCH, CEILING, SIZE
 from kvswap.calibration.sweep import Settings, Sweep, grid_sizes, settings_for
 from kvswap.plugins import create_plugin_host
 from kvswap.platform import cpu_device
-from kvswap.resolver import EDGES
+from kvswap.routing import EDGES
 
 from calibration_fakes import KiB, Ledger, LedgerTimer, ModelPlatform, SpellTimer
 
@@ -190,8 +190,8 @@ def test_measurement_override_binds_exact_sm_counts_and_then_restores_lookup(tmp
     plat = ModelPlatform(ledger)
     host = create_plugin_host(entry_points=[], extra=[("model", plat)])
     dev = kvswap.resolve("h2d", device="modelplat:0", host=host).plan.device
-    with store.override(measurement_calibration(dev, 12)):
-        fn = kvswap.resolve("h2d", device="modelplat:0", host=host, policy=Policy(force="model.kernel"))
+    fn = kvswap.resolve("h2d", device="modelplat:0", host=host, policy=Policy(force="model.kernel"),
+                        calibration=measurement_calibration(dev, 12))
     assert fn.plan.params["model.kernel"]["num_sms"] == 12
     assert not fn.plan.notes or "not calibrated" not in " ".join(fn.plan.notes)
     after = kvswap.resolve("h2d", device="modelplat:0", host=host, policy=Policy(force="model.kernel"))

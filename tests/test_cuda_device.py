@@ -205,9 +205,9 @@ def test_h100_curves_cross_at_28_kib():
 
 
 def test_published_h100_thresholds_resolve_as_published_without_the_measurement_margin():
-    from kvswap.resolver import _rank
+    from kvswap.routing import rank
 
     impls = [CUDA_BATCH, triton_kernel.copy_impl()]
     for size, route in ((27 * KiB, "triton.kernel"), (28 * KiB - 1, "triton.kernel"), (28 * KiB, "cuda.batch")):
-        ranked = _rank(impls, defaults.H100, Direction.H2D, Policy(), size, True, 12)
+        ranked = rank(impls, defaults.H100, Direction.H2D, Policy(), size, True, 12)
         assert ranked[0][0].name == route, size

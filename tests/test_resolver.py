@@ -13,7 +13,7 @@ from kvswap import (
     ResolutionError, hookimpl,
 )
 from kvswap.plugins import create_plugin_host
-from kvswap.resolver import KERNEL_MARGIN
+from kvswap.routing import KERNEL_MARGIN
 from kvswap.reference import host_copy
 
 from fakes import address, scattered
@@ -463,11 +463,11 @@ def test_a_zero_sm_tier_gives_a_batch_routed_size_to_the_kernel_only_where_it_wa
 
 def test_zero_sm_tiers_keep_the_knee_where_no_route_without_sms_is_usable():
     from kvswap.platform import detect
-    from kvswap.resolver import _routes
+    from kvswap.routing import routes
 
     cal = cpu_cal([("acme.kern", KERNEL, 8)], kernel_sms={"h2d": 8}, kernel_sms_by_batch=ZERO_TIERS)
     dev = detect(create_plugin_host(entry_points=[], env={}), "cpu")
-    (route,) = [r for r in _routes([tiered_kernel([])], cal, kvswap.Direction.H2D, Policy(), (262144,), 8, dev)
+    (route,) = [r for r in routes([tiered_kernel([])], cal, kvswap.Direction.H2D, Policy(), (262144,), 8, dev)
                 if r.at_bytes == 262144]
     assert (route.impl, route.small_batch_impl) == ("acme.kern", None)
     assert route.sms_by_batch == ((1, 8), (4, 24), (200, 8))

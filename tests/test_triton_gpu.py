@@ -230,7 +230,6 @@ def test_launch_hooks_still_called(gpu) -> None:
 @pytest.mark.parametrize("direction", DIRECTIONS, ids=str)
 def test_batch_tiers_launch_on_the_sms_of_the_batch_size(gpu, direction: Direction) -> None:
     from kvswap import Calibration, Curve
-    from kvswap.calibration import store
 
     curves = tuple(Curve(name, direction, ((4 * KiB, g), (64 * KiB, g)), sms)
                    for name, g, sms in (("*batch", 5.0, None), ("*kernel", 45.0, 4)))
@@ -238,8 +237,7 @@ def test_batch_tiers_launch_on_the_sms_of_the_batch_size(gpu, direction: Directi
                       kernel_sms={str(direction): 4}, kernel_min_batch={str(direction): 8},
                       kernel_sms_by_batch={str(direction): [[4 * KiB, [[1, 4], [100, 16], [3000, 4]]]]},
                       identity=gpu.identity)
-    with store.override(cal):
-        fn = kvswap.resolve(direction, device=torch_device(gpu), block_bytes=4 * KiB)
+    fn = kvswap.resolve(direction, device=torch_device(gpu), block_bytes=4 * KiB, calibration=cal)
     route = next(r for r in fn.plan.routes if r.at_bytes == 4 * KiB)
     assert route.impl == "triton.kernel" and route.sms_by_batch == ((1, 4), (100, 16), (3000, 4))
     rng = np.random.default_rng(21)

@@ -17,7 +17,7 @@ import pytest
 import kvswap
 from kvswap import BindContext, Direction, InvalidTransferError, Policy, ResolutionError
 from kvswap.inventory import KNOWN_PLATFORMS
-from kvswap.resolver import _translator, collect_impls
+from kvswap.resolver import collect_impls, host_translator
 from kvswap.testing import Target, get_target
 from kvswap.testing.memory import Transfer, adjacent_runs, make_transfer
 from kvswap.testing.target import REFUSAL_CAP, Violation
@@ -75,7 +75,7 @@ def bound(kit: Target, swap: kvswap.SwapFn, direction: Direction) -> Callable[..
     """The impl's per-transfer callable, bound by its factory with the parameters and the
     host address translation that resolve chose (``num_sms`` for kernels)."""
     params = swap.plan.params.get(kit.impl.name, {})
-    fn = kit.impl.factory(BindContext(direction, kit.device, params, _translator(kit.host, kit.device)))
+    fn = kit.impl.factory(BindContext(direction, kit.device, params, host_translator(kit.host, kit.device)))
     assert callable(fn), f"{kit.impl.name}'s factory returned {fn!r}, not a callable"
     return fn
 

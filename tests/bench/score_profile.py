@@ -8,7 +8,7 @@ bench's peer (vLLM's policy), the same way.
 Not a test. It answers "would another fit of the same measurements (say, without
 ``paired_spread``: tests/bench/refit_profile.py on a copy with the field removed) have done
 better in this bench?" without a device. Routes are decided by the resolver's own route
-building (``kvswap.resolver._routes``) from each profile's decisions, at the bench's exact
+building (``kvswap.routing.routes``) from each profile's decisions, at the bench's exact
 block size, as ``kvswap bench`` resolves them; a point is left out where a profile picks a
 kernel SM count the bench did not time. The first PROFILE should be the one the bench ran
 with: its routes must match the bench's resolved ones, which the script checks.
@@ -33,16 +33,15 @@ def route_at(routes, block: int, batch: int, knee: int) -> str:
 
 def routes_of(path: Path, direction: str, block: int):
     from kvswap import CopyImpl, DeviceInfo, Direction, Policy
-    from kvswap.calibration import store
-    from kvswap.resolver import _num_sms, _routes
+    from kvswap import profiles, routing
 
-    cal = store.load(path)
+    cal = profiles.load(path)
     device = DeviceInfo(platform="cuda", name=cal.identity, identity=cal.identity, compute_units=132)
     d = Direction.parse(direction)
     impls = [CopyImpl("cuda.batch", "batch", ("cuda",), (d,), factory=lambda ctx: None),
              CopyImpl("triton.kernel", "kernel", ("cuda",), (d,), factory=lambda ctx: None)]
-    knee = _num_sms(cal, d, Policy(), device)
-    return _routes(impls, cal, d, Policy(), (block,), knee, device), knee
+    knee = routing.knee_sms(cal, d, Policy(), device)
+    return routing.routes(impls, cal, d, Policy(), (block,), knee, device), knee
 
 
 def main(args: list[str]) -> int:

@@ -1,0 +1,192 @@
+"""The one rule that ranks copy routes and builds the routes of a plan.
+
+The resolver decides by it, calibration fits its decisions by it, and the bench and the
+tests reproduce routes with it. Everything here is a pure function of a
+:class:`~kvswap.Calibration`, the usable implementations, the policy and the device.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Iterable, Optional, Sequence
+
+from .impl import CopyImpl
+from .plan import Route
+from .thresholds import Calibration
+from .types import DeviceInfo, Direction, Policy
+
+__all__ = [
+    "EDGES",
+    "KERNEL_MARGIN",
+    "SIZE_CLASSES",
+    "knee_sms",
+    "margin",
+    "predicted",
+    "rank",
+    "rank_key",
+    "routes",
+    "sm_cap",
+    "sms_by_batch",
+    "tiers_at",
+]
+
+KiB = 1024
+# Block-size classes the plan decides for: powers of two and their midpoints, 1 KiB-4 MiB.
+EDGES: tuple[int, ...] = (1,) + tuple(
+    sorted({KiB << i for i in range(13)} | {3 * (KiB << i) // 2 for i in range(12)})
+)
+
+# ``(min_bytes, max_bytes or None, at_bytes)`` per class: from one edge to the next, decided
+# at its lower edge. The edges are the sizes calibration measures, and the block sizes of KV
+# caches are powers of two and their midpoints too, so a block of exactly an edge's size gets
+# the decision of its own measurements, not of a size between two of them. The class under
+# 1 KiB, below every measurement, is decided at its geometric middle.
+SIZE_CLASSES: tuple[tuple[int, Optional[int], int], ...] = tuple(
+    (lo, hi, lo if lo >= KiB else int(math.sqrt(lo * (hi + 1))))
+    for lo, hi in zip(EDGES, [e - 1 for e in EDGES[1:]] + [None])
+)
+
+# On a measured calibration, a route that takes SMs wins a block or batch size from one that
+# takes none only when predicted faster by more than this: its SMs come out of compute, and
+# routes closer than this swap places between two calibrations (docs/calibrating-a-device.md).
+KERNEL_MARGIN = 0.01
+
+
+def margin(cal: Calibration) -> float:
+    """The margin a kernel must win by under ``cal``: :data:`KERNEL_MARGIN` for measured
+    numbers, none for published or guessed ones (``calibrated=False``), taken as drawn."""
+    return KERNEL_MARGIN if cal.calibrated else 0.0
+
+
+def rank_key(gbps: Optional[float], uses_sms: bool, name: str, *, kernel_margin: float = KERNEL_MARGIN,
+             builtin: bool = True) -> tuple:
+    """The sort key of one route: ascending is best first.
+
+    Unknown speeds rank last; a route that takes SMs is scored ``gbps / (1 + margin)``;
+    ties go to the route that takes no SMs, then to a built-in implementation, then by
+    name, so registration order never decides.
+    """
+    score = 0.0 if gbps is None else (gbps / (1.0 + kernel_margin) if uses_sms else gbps)
+    return (gbps is None, -score, uses_sms, not builtin, name)
+
+
+def sm_cap(n: int, policy: Policy, device: DeviceInfo) -> int:
+    """``n`` SMs within the policy's budget and the device's count."""
+    if policy.max_sms is not None:
+        n = min(n, policy.max_sms)
+    if device.compute_units and device.platform != "cpu":  # CPU cores are not SMs
+        n = min(n, device.compute_units)
+    return max(n, 1)
+
+
+def knee_sms(cal: Calibration, direction: Direction, policy: Policy, device: DeviceInfo) -> int:
+    """The SMs a kernel route is bound with: the calibration's knee, capped."""
+    return sm_cap(cal.sms(direction), policy, device)
+
+
+def tiers_at(tiers: Iterable[tuple[int, int]], knee: Optional[int]) -> tuple[tuple[int, int], ...]:
+    """``tiers`` with equal neighbours merged; empty when every tier runs on ``knee``, the
+    SMs the kernel is bound with (no tiers: the knee for every batch)."""
+    out: list[tuple[int, int]] = []
+    for start, k in tiers:
+        if not out or out[-1][1] != k:
+            out.append((start, k))
+    return () if all(k == knee for _, k in out) else tuple(out)
+
+
+def sms_by_batch(cal: Calibration, direction: Direction, policy: Policy, device: DeviceInfo,
+                 size: int, num_sms: int) -> tuple[tuple[int, int], ...]:
+    """The calibration's SM tiers at ``size``, capped like the knee (0, the route that
+    takes no SMs, stays 0): :func:`tiers_at` the knee ``num_sms``."""
+    return tiers_at(((start, sm_cap(k, policy, device) if k else 0)
+                     for start, k in cal.sms_tiers(direction, size)), num_sms)
+
+
+def predicted(impl: CopyImpl, cal: Calibration, direction: Direction, size: int, num_sms: Optional[int],
+              builtin: bool = True) -> Optional[float]:
+    """GB/s ``cal`` predicts for ``impl`` at ``size``, or None. A curve for a kind
+    (``*batch``, ``*kernel``) speaks for built-in implementations only: another plugin's
+    implementation is predicted by curves that name it, or not at all."""
+    curve, scale = cal.curve_for(impl.name, impl.kind, direction, num_sms if impl.uses_sms else None)
+    if curve is None or (not builtin and curve.impl != impl.name):
+        return None
+    return curve.gbps(size) * scale
+
+
+def rank(
+    usable: Sequence[CopyImpl], cal: Calibration, direction: Direction, policy: Policy,
+    size: int, exact: bool, num_sms: int, builtin: Optional[frozenset[str]] = None,
+) -> list[tuple[CopyImpl, Optional[float]]]:
+    """Usable impls that can take ``size``, best first, with predicted GB/s.
+
+    :param exact: ``size`` is a block size the caller named: alignment must admit it too
+        (otherwise only the size bounds must).
+    :param num_sms: the SMs kernels are predicted at.
+    :param builtin: names of the built-in implementations (None: all are); another
+        plugin's implementation is predicted only by curves that name it, and loses ties.
+    """
+    m = margin(cal)
+    rows = []
+    for impl in usable:
+        if not (impl.accepts_size(size) if exact else impl.accepts_range(size)):
+            continue
+        own = builtin is None or impl.name in builtin
+        g = predicted(impl, cal, direction, size, num_sms, own)
+        score = g
+        if score is not None and policy.prefer == "low_interference":
+            score *= 1.0 - cal.slowdown_of(impl.name, impl.kind)
+        rows.append((rank_key(score, impl.uses_sms, impl.name, kernel_margin=m, builtin=own), impl, g))
+    rows.sort(key=lambda r: r[0])
+    return [(impl, g) for _, impl, g in rows]
+
+
+def routes(
+    usable: Sequence[CopyImpl], cal: Calibration, direction: Direction, policy: Policy,
+    sizes: Sequence[int], num_sms: int, device: DeviceInfo, builtin: Optional[frozenset[str]] = None,
+) -> tuple[Route, ...]:
+    """The routes by block size that ``usable`` get under ``cal``: one per run of size
+    classes with the same decision, decided at ``sizes`` where given (the block sizes the
+    caller copies), else at each class's own size. Kernels are bound with ``num_sms``
+    (:func:`knee_sms`); ``builtin`` as for :func:`rank`."""
+    out: list[Route] = []
+    for lo, hi, at in SIZE_CLASSES:
+        given = [s for s in sizes if s >= lo and (hi is None or s <= hi)]
+        rep = given[0] if given else at
+        ranked = rank(usable, cal, direction, policy, rep, bool(given), num_sms, builtin)
+        if not ranked:
+            continue
+        best = ranked[0][0]
+        # Tiers buy throughput with SMs: a low-interference policy keeps the knee.
+        tiers = sms_by_batch(cal, direction, policy, device, rep, num_sms) if policy.prefer == "throughput" else ()
+        if best.uses_sms:
+            small = next((impl for impl, _ in ranked[1:] if not impl.uses_sms), None)
+            min_batch = cal.min_batch(direction, block_bytes=rep) if small else 0
+        else:
+            # Ranked at a large batch, a route without SMs can still lose the small batches
+            # of this size to a kernel: a tier of 0 SMs says the calibration measured where.
+            kernel = next((impl for impl, _ in ranked[1:] if impl.uses_sms), None)
+            if kernel is not None and any(k == 0 for _, k in tiers) and any(k for _, k in tiers):
+                best, small, min_batch = kernel, best, 0
+            else:
+                small, min_batch, tiers = None, 0, ()
+        if small is None:  # no route without SMs to give 0-SM tiers to: they keep the knee
+            tiers = tiers_at(((n, k or num_sms) for n, k in tiers), num_sms)
+        route = Route(
+            min_bytes=lo,
+            max_bytes=hi,
+            impl=best.name,
+            at_bytes=rep,
+            predicted=tuple((impl.name, None if g is None else round(g, 2)) for impl, g in ranked),
+            min_batch=min_batch,
+            small_batch_impl=small.name if small else None,
+            fallbacks=tuple(impl.name for impl, _ in ranked if impl is not best),
+            sms_by_batch=tiers,
+        )
+        prev = out[-1] if out else None
+        decided = ("impl", "small_batch_impl", "min_batch", "fallbacks", "sms_by_batch")
+        if prev and prev.max_bytes == lo - 1 and all(getattr(prev, a) == getattr(route, a) for a in decided):
+            keep = route if given and prev.at_bytes not in sizes else prev
+            out[-1] = replace(prev, max_bytes=hi, at_bytes=keep.at_bytes, predicted=keep.predicted)
+        else:
+            out.append(route)
+    return tuple(out)

@@ -1,0 +1,119 @@
+"""Profile reading in core (kvswap.profiles): malformed files are skipped with a warning naming
+them, switches that name nothing say so, and resolve() takes a calibration as an argument."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+import kvswap
+from kvswap import ProfileWarning
+from kvswap.platform import cpu_device
+
+CPU = cpu_device()
+
+
+def document(sms=6, gbps=3.0, device=CPU) -> dict:
+    """A valid profile document for ``device`` (what ``kvswap calibrate`` writes, trimmed)."""
+    curves = [{"impl": "host.reference", "direction": d, "num_sms": None,
+               "points": [[4096, gbps], [65536, 10 * gbps]]} for d in ("h2d", "d2h")]
+    return {"schema": "kvswap.profile/1", "kvswap_version": kvswap.__version__, "identity": device.identity,
+            "device": json.loads(json.dumps(device.to_dict(), default=str)), "created": "2026-01-01T00:00:00+00:00",
+            "curves": curves, "decisions": {d: {"kernel_sms": sms, "kernel_min_batch": 32, "routes": []}
+                                            for d in ("h2d", "d2h")}}
+
+
+@pytest.fixture
+def user_profile(tmp_path, monkeypatch):
+    """A good profile in the user dir (knee 5), to fall through to."""
+    from kvswap import profiles
+
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    monkeypatch.setattr(profiles, "shipped_dir", lambda: shipped)
+    path = profiles.default_path(CPU)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document(sms=5)))
+    return path
+
+
+BAD = {
+    "nan-knee": lambda: json.dumps(document(sms=float("nan"))),
+    "infinite-knee": lambda: json.dumps(document(sms=float("inf"))),
+    "negative-infinite-curve": lambda: json.dumps(document(gbps=float("-inf"))),
+    "overflowing-float": lambda: json.dumps(document()).replace('"kernel_sms": 6', '"kernel_sms": 1e400'),
+    "too-deep": lambda: json.dumps(document())[:-1] + ', "x": ' + "[" * 200_000 + "]" * 200_000 + "}",
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_non_finite_and_too_deep_profiles_are_skipped_with_a_warning_naming_the_file(case, tmp_path, monkeypatch,
+                                                                                     user_profile):
+    bad = tmp_path / f"{case}.json"
+    bad.write_text(BAD[case]())
+    monkeypatch.setenv("KVSWAP_PROFILE", str(bad))
+    with pytest.warns(ProfileWarning) as caught:
+        fn = kvswap.resolve("h2d", device="cpu")
+    assert any(str(bad) in str(w.message) for w in caught), [str(w.message) for w in caught]
+    assert fn.plan.calibration["source"] == f"profile {user_profile}"  # the next in the lookup order
+    assert "profile" in fn.explain()
+
+
+def test_a_calibration_with_a_non_finite_knee_is_refused_where_it_is_made():
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(kvswap.InvalidImplError, match="kernel_sms"):
+            kvswap.Calibration(source="x", platform="cpu", kernel_sms={"h2d": bad})
+        with pytest.raises(kvswap.InvalidImplError, match="ceiling_gbps"):
+            kvswap.Calibration(source="x", platform="cpu", ceiling_gbps={"d2h": bad})
+
+
+@pytest.mark.parametrize("given", ["./missing.json", "missing.json", "nowhere/missing.json"])
+def test_a_profile_switch_naming_no_file_is_warned_about(given, tmp_path, monkeypatch, user_profile):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KVSWAP_PROFILE", given)
+    with pytest.warns(ProfileWarning, match=f"skipped calibration profile {given}") as caught:
+        fn = kvswap.resolve("d2h", device="cpu")
+    assert len(caught) == 1
+    assert fn.plan.calibration["source"] == f"profile {user_profile}"
+
+
+def test_resolve_decides_by_a_calibration_passed_in_or_without_profiles(user_profile):
+    assert kvswap.resolve("h2d", device="cpu").plan.calibration["source"] == f"profile {user_profile}"
+    mine = kvswap.Calibration(source="given", platform="cpu", kernel_sms={"h2d": 3})
+    fn = kvswap.resolve("h2d", device="cpu", calibration=mine)
+    assert fn.plan.calibration["source"] == "given"
+    quiet = kvswap.resolve("h2d", device="cpu", profiles=False)
+    assert "profile" not in quiet.plan.calibration["source"]  # the backend defaults
+    with pytest.raises(kvswap.ConfigurationError, match="calibration="):
+        kvswap.resolve("h2d", device="cpu", calibration={"kernel_sms": 3})
+
+
+def test_core_reads_profiles_and_explains_without_importing_calibration(tmp_path):
+    code = (
+        "import sys, kvswap\n"
+        "fn = kvswap.resolve('h2d', device='cpu')\n"
+        "fn.explain()\n"
+        "from kvswap import profiles\n"
+        "assert profiles.shipped_dir().name == 'profiles' and profiles.shipped_dir().is_dir()\n"
+        "leaked = sorted(m for m in sys.modules if m.startswith(('kvswap.calibration', 'kvswap.backends')))\n"
+        "print(leaked)\n"
+        "assert not [m for m in leaked if m.startswith('kvswap.calibration')], leaked\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={"XDG_DATA_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+
+
+def test_every_shipped_profile_reads_through_core():
+    from kvswap import profiles
+
+    shipped = sorted(profiles.shipped_dir().glob("*.json"))
+    assert shipped
+    for path in shipped:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            cal = profiles.load(path)
+        assert profiles.is_shipped(cal.source) and cal.calibrated

@@ -368,7 +368,7 @@ class BlockMover:
                 error = e
             end = c.mark()
         if staged is not None and self._stager.row == 1 and error is None:
-            self._stager.copy_out(staged, lambda: c.wait(end))
+            self._stager.copy_out(staged, lambda: _wait_from_worker(c, end))
         job_id = self._next_id
         self._next_id += 1
         nbytes = sum(len(s) * t.block_bytes for (s, _), t in zip(ids, self._templates))
@@ -576,6 +576,11 @@ def _pinned_routes(fn: SwapFn, on_device: bool) -> list[str]:
             names.update(r.fallbacks)
     need = {c.name for c in fn.plan.candidates if c.constraints.get("requires_pinned")}
     return sorted(names & need)
+
+
+def _wait_from_worker(c: Any, marker: Any) -> None:
+    with c.device_guard():  # the worker thread's current device is the mover's
+        c.wait(marker)
 
 
 def _refuse_pageable(host: list, pageable: list[int], direction: Direction, routes: list[str], grouped: bool) -> None:

@@ -200,3 +200,24 @@ def test_after_that_cannot_be_honoured_is_refused_before_any_byte_moves():
         with pytest.raises(ConfigurationError, match="must be omitted .* None .* torch.cuda.Stream or a torch.cuda.Event"):
             mover.submit([1], [2], after=bad)
     assert dst.matches(before) and mover.in_flight == 0 and mover.poll() == []
+
+
+def test_staging_copies_split_over_threads_move_every_byte(monkeypatch):
+    from kvswap import staging
+
+    monkeypatch.setattr(staging, "PARALLEL_BYTES", 1 << 14)
+    rng = np.random.default_rng(57)
+    n, size = 300, 4096 + 64
+    src = rng.integers(0, 256, n * size, dtype=np.uint8)
+    dst = rng.integers(0, 256, n * size + 512, dtype=np.uint8)
+    before = dst.copy()
+    perm, slots = rng.permutation(n), rng.permutation(n)[:200]
+    sizes = rng.integers(1, size + 1, 200).astype(np.int64)
+    s = (src.ctypes.data + perm[:200] * size).astype(np.int64)
+    d = (dst.ctypes.data + 256 + slots * size).astype(np.int64)
+    staging.host_memmove(s, d, sizes, threads=4)
+    expected = before.copy()
+    for i in range(200):
+        a, b = perm[i] * size, 256 + slots[i] * size
+        expected[b:b + sizes[i]] = src[a:a + sizes[i]]
+    np.testing.assert_array_equal(dst, expected)

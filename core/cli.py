@@ -128,8 +128,8 @@ def build_parser() -> Parser:
     p = sub.add_parser("explain", help="how a transfer would be routed, and why",
                        description="Resolve a swap function as an engine would and print its decision trace: "
                        "candidates, rejections with reasons, calibration source, route per block-size class.")
-    p.add_argument("--direction", required=True, type=direction, metavar="h2d|d2h",
-                   help="h2d (host to device) or d2h (device to host)")
+    p.add_argument("--direction", required=True, type=direction, metavar="h2d|d2h|d2d",
+                   help="h2d (host to device), d2h (device to host) or d2d (within one device)")
     p.add_argument("--block-bytes", type=block_list, metavar="N[,N...]",
                    help="block sizes the engine will copy, e.g. 8192,16384")
     add_device(p)

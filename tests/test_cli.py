@@ -200,3 +200,10 @@ def test_every_command_is_listed_in_help():
     out = kvswap("--help")
     for cmd in ("info", "explain", "calibrate", "bench"):
         assert cmd in out.stdout
+
+
+def test_explain_takes_every_direction():
+    out = kvswap("explain", "--direction", "d2d", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["direction"] == "d2d"
+    assert "d2d" in kvswap("explain", "--help").stdout

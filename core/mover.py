@@ -25,6 +25,7 @@ from .regions import BlockDim, DescriptorTemplate, pair_regions
 from .resolver import resolve
 from .staging import PageableMemoryWarning, Staged, Stager, storage_spans
 from .swapfn import SwapFn
+from .thresholds import Calibration
 from .types import Direction, DirectionLike, Policy
 
 Tensors = Union[Any, Sequence[Any]]
@@ -107,6 +108,9 @@ class BlockMover:
     :param policy: passed to :func:`kvswap.resolve` (SM budget, forced route, whether
         pageable host memory is refused).
     :param stream: the transfer stream on a GPU (default: a new one).
+    :param calibration: passed to :func:`kvswap.resolve`: decide by this calibration
+        instead of looking one up.
+    :param profiles: passed to :func:`kvswap.resolve`: False skips measured profiles.
     :raises BlockLayoutError: blocks that are not contiguous chunks, or chunks that differ.
     :raises TensorPlacementError: tensors on the wrong device for ``direction``.
     :raises UnpinnedMemoryError: pageable host tensors with ``Policy(require_pinned=True)``.
@@ -141,8 +145,11 @@ class BlockMover:
         block_dim: BlockDim = 0,
         policy: Optional[Policy] = None,
         stream: Any = None,
+        calibration: Optional[Calibration] = None,
+        profiles: bool = True,
     ) -> None:
-        self._setup([KVGroup(src_tensors, dst_tensors, block_dim)], False, direction, policy, stream)
+        self._setup([KVGroup(src_tensors, dst_tensors, block_dim)], False, direction, policy, stream,
+                    dict(calibration=calibration, profiles=profiles))
 
     @classmethod
     def groups(
@@ -152,11 +159,14 @@ class BlockMover:
         *,
         policy: Optional[Policy] = None,
         stream: Any = None,
+        calibration: Optional[Calibration] = None,
+        profiles: bool = True,
     ) -> BlockMover:
         """A mover over several KV groups: one transfer and one completion per step.
 
         :param groups: a :class:`KVGroup` per group, or a tuple ``(src_tensors,
             dst_tensors)`` or ``(src_tensors, dst_tensors, block_dim)``.
+        :param direction, policy, stream, calibration, profiles: as for :class:`BlockMover`.
 
         Its :meth:`submit` and :meth:`descriptors` take one id list per group on each
         side, in the order of ``groups``: ``submit([src_ids_0, src_ids_1],
@@ -185,11 +195,11 @@ class BlockMover:
                     f"[, block_dim])"
                 )
         mover = cls.__new__(cls)
-        mover._setup(specs, True, direction, policy, stream)
+        mover._setup(specs, True, direction, policy, stream, dict(calibration=calibration, profiles=profiles))
         return mover
 
     def _setup(self, specs: list[KVGroup], grouped: bool, direction: DirectionLike,
-               policy: Optional[Policy], stream: Any) -> None:
+               policy: Optional[Policy], stream: Any, resolve_kw: dict[str, Any]) -> None:
         self._closed = True  # until built: __del__ and close() have nothing to wait for
         self._inflight: deque[_Job] = deque()
         self.direction = Direction.parse(direction)
@@ -224,6 +234,7 @@ class BlockMover:
             device="cpu" if not on_device else str(device),
             block_bytes=sorted({c for t in templates for c in t.chunk_sizes}),
             policy=policy,
+            **resolve_kw,
         )
         policy = policy or Policy()
         self._stager: Optional[Stager] = None

@@ -130,3 +130,21 @@ def test_block_dim_forms():
         block_dims([1, "x"], 2)
     with pytest.raises(BlockLayoutError, match="block_dim=\\(1, 0, 0\\)"):
         block_dims((1, 0, 0), 3)   # a tuple is always one (src, dst) pair
+
+
+def test_calibration_and_profiles_pass_through_to_resolve(monkeypatch):
+    import kvswap.mover
+    from kvswap import Calibration
+
+    seen = []
+    real = kvswap.mover.resolve
+    monkeypatch.setattr(kvswap.mover, "resolve", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    cal = Calibration(source="a calibration handed to the mover", platform="cpu", calibrated=False)
+    gen = torch.Generator().manual_seed(36)
+    s, d = Side([KINDS["mla"]], 4, TOKENS, gen), Side([KINDS["mla"]], 4, TOKENS, gen)
+    mover = BlockMover(s.tensors, d.tensors, "h2d", calibration=cal, profiles=False)
+    assert mover.swap_fn.plan.calibration["source"] == cal.source and "handed to the mover" in mover.explain()
+    grouped = BlockMover.groups([(s.tensors, d.tensors)], "h2d", calibration=cal)
+    assert grouped.swap_fn.plan.calibration["source"] == cal.source
+    BlockMover(s.tensors, d.tensors, "h2d")
+    assert [(kw["calibration"], kw["profiles"]) for kw in seen] == [(cal, False), (cal, True), (None, True)]

@@ -124,9 +124,10 @@ class BlockMover:
 
     **Pageable host memory** works, more slowly: host tensors that are not page-locked
     are staged through kvswap's own pinned buffers (a host memcpy of every byte on top of
-    the device copy; for host to device on the thread that submits, for device to host
-    on a worker thread after the device copy), with a :class:`PageableMemoryWarning`
-    once, when the mover is built. A job completes only once its bytes are in place.
+    the device copy; for host to device on the thread that submits, so the blocks are
+    read when ``submit`` is called, for device to host on a worker thread after the
+    device copy), with a :class:`PageableMemoryWarning` once, when the mover is built.
+    A job completes only once its bytes are in place.
     ``Policy(require_pinned=True)`` refuses such memory instead.
 
     **Several KV groups** (hybrid models): :meth:`groups` builds one mover over several

@@ -8,7 +8,8 @@ whose host tensors are pageable moves their blocks in two steps, with the resolv
 unchanged between a pinned staging buffer and the device:
 
 * host to device: ``submit`` copies each descriptor's bytes from the pageable tensors into
-  the staging buffer on the calling thread, then enqueues the device copy from there;
+  the staging buffer on the calling thread (so the host blocks are read at that moment,
+  not when the device copy runs), then enqueues the device copy from there;
 * device to host: the device copy lands in the staging buffer, and a worker thread copies
   the bytes out to the pageable tensors once the device copy has completed. The job is
   reported complete only after that.

@@ -25,6 +25,23 @@ class TransferFn(Protocol):
     def __call__(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream: Any) -> None: ...
 
 
+class ByIdsFn(Protocol):
+    """An optional capability of a bound TransferFn: ``fn.by_ids(template)`` returns one
+    of these (or None where the template does not suit it), bound once to a BlockMover's
+    descriptor template, so a transfer sends only block ids and the implementation derives
+    the addresses itself (a kernel on the device, say).
+
+    ``template`` has 1-D int64 arrays ``src_base``, ``src_stride``, ``dst_base``,
+    ``dst_stride`` and ``sizes``, one entry per piece. A call copies, for every ``i`` and
+    piece ``p``, ``sizes[p]`` bytes from ``src_base[p] + src_ids[i] * src_stride[p]`` to
+    ``dst_base[p] + dst_ids[i] * dst_stride[p]``, enqueued on ``stream`` like a TransferFn.
+    The caller has validated the template once and the ids per call (in range, no
+    destination repeated): the same whole-batch guarantee a TransferFn gets.
+    """
+
+    def __call__(self, src_ids: np.ndarray, dst_ids: np.ndarray, stream: Any) -> Any: ...
+
+
 def same_addresses(addrs: np.ndarray) -> np.ndarray:
     """The host address translation where host and device share addresses: none."""
     return addrs

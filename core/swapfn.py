@@ -116,6 +116,20 @@ class SwapFn:
         starts, _, _, keys = self._steps[r]
         return keys[bisect_right(starts, count) - 1]
 
+    def whole_batch_steps(self, smallest: int,
+                          largest: int) -> Optional[tuple[tuple[int, ...], tuple[Optional[TransferFn], ...]]]:
+        """Where a batch whose sizes all lie in ``[smallest, largest]`` goes whole, by its
+        descriptor count: ``(starts, fns)``, a batch of ``n`` taking ``fns[i]`` for the last
+        ``starts[i] <= n``; ``fns[i]`` is None where that implementation checks constraints
+        per call. None when such a batch could span routes. BlockMover asks once, to bind
+        the optional ``by_ids`` capability (:class:`~kvswap.impl.ByIdsFn`) of those transfers."""
+        lows = self._low_list
+        r = bisect_right(lows, smallest) - 1
+        if r != bisect_right(lows, largest) - 1:
+            return None
+        starts, fns, plain, _ = self._steps[r]
+        return starts, tuple(f if p else None for f, p in zip(fns, plain))
+
     def assign(self, src: np.ndarray, dst: np.ndarray, n: np.ndarray) -> list[tuple[str, Optional[int], Optional[np.ndarray]]]:
         """Which implementation copies which descriptors: ``(impl, num_sms, indices or
         None=all)``; ``num_sms`` is what a kernel runs on (None for impls without SMs).

@@ -10,12 +10,14 @@ already queued on the current stream).
 from __future__ import annotations
 
 import warnings
+from bisect import bisect_right
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
+from . import deferred
 from .completion import CURRENT_STREAM, CudaCompletion, HostCompletion
 from .descriptors import as_int64, coalesce, first_overlap
 from .errors import ConfigurationError, InvalidTransferError
@@ -88,6 +90,7 @@ class _Job:
     end: Any
     error: Optional[str] = None
     staged: Optional[Staged] = None
+    issued: list = field(default_factory=list)  # work left to other threads (kvswap.deferred)
 
 
 class BlockMover:
@@ -260,6 +263,9 @@ class BlockMover:
             self._completion = CudaCompletion(device.index or 0, stream)
         self.pool = DescriptorPool(pinned=on_device)
         self._check_across = grouped and _groups_share_destinations(sides)
+        # Where the kernel route derives addresses itself (ByIdsFn), a submit sends only ids.
+        self._ids_steps = (_by_ids_steps(self._fn, templates[0])
+                           if len(templates) == 1 and self._stager is None else None)
         self._tensors: Optional[list] = sides  # the memory the addresses point into
         self._results: deque[TransferResult] = deque()
         self._next_id = 1
@@ -358,7 +364,8 @@ class BlockMover:
         c = self._completion
         c.check_after(after)
         self._reap()
-        buf, m = self._build(ids)
+        by_ids = self._by_ids(ids)
+        buf, m = self._build(ids) if by_ids is None else self._ids_buffer(ids)
         staged = None
         try:
             if self._stager is not None:
@@ -372,8 +379,13 @@ class BlockMover:
             c.order_after(after)
             start = c.mark()
             try:
-                if m:
-                    self._fn(arr[0, :m], arr[1, :m], arr[2, :m], stream=c.stream)
+                # The buffer is ours until the end marker: backends may keep its arrays.
+                with deferred.collect(stable=True) as issued:
+                    if by_ids is not None:
+                        n = len(ids[0][0])
+                        by_ids(arr[0, :n], arr[1, :n], c.stream)
+                    elif m:
+                        self._fn(arr[0, :m], arr[1, :m], arr[2, :m], stream=c.stream)
             except BaseException as e:
                 # Part of the batch may be enqueued: the buffers stay with a failed job
                 # until the end marker shows the stream is past it.
@@ -385,7 +397,7 @@ class BlockMover:
         self._next_id += 1
         nbytes = sum(len(s) * t.block_bytes for (s, _), t in zip(ids, self._templates))
         self._inflight.append(_Job(job_id, buf, nbytes, m, start, end,
-                                   None if error is None else f"{type(error).__name__}: {error}", staged))
+                                   None if error is None else f"{type(error).__name__}: {error}", staged, issued))
         if error is not None:
             raise error
         return job_id
@@ -507,6 +519,21 @@ class BlockMover:
             arr[0, :m], arr[1, :m], arr[2, :m] = cs, cd, cz
         return buf, m
 
+    def _by_ids(self, ids: list) -> Any:
+        """The by-id transfer a one-group batch of these ids takes whole, or None."""
+        steps = self._ids_steps
+        if steps is None or not len(ids[0][0]):
+            return None
+        return steps[1][bisect_right(steps[0], len(ids[0][0]) * self._templates[0].count) - 1]
+
+    def _ids_buffer(self, ids: list) -> tuple[DescriptorBuffer, int]:
+        """The ids in a pooled buffer (rows 0 and 1), and the descriptors they stand for."""
+        (sid, did), = ids
+        n = len(sid)
+        buf = self.pool.acquire(n)
+        buf.array[0, :n], buf.array[1, :n] = sid, did
+        return buf, n * self._templates[0].count
+
     def _reap(self) -> None:
         """Hand back the buffers of completed jobs; jobs complete in order on one stream."""
         q, c = self._inflight, self._completion
@@ -517,6 +544,9 @@ class BlockMover:
                 break  # the device copy is done, the copy out to pageable memory is not yet
             q.popleft()
             error = job.error
+            late = deferred.failure(job.issued) if job.issued else None
+            if late is not None and error is None:  # failed on another thread, after submit
+                error = f"{type(late).__name__}: {late}"
             if error is None and st is not None and st.finish is not None and st.finish.exception() is not None:
                 e = st.finish.exception()
                 error = f"{type(e).__name__}: {e}"
@@ -529,6 +559,26 @@ class BlockMover:
                 job.job_id, error is None, job.nbytes if error is None else 0,
                 seconds, job.descriptors, error,
             ))
+
+
+def _by_ids_steps(fn: SwapFn, template: DescriptorTemplate) -> Optional[tuple[tuple[int, ...], tuple]]:
+    """``(starts, by_ids)``: per step of the route that takes this template's batches whole
+    (by descriptor count), the transfer's by-id capability bound to the template (the
+    template goes to the device here, once), or None; None where no step offers one."""
+    sizes = template.chunk_sizes
+    steps = fn.whole_batch_steps(sizes[0], sizes[-1])
+    if steps is None:
+        return None
+    bound: dict[int, Any] = {}
+    for f in steps[1]:
+        if f is not None and id(f) not in bound:
+            try:
+                make = getattr(f, "by_ids", None)
+                bound[id(f)] = make(template) if callable(make) else None
+            except Exception:  # the descriptor path serves instead
+                bound[id(f)] = None
+    out = tuple(None if f is None else bound[id(f)] for f in steps[1])
+    return (steps[0], out) if any(b is not None for b in out) else None
 
 
 def _tensor_list(tensors: Tensors, what: str, where: str = "") -> list:

@@ -1,0 +1,156 @@
+"""BlockMover's by-id path on the host: a route whose transfer offers ``by_ids``
+(kvswap.impl.ByIdsFn) gets the template once and only block ids per submit.
+
+The route here is a throwaway plugin whose transfer is the Triton kernel in its CPU
+interpreter (``TRITON_INTERPRET=1``), so the whole path runs: the mover's choice, the
+template bound once, the kernel deriving every address. Checks cover whole allocations
+(random guard bytes, poisoned destinations) against torch indexing.
+"""
+from __future__ import annotations
+
+import threading
+import types
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import kvswap
+from kvswap import BlockMover, CopyImpl, Direction, Policy, hookimpl
+from kvswap.plugins import create_plugin_host, reset_plugin_host
+from mover_layouts import Pool, expected_after, layouts
+
+pytest.importorskip("triton")
+from kvswap.backends.triton_generic.launch import KernelCopy, interpreting  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not interpreting(), reason="runs the kernel in Triton's CPU interpreter")
+LAYOUTS = layouts()
+
+
+class Recording:
+    """A kernel transfer that records how the mover used it."""
+
+    def __init__(self, offer: bool = True) -> None:
+        self.kernel = KernelCopy(num_sms=3, device_index=None)
+        self.offer = offer
+        self.templates: list = []
+        self.descriptor_calls = 0
+        self.id_calls: list[int] = []
+
+    def __call__(self, src, dst, sizes, stream):
+        self.descriptor_calls += 1
+        return self.kernel(src, dst, sizes, stream)
+
+    def by_ids(self, template):
+        self.templates.append(template)
+        if not self.offer:
+            return None
+        inner = self.kernel.by_ids(template)
+
+        def fn(src_ids, dst_ids, stream):
+            self.id_calls.append(len(src_ids))
+            return inner(src_ids, dst_ids, stream)
+
+        return fn
+
+
+def _install(transfer: Any, **impl_kw: Any) -> None:
+    class Plugin:
+        @hookimpl
+        def kvswap_register_copy_impls(self, platform, register):
+            if platform == "cpu":
+                register(CopyImpl(name="test.kernel", kind="kernel", platforms=("cpu",),
+                                  directions=(Direction.H2D, Direction.D2H), factory=lambda ctx: transfer,
+                                  **impl_kw))
+
+    reset_plugin_host(create_plugin_host(entry_points=[], env={}, extra=[("testplugin", Plugin())]))
+
+
+def _pools(name: str, seed: int, src_blocks: int = 40, dst_blocks: int = 56) -> tuple[Pool, Pool]:
+    gen = torch.Generator().manual_seed(seed)
+    return Pool(LAYOUTS[name], src_blocks, gen), Pool(LAYOUTS[name], dst_blocks, gen)
+
+
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_submits_send_ids_and_every_byte_lands(name, direction):
+    t = Recording()
+    _install(t)
+    rng = np.random.default_rng(5)
+    src, dst = _pools(name, 1)
+    before, src_before = dst.snapshot(), src.snapshot()
+    jobs = []
+    with BlockMover(src.tensors, dst.tensors, direction, block_dim=src.layout.block_dim,
+                    policy=Policy(force="test.kernel")) as mover:
+        assert len(t.templates) == 1  # bound once, at construction
+        for n in (1, 9, 30, 0, 17):
+            sid = rng.integers(0, src.num_blocks, n).astype(np.int64)
+            did = rng.permutation(dst.num_blocks)[:n].astype(np.int64)
+            mover.submit(sid, did)
+            jobs.append((sid, did))
+        results = mover.poll()
+    assert t.descriptor_calls == 0 and t.id_calls == [1, 9, 30, 17]
+    assert all(r.ok for r in results)
+    assert [r.descriptors for r in results] == [n * mover.chunks_per_block for n in (1, 9, 30, 0, 17)]
+    assert dst.matches(expected_after(dst, before, src_before, src, jobs))
+    assert src.matches(src_before)
+
+
+def test_a_transfer_that_declines_the_template_keeps_the_descriptor_path():
+    t = Recording(offer=False)
+    _install(t)
+    rng = np.random.default_rng(6)
+    src, dst = _pools("mla", 2)
+    before, src_before = dst.snapshot(), src.snapshot()
+    with BlockMover(src.tensors, dst.tensors, "h2d", policy=Policy(force="test.kernel")) as mover:
+        assert mover._ids_steps is None
+        sid, did = rng.integers(0, 40, 12).astype(np.int64), rng.permutation(56)[:12].astype(np.int64)
+        mover.submit(sid, did)
+    assert t.descriptor_calls == 1 and t.id_calls == [] and len(t.templates) == 1
+    assert dst.matches(expected_after(dst, before, src_before, src, [(sid, did)]))
+
+
+def test_constrained_transfers_are_not_asked():
+    t = Recording()
+    _install(t, alignment=16)  # checked per call by the SwapFn: the mover keeps descriptors
+    src, dst = _pools("flash", 3)
+    with BlockMover(src.tensors, dst.tensors, "h2d", block_dim=1, policy=Policy(force="test.kernel")) as mover:
+        mover.submit([1, 2], [3, 4])
+    assert t.templates == [] and t.descriptor_calls == 1
+
+
+def test_a_failure_reported_after_submit_fails_its_job():
+    from kvswap import deferred
+
+    pending: list = []
+
+    def transfer(src, dst, sizes, stream):
+        # Returns at once; the first job's work then fails on "another thread", before
+        # the stream passes it (as the issuer sets a ticket's error before its flag).
+        error = kvswap.DriverError("cuMemcpyBatchAsync", 1, "CUDA_ERROR_INVALID_VALUE") if not pending else None
+        ticket = types.SimpleNamespace(error=error, reported=False)
+        deferred.report(ticket)
+        pending.append(ticket)
+
+    _install(transfer)
+    src, dst = _pools("mla", 4)
+    mover = BlockMover(src.tensors, dst.tensors, "h2d", policy=Policy(force="test.kernel"))
+    first = mover.submit([1], [2])  # no exception: the failure comes later
+    second = mover.submit([3], [4])
+    results = {r.job_id: r for r in mover.poll()}
+    assert not results[first].ok and "CUDA_ERROR_INVALID_VALUE" in results[first].error
+    assert results[first].bytes == 0 and pending[0].reported
+    assert results[second].ok and not pending[1].reported
+    mover.close()
+
+
+def test_arrays_are_promised_stable_inside_submit():
+    from kvswap import deferred
+
+    seen = []
+    _install(lambda src, dst, sizes, stream: seen.append((deferred.arrays_stable(), threading.get_ident())))
+    src, dst = _pools("mla", 5)
+    with BlockMover(src.tensors, dst.tensors, "h2d", policy=Policy(force="test.kernel")) as mover:
+        mover.submit([1], [2])
+    assert seen == [(True, threading.get_ident())] and deferred.arrays_stable() is False

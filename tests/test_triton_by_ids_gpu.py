@@ -83,3 +83,27 @@ def test_ordered_on_the_stream_both_ways(direction):
     for snap, w in zip(snaps, want):
         assert torch.equal(snap.cpu(), w)
     assert dst.matches(want)
+
+
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+def test_block_mover_on_the_kernel_route_sends_only_ids(direction):
+    """Through BlockMover: the by-id path is bound at construction and taken by submit;
+    a fill of the destinations queued on the compute stream before submit lands first."""
+    from kvswap import BlockMover, Policy
+
+    rng = np.random.default_rng(4)
+    src, dst = _pair("flash", direction, seed=3, src_blocks=1024, dst_blocks=1024)
+    src_before = src.snapshot()
+    with BlockMover(src.tensors, dst.tensors, direction, block_dim=1, policy=Policy(force="triton.kernel")) as mover:
+        assert mover._ids_steps is not None and all(f is not None for f in mover._ids_steps[1])
+        sid = rng.integers(0, 1024, 700).astype(np.int64)
+        did = rng.permutation(1024)[:700].astype(np.int64)
+        torch.cuda._sleep(SPIN)  # the compute stream is busy
+        for f in dst.flats:
+            f.fill_(0x3C)  # (on the host for d2h: done at once)
+        job = mover.submit(sid, did)
+        mover.wait(job)
+        (r,) = mover.poll()
+    assert r.ok and r.descriptors == 700 * mover.chunks_per_block
+    poisoned = [torch.full_like(f.cpu(), 0x3C) for f in dst.flats]
+    assert dst.matches(expected_after(dst, poisoned, src_before, src, [(sid, did)]))

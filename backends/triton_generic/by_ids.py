@@ -60,7 +60,11 @@ def bind_by_ids(copy: KernelCopy, template: Any) -> Optional[CopyByIds]:
     packed = pack_template(template)
     if batch_alignment(packed) < 8 or int(packed[-len(template.sizes):].min()) < 8:
         return None
-    return CopyByIds(copy, packed)
+    fn = CopyByIds(copy, packed)
+    # A template's pieces fix the tile's row width, so one variant serves most batches:
+    # compile it now (on a GPU), not on the engine's first transfer.
+    fn.prepare()
+    return fn
 
 
 class CopyByIds:

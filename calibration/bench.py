@@ -14,15 +14,16 @@ and only timings taken after it was picked say whether the point is low or its d
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
-from kvswap.plugins import PluginHost, plugin_host
+from kvswap import Direction, Policy, resolve
 from kvswap.platform import detect
-from kvswap.resolver import resolve
-from kvswap.types import Direction, Policy
+from kvswap.plugins import PluginHost, plugin_host
 
+from .binding import bound_at
+from .bench_records import (BenchFailure, BenchResult, BenchRow, CandidateTiming, Confirm, PeerTiming, Ratios,
+                            ResolvedTiming, Summary)
 from .progress import Progress
-from .sweep import measurement_calibration
 from .timing import in_passes, make_timer, median, on_host, paired, per_pass, pooled, rounds_for
 from .workload import Batch, Pools
 
@@ -98,7 +99,7 @@ def _route_label(fn: Any, batch: Batch) -> str:
 
 
 def _candidates(d: str, dev: Any, device: Any, host: PluginHost, resolved: dict[int, Any],
-                out: dict[str, Any]) -> dict[str, tuple[Any, Optional[int]]]:
+                out: BenchResult) -> dict[str, tuple[Any, Optional[int]]]:
     """Every available impl bound as the resolver binds it (``force``), and each kernel
     also at every SM count a resolved function's batch tiers use: ``label -> (fn, SMs)``."""
     base = next(iter(resolved.values()))
@@ -106,7 +107,7 @@ def _candidates(d: str, dev: Any, device: Any, host: PluginHost, resolved: dict[
     cands: dict[str, tuple[Any, Optional[int]]] = {}
     for c in base.plan.candidates:
         if not c.available:
-            out["notes"].append(f"{d}: candidate {c.name} not available: {c.reason}")
+            out.notes.append(f"{d}: candidate {c.name} not available: {c.reason}")
             continue
         try:
             fn = resolve(d, device=device, host=host, policy=Policy(force=c.name))
@@ -115,19 +116,13 @@ def _candidates(d: str, dev: Any, device: Any, host: PluginHost, resolved: dict[
             for k in sorted(k for name, k in tiers if name == c.name and k != sms):
                 cands[label(c.name, k)] = (bound_at(d, dev, device, host, c.name, k), k)
         except Exception as e:
-            out["failures"].append({"direction": d, "route": c.name, "error": f"{type(e).__name__}: {e}"})
+            out.failures.append(BenchFailure(d, c.name, f"{type(e).__name__}: {e}"))
     return cands
 
 
-def bound_at(d: str, dev: Any, device: Any, host: PluginHost, impl: str, num_sms: int) -> Any:
-    """``impl`` forced and bound at exactly ``num_sms`` SMs."""
-    return resolve(d, device=device, host=host, policy=Policy(force=impl, max_sms=num_sms),
-                   calibration=measurement_calibration(dev, num_sms))
-
-
 def run_bench(device: Any, settings: BenchSettings, directions: Sequence[Any], *,
-              host: Optional[PluginHost] = None, progress: Optional[Progress] = None) -> dict[str, Any]:
-    """Measure the grid; return the JSON-ready result (see the module doc)."""
+              host: Optional[PluginHost] = None, progress: Optional[Progress] = None) -> BenchResult:
+    """Measure the grid (see the module doc)."""
     from kvswap import __version__
 
     host = plugin_host() if host is None else host
@@ -135,23 +130,22 @@ def run_bench(device: Any, settings: BenchSettings, directions: Sequence[Any], *
     progress = progress or Progress()
     dirs = [str(Direction.parse(d)) for d in directions]
     timer = make_timer(dev)
-    out: dict[str, Any] = {
-        "kvswap_version": __version__, "device": dev.to_dict(), "directions": dirs,
-        "measured": "host memory copies (no accelerator: host reference)" if on_host(dev)
+    out = BenchResult(
+        kvswap_version=__version__, device=dev.to_dict(), directions=dirs,
+        measured="host memory copies (no accelerator: host reference)" if on_host(dev)
         else f"{dev.platform} copies between pinned host memory and device memory",
-        "timer": timer.label, "settings": asdict(settings), "peer_policy": PEER_POLICY,
-        "calibration": {}, "ceiling_gbps": {}, "rows": [], "summary": {}, "notes": [], "failures": [],
-    }
+        host_only=on_host(dev), timer=timer.label, settings=asdict(settings), peer_policy=PEER_POLICY,
+    )
     pools = Pools(dev, settings.pool_bytes, settings.seed)
     grid = [(b, n) for b in settings.block_sizes for n in settings.batch_sizes if n <= pools.slots(b)]
     passes = max(1, settings.passes)
     progress.add(len(dirs) * (passes * len(grid) + 1))
     for d in dirs:
         t = timer.measure([pools.contiguous(d, settings.ceiling_bytes)], settings.repeats, settings.warmup)[0]
-        out["ceiling_gbps"][d] = round(min(settings.ceiling_bytes, pools.pool_bytes) / median(t) / 1e9, 3)
+        out.ceiling_gbps[d] = round(min(settings.ceiling_bytes, pools.pool_bytes) / median(t) / 1e9, 3)
         progress.step(f"{d} ceiling")
         resolved = {b: resolve(d, device=device, host=host, block_bytes=b) for b in settings.block_sizes}
-        out["calibration"][d] = next(iter(resolved.values())).plan.calibration
+        out.calibration[d] = next(iter(resolved.values())).plan.calibration
         cands = _candidates(d, dev, device, host, resolved, out)
         peer: dict[tuple[str, Optional[int]], Any] = {}
         if {PEER_KERNEL, PEER_BATCH} <= {fn.plan.forced for fn, _ in cands.values()}:
@@ -159,11 +153,11 @@ def run_bench(device: Any, settings: BenchSettings, directions: Sequence[Any], *
             peer[(PEER_KERNEL, PEER_SMS)] = bound_at(d, dev, device, host, PEER_KERNEL, PEER_SMS)
             peer[(PEER_BATCH, None)] = resolve(d, device=device, host=host, policy=Policy(force=PEER_BATCH))
         else:
-            out["notes"].append(f"{d}: peer baseline not applicable here: it needs {PEER_KERNEL} and {PEER_BATCH}")
+            out.notes.append(f"{d}: peer baseline not applicable here: it needs {PEER_KERNEL} and {PEER_BATCH}")
         for b in settings.block_sizes:
             for n in settings.batch_sizes:
                 if (b, n) not in grid:
-                    out["notes"].append(f"{d}: {n} x {b} B skipped: more than the {pools.pool_bytes >> 20} MiB pool")
+                    out.notes.append(f"{d}: {n} x {b} B skipped: more than the {pools.pool_bytes >> 20} MiB pool")
         drawn: dict[tuple[int, int], Batch] = {}
 
         def time_point(point: tuple[int, int], i: int) -> dict[str, list[float]]:
@@ -187,86 +181,94 @@ def run_bench(device: Any, settings: BenchSettings, directions: Sequence[Any], *
                 progress.step(f"{d} points under a bar, again (pass {i + 1} of {settings.confirm})")
                 r = rows[point]
                 who = [("resolved", resolved[b])]
-                if r["best"] is not None:
-                    who.append((r["best"], cands[r["best"]][0]))
+                if r.best is not None:
+                    who.append((r.best, cands[r.best][0]))
                 if _suspect(r, best=False):
                     who.append(("peer", peer[peer_route(d, b, n)]))
                 return _time_point(d, pools, timer, settings, pools.batch(d, b, n), who, settings.confirm, out)
 
             again = in_passes(suspects, settings.confirm, time_again)
             for (b, n) in suspects:
-                rows[(b, n)]["confirm"] = _confirm(rows[(b, n)], _passed(d, b, n, again[(b, n)], out), settings.confirm)
-        out["rows"] += rows.values()
+                rows[(b, n)].confirm = _confirm(rows[(b, n)], _passed(d, b, n, again[(b, n)], out), settings.confirm)
+        out.rows += rows.values()
     for d in dirs:
-        out["summary"][d] = summarize([r for r in out["rows"] if r["direction"] == d])
+        out.summary[d] = summarize(out.rows_of(d))
     return out
 
 
-# The bar of issue 6: resolved at least this fraction of the best candidate, and of the peer.
+# The bar a resolved route is held to: at least this fraction of the best candidate, and of the peer.
 BAR_BEST, BAR_PEER = 0.97, 1.0
 
 
-def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def _best_ratio(r: Ratios) -> tuple[Optional[float], Optional[float]]:
+    return r.over_best
+
+
+def _peer_ratio(r: Ratios) -> tuple[Optional[float], Optional[float]]:
+    return r.over_peer
+
+
+def summarize(rows: Sequence[BenchRow]) -> Summary:
     """Worst ratios, and the points under each bar: all of them, and those under it by more
     than two standard errors of the ratio (what the timings show, not a draw of their noise);
     where points were timed again after the grid, how many of them stayed under each bar."""
-    best_below, best_beyond = under_in(rows, "resolved_over_best", BAR_BEST)
-    peer_below, peer_beyond = under_in(rows, "resolved_over_peer", BAR_PEER)
+    best_below, best_beyond = under_in(rows, _best_ratio, BAR_BEST)
+    peer_below, peer_beyond = under_in(rows, _peer_ratio, BAR_PEER)
     same = same_work(rows)
-    again = [r["confirm"] for r in rows if r.get("confirm")]
-    confirmed = {}
+    again = [r.confirm for r in rows if r.confirm is not None]
+    confirmed: dict[str, int] = {}
     if again:
-        best_again, best_again_beyond = under_in(again, "resolved_over_best", BAR_BEST)
-        peer_again, peer_again_beyond = under_in(again, "resolved_over_peer", BAR_PEER)
-        confirmed = {"confirmed_points": len(again),
-                     "confirmed_under_best_bar": len(best_again),
-                     "confirmed_under_best_bar_beyond_noise": len(best_again_beyond),
-                     "confirmed_under_peer": len(peer_again),
-                     "confirmed_under_peer_beyond_noise": len(peer_again_beyond)}
-    return {
-        "points": len(rows),
-        "min_resolved_over_best": min((r["resolved_over_best"] for r in rows if r["resolved_over_best"]), default=None),
-        "min_resolved_over_peer": min((r["resolved_over_peer"] for r in rows if r["resolved_over_peer"]), default=None),
-        "under_best_bar": len(best_below), "under_best_bar_beyond_noise": len(best_beyond),
-        "under_peer": len(peer_below), "under_peer_beyond_noise": len(peer_beyond),
-        "under_peer_same_route": sum(r["peer"]["same_route"] for r in peer_below),
-        "same_work_pairs": len(same), "same_work_min": min(same, default=None), "same_work_max": max(same, default=None),
+        best_again, best_again_beyond = under_in(again, _best_ratio, BAR_BEST)
+        peer_again, peer_again_beyond = under_in(again, _peer_ratio, BAR_PEER)
+        confirmed = dict(confirmed_points=len(again),
+                         confirmed_under_best_bar=len(best_again),
+                         confirmed_under_best_bar_beyond_noise=len(best_again_beyond),
+                         confirmed_under_peer=len(peer_again),
+                         confirmed_under_peer_beyond_noise=len(peer_again_beyond))
+    return Summary(
+        points=len(rows),
+        min_resolved_over_best=min((r.resolved_over_best for r in rows if r.resolved_over_best), default=None),
+        min_resolved_over_peer=min((r.resolved_over_peer for r in rows if r.resolved_over_peer), default=None),
+        under_best_bar=len(best_below), under_best_bar_beyond_noise=len(best_beyond),
+        under_peer=len(peer_below), under_peer_beyond_noise=len(peer_beyond),
+        under_peer_same_route=sum(bool(r.peer and r.peer.same_route) for r in peer_below),
+        same_work_pairs=len(same), same_work_min=min(same, default=None), same_work_max=max(same, default=None),
         **confirmed,
-    }
+    )
 
 
-def under_in(rows: Sequence[dict[str, Any]], key: str, bar: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The rows whose ``key`` ratio is under ``bar``, and those under it by more than two
-    standard errors (``key + "_se"``)."""
-    below = [r for r in rows if r.get(key) is not None and r[key] < bar]
-    return below, [r for r in below if r[key] + 2 * r[key + "_se"] < bar]
+R = TypeVar("R", bound=Ratios)
 
 
-def _suspect(row: dict[str, Any], best: bool = True) -> bool:
+def under_in(rows: Sequence[R], ratio: Callable[[R], tuple[Optional[float], Optional[float]]],
+             bar: float) -> tuple[list[R], list[R]]:
+    """The rows whose ``ratio`` (value, standard error) is under ``bar``, and those under it
+    by more than two standard errors."""
+    below = [r for r in rows if ratio(r)[0] is not None and ratio(r)[0] < bar]
+    return below, [r for r in below if ratio(r)[0] + 2 * (ratio(r)[1] or 0.0) < bar]
+
+
+def _suspect(row: BenchRow, best: bool = True) -> bool:
     """Whether a grid row is under a bar: the best candidate's (``best``), or the peer's
     where the peer takes another route (on its own route it is identical work)."""
-    peer = row["peer"]
-    under_peer = bool(peer and not peer["same_route"] and row["resolved_over_peer"] is not None
-                      and row["resolved_over_peer"] < BAR_PEER)
-    under_best = row["resolved_over_best"] is not None and row["resolved_over_best"] < BAR_BEST
+    peer = row.peer
+    under_peer = bool(peer and not peer.same_route and row.resolved_over_peer is not None
+                      and row.resolved_over_peer < BAR_PEER)
+    under_best = row.resolved_over_best is not None and row.resolved_over_best < BAR_BEST
     return under_peer or (best and under_best)
 
 
-def _passed(d: str, b: int, n: int, times: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+def _passed(d: str, b: int, n: int, times: dict[str, Any], out: BenchResult) -> dict[str, Any]:
     """``times`` less the contenders that failed a check at this point in any pass."""
-    failed = {f["route"] for f in out["failures"]
-              if f["direction"] == d and (f.get("block_bytes"), f.get("batch")) == (b, n)}
+    failed = {f.route for f in out.failures if f.direction == d and (f.block_bytes, f.batch) == (b, n)}
     return {k: t for k, t in times.items() if k not in failed}
 
 
-def _confirm(row: dict[str, Any], times: dict[str, list[list[float]]], passes: int) -> dict[str, Any]:
+def _confirm(row: BenchRow, times: dict[str, list[list[float]]], passes: int) -> Confirm:
     """A suspect point's ratios from its timings after the grid alone: resolved over the
     grid's best candidate, and over the peer where it was timed again."""
-    out: dict[str, Any] = {"passes": passes, "best": row["best"]}
-    for key, other in (("resolved_over_best", row["best"]), ("resolved_over_peer", "peer")):
-        ratio = _over(times, other)
-        out[key], out[key + "_se"] = ratio if ratio else (None, None)
-    return out
+    best, peer = _over(times, row.best), _over(times, "peer")
+    return Confirm(*(best or (None, None)), *(peer or (None, None)), passes=passes, best=row.best)
 
 
 def _over(times: dict[str, list[list[float]]], other: Optional[str]) -> Optional[tuple[float, float]]:
@@ -278,17 +280,17 @@ def _over(times: dict[str, list[list[float]]], other: Optional[str]) -> Optional
     return round(ratio, 4), round(se, 4)
 
 
-def same_work(rows: Sequence[dict[str, Any]]) -> list[float]:
+def same_work(rows: Sequence[BenchRow]) -> list[float]:
     """Resolved over a contender doing the very same work (the candidate bound to its
     route, or the peer on its own route), at every point that has one: 1.0 but for the
     noise, so their range is how far apart this run timed identical copies."""
     out = []
     for r in rows:
-        twin = r["candidates"].get(r["resolved"]["route"])
-        if twin and twin.get("resolved_over"):
-            out.append(twin["resolved_over"])
-        if r["peer"] and r["peer"]["same_route"] and r["resolved_over_peer"]:
-            out.append(r["resolved_over_peer"])
+        twin = r.candidates.get(r.resolved.route)
+        if twin and twin.resolved_over:
+            out.append(twin.resolved_over)
+        if r.peer and r.peer.same_route and r.resolved_over_peer:
+            out.append(r.resolved_over_peer)
     return out
 
 
@@ -303,7 +305,7 @@ def _contenders(d: str, block_bytes: int, n: int, cands: dict[str, tuple[Any, An
 
 
 def _time_point(d: str, pools: Pools, timer: Any, s: BenchSettings, batch: Batch,
-                contenders: list[tuple[str, Any]], passes: int, out: dict[str, Any]) -> dict[str, list[float]]:
+                contenders: list[tuple[str, Any]], passes: int, out: BenchResult) -> dict[str, list[float]]:
     """One of ``passes`` passes of one point: each contender's copy checked byte for byte
     into poisoned destinations (a failure is recorded and the contender left out), then all
     of them timed interleaved; seconds per call by contender."""
@@ -314,8 +316,7 @@ def _time_point(d: str, pools: Pools, timer: Any, s: BenchSettings, batch: Batch
             pools.verify(timer, call, batch)
             ok.append((key, call))
         except Exception as e:
-            out["failures"].append({"direction": d, "route": key, "block_bytes": batch.block_bytes, "batch": batch.n,
-                                    "error": f"{type(e).__name__}: {e}"})
+            out.failures.append(BenchFailure(d, key, f"{type(e).__name__}: {e}", batch.block_bytes, batch.n))
     if not ok:
         return {}
     calls = [c for _, c in ok]
@@ -325,7 +326,7 @@ def _time_point(d: str, pools: Pools, timer: Any, s: BenchSettings, batch: Batch
 
 
 def _row(d: str, batch: Batch, times: dict[str, list[list[float]]], cands: dict[str, tuple[Any, Any]],
-         resolved: Any, has_peer: bool, out: dict[str, Any]) -> dict[str, Any]:
+         resolved: Any, has_peer: bool, out: BenchResult) -> BenchRow:
     """A point's row from its contenders' timings over the passes (``batch``: its last draw).
     GB/s from each contender's own timings (:func:`~.timing.pooled`); every ratio to the
     resolved function from the rounds they were timed in together (:func:`~.timing.paired`),
@@ -337,24 +338,19 @@ def _row(d: str, batch: Batch, times: dict[str, list[list[float]]], cands: dict[
     for name, (fn, sms) in cands.items():
         if name in gbps:
             ratio = _over(times, name)
-            cand[name] = {"impl": fn.plan.forced, "gbps": gbps[name], "num_sms": sms,
-                          "resolved_over": ratio[0] if ratio else None, "resolved_over_se": ratio[1] if ratio else None}
-    rated = [k for k in cand if cand[k]["resolved_over"] is not None]
-    best = (min(rated, key=lambda k: cand[k]["resolved_over"]) if rated
-            else max(cand, key=lambda k: cand[k]["gbps"], default=None))
+            cand[name] = CandidateTiming(fn.plan.forced, gbps[name], sms, *(ratio or (None, None)))
+    rated = [k for k in cand if cand[k].resolved_over is not None]
+    best = (min(rated, key=lambda k: cand[k].resolved_over) if rated
+            else max(cand, key=lambda k: cand[k].gbps, default=None))
     route = _route_label(resolved, batch)
     peer_key = peer_route(d, block_bytes, n) if has_peer else None
-    over_best = (cand[best]["resolved_over"], cand[best]["resolved_over_se"]) if best in rated else None
-    over_peer = _over(times, "peer")
-    return {
-        "direction": d, "block_bytes": block_bytes, "batch": n,
-        "ceiling_gbps": out["ceiling_gbps"][d], "candidates": cand, "best": best,
-        "resolved": {"gbps": gbps.get("resolved"), "route": route},
-        "peer": {"gbps": gbps["peer"], "route": label(*peer_key), "same_route": label(*peer_key) == route}
+    over_best = (cand[best].resolved_over, cand[best].resolved_over_se) if best in rated else (None, None)
+    over_peer = _over(times, "peer") or (None, None)
+    return BenchRow(
+        *over_best, *over_peer,
+        direction=d, block_bytes=block_bytes, batch=n, ceiling_gbps=out.ceiling_gbps[d], candidates=cand, best=best,
+        resolved=ResolvedTiming(gbps.get("resolved"), route),
+        peer=PeerTiming(gbps["peer"], label(*peer_key), label(*peer_key) == route)
         if peer_key and "peer" in gbps else None,
-        "repeats": sum(map(len, times["resolved"])) if "resolved" in times else 0,
-        "resolved_over_best": over_best[0] if over_best else None,
-        "resolved_over_best_se": over_best[1] if over_best else None,
-        "resolved_over_peer": over_peer[0] if over_peer else None,
-        "resolved_over_peer_se": over_peer[1] if over_peer else None,
-    }
+        repeats=sum(map(len, times["resolved"])) if "resolved" in times else 0,
+    )

@@ -78,18 +78,18 @@ def run(args: argparse.Namespace) -> int:
         result = run_bench(args.device, settings, dirs, host=host, progress=progress)
     finally:
         progress.close()
-    print(f"kvswap bench on {dev.platform} device {dev.name!r} ({result['measured']})")
-    for d, cal in result["calibration"].items():
+    print(f"kvswap bench on {dev.platform} device {dev.name!r} ({result.measured})")
+    for d, cal in result.calibration.items():
         print(f"  {d} calibration: {cal.get('source')}")
-    print(f"  peer: {result['peer_policy']}")
+    print(f"  peer: {result.peer_policy}")
     print()
     print(bench_report(result))
-    for note in result["notes"]:
+    for note in result.notes:
         print(f"note: {note}")
-    for f in result["failures"]:
-        print(f"failed: {f}")
+    for f in result.failures:
+        print(f"failed: {f.describe()}")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1, default=str) + "\n")
+        args.json.write_text(json.dumps(result.to_dict(), indent=1, default=str) + "\n")
         print(f"results written to {args.json}")
     return 0

@@ -6,7 +6,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Optional
 
 from kvswap.cli import add_device, directions, non_negative
 from kvswap.errors import ConfigurationError
@@ -51,8 +51,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--interference", action="store_true",
                    help="also measure how much each route slows a bf16 GEMM running beside it (GPU only)")
     p.add_argument("--out", type=Path, metavar="FILE",
-                   help="write the profile here (default: the user data directory, where the resolver looks)")
+                   help="write the profile here (default: the user data directory, where the resolver looks); "
+                   "the raw measurements go beside it, to FILE's name with .measurements.json")
     p.add_argument("--plot", type=Path, metavar="FILE.png", help="write the plot here (default: next to the profile)")
+    p.add_argument("--strip", type=Path, nargs="+", metavar="PROFILE",
+                   help="measure nothing: move the raw measurements of existing profiles into a "
+                   ".measurements.json file beside each, leaving what the resolver reads (how the profiles "
+                   "shipped with kvswap are made)")
 
 
 def _check(args: argparse.Namespace) -> list[Direction]:
@@ -69,14 +74,42 @@ def _check(args: argparse.Namespace) -> list[Direction]:
     return dirs
 
 
+def duration(seconds: float) -> str:
+    """``seconds`` as a person reads a run's length: 0.42 s, 12.3 s, 4 min 05 s."""
+    if seconds < 10:
+        return f"{seconds:.2g} s" if seconds < 1 else f"{seconds:.1f} s"
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    return f"{int(seconds // 60)} min {int(seconds % 60):02d} s"
+
+
+def strip(paths: list[Path]) -> int:
+    from kvswap.profiles import ProfileError
+
+    from . import store
+
+    for path in paths:
+        before = path.stat().st_size if path.is_file() else 0
+        try:
+            _, raw = store.strip(path)
+        except ProfileError as e:
+            raise ConfigurationError(f"--strip {str(path)!r}: {e}") from None
+        where = f"raw measurements moved to {raw}" if raw else "it held no raw measurements"
+        print(f"{path}: {before // 1024} KiB -> {path.stat().st_size // 1024} KiB; {where}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.strip:
+        return strip(args.strip)
+    from kvswap import profiles
     from kvswap.lookup import find_calibration
     from kvswap.platform import detect
     from kvswap.plugins import plugin_host
 
     from . import fit, store
-    from .report import calibration_report
     from .progress import Progress
+    from .report import calibration_report
     from .sweep import Sweep, settings_for
 
     dirs = _check(args)
@@ -85,77 +118,99 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_for(dev, quick=args.quick, max_sms=args.max_sms, interference=args.interference,
                             knee_tolerance=args.knee_tolerance)
     prior = find_calibration(host, dev)  # what is in force now: carried over for what this run skips
-    path = Path(args.out) if args.out is not None else store.default_path(dev)
-
-    sweep = Sweep(args.device, settings, dirs, host=host)
-    if sweep.result.host_only:
-        measured = "host memory copies: no accelerator, so the host reference copied between two host buffers"
-        print(f"kvswap calibrate: no accelerator on {dev.name!r}; measuring HOST MEMORY COPIES "
-              "(host.reference), not a device link", file=sys.stderr)
-    else:
-        measured = f"{dev.platform} copies between pinned host memory and device memory"
-        print(f"kvswap calibrate: {dev.platform} device {dev.name!r} ({dev.compute_units} SMs, link {dev.link})",
-              file=sys.stderr)
-    print(f"  identity {dev.identity}; {'quick' if args.quick else 'full'} grid", file=sys.stderr)
+    path = Path(args.out) if args.out is not None else profiles.default_path(dev)
+    raw_path = store.measurements_path(path)
+    plot_path: Optional[Path] = Path(args.plot) if args.plot is not None else path.with_suffix(".png")
+    written: list[Path] = []
     t0 = time.monotonic()
-    for d, bounds in sweep.prepare().items():
-        names = dict.fromkeys(b.impl for b in bounds)
-        routes = [n + (f" at {[b.num_sms for b in bounds if b.impl == n]} SMs" if any(
-            b.impl == n and b.num_sms for b in bounds) else "") for n in names]
-        print(f"  {d}: measuring {'; '.join(routes) or 'nothing (no usable route)'}", file=sys.stderr)
-    sweep.progress = Progress.on_stderr("step")
     try:
-        result = sweep.run()
-    finally:
-        sweep.progress.close()
-    elapsed = time.monotonic() - t0
-    if not any(m.stage != "ceiling" for m in result.measurements):
-        for line in [*result.notes, *(f.describe() for f in result.failures)]:
-            print(f"kvswap calibrate: {line}", file=sys.stderr)
-        print("kvswap calibrate: error: no route could be measured; no profile written", file=sys.stderr)
-        return 1
-
-    doc: dict[str, Any] = store.make_document(
-        dev,
-        measured=measured,
-        timer=result.timer,
-        elapsed_s=round(elapsed, 1),
-        settings=settings.to_dict(),
-        directions=[str(d) for d in dirs],
-        measurements=[m.to_dict() for m in result.measurements],
-        failures=[f.to_dict() for f in result.failures],
-        interference=[r.to_dict() for r in result.interference],
-        notes=result.notes,
-        **fit.profile_fields(result.measurements, result.interference, dirs, prior, args.knee_tolerance),
-    )
-    store.save(doc, path)
-    plot_path = Path(args.plot) if args.plot is not None else path.with_suffix(".png")
-    try:
-        from .plot import plot_profile
-
-        plot_profile(doc, plot_path)
-    except ImportError as e:
-        plot_path = None
-        warnings.warn(f"no plot written: {e} (install kvswap[plot] for matplotlib)")
-
-    print(calibration_report(doc))
-    print()
-    for note in result.notes:
-        print(f"note: {note}")
-    if result.host_only:
-        print("measured: HOST MEMORY COPIES (no accelerator); these are not device link numbers")
-    print(f"profile for {dev.identity} written to {path} ({elapsed:.0f} s)")
-    if plot_path is not None:
-        print(f"plot written to {plot_path}")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        found = store.find(dev)
-    used = store.profile_path(found.source) if found is not None else None
-    if used is None or used.resolve() != path.resolve():
+        progress = Progress.on_stderr("step")
+        sweep = Sweep(args.device, settings, dirs, host=host, progress=progress)
+        if sweep.result.host_only:
+            measured = ("host memory copies (host reference): no accelerator, so the host reference copied "
+                        "between two host buffers; not a device calibration")
+            print(f"kvswap calibrate: no accelerator on {dev.name!r}; measuring HOST MEMORY COPIES "
+                  "(host.reference, the host reference), not a device link", file=sys.stderr)
+        else:
+            measured = f"{dev.platform} copies between pinned host memory and device memory"
+            print(f"kvswap calibrate: {dev.platform} device {dev.name!r} ({dev.compute_units} SMs, link {dev.link})",
+                  file=sys.stderr)
+        print(f"  identity {dev.identity}; {'quick' if args.quick else 'full'} grid", file=sys.stderr)
+        for d, bounds in sweep.bounds.items():
+            names = dict.fromkeys(b.impl for b in bounds)
+            routes = [n + (f" at {[b.num_sms for b in bounds if b.impl == n]} SMs" if any(
+                b.impl == n and b.num_sms for b in bounds) else "") for n in names]
+            print(f"  {d}: measuring {'; '.join(routes) or 'nothing (no usable route)'}", file=sys.stderr)
         try:
-            also = f", or copy it to {store.default_path(dev)}"
-        except ImportError:  # a --no-deps install without platformdirs has no user directory
-            also = ""
-        print(f"note: the resolver does not read this file for {dev.identity} (it reads {used or 'no profile'}); "
-              f"set {store.PROFILE_ENV}={path} to use it{also}")
-    return 0
+            result = sweep.run()
+        finally:
+            progress.close()
+        elapsed = time.monotonic() - t0
+        if not any(m.stage != "ceiling" for m in result.measurements):
+            for line in [*result.notes, *(f.describe() for f in result.failures)]:
+                print(f"kvswap calibrate: {line}", file=sys.stderr)
+            print("kvswap calibrate: error: no route could be measured; no profile written", file=sys.stderr)
+            return 1
+
+        fitted = fit.profile_fields(result.measurements, result.interference, dirs, prior, args.knee_tolerance)
+        doc = store.make_document(
+            dev, fitted,
+            measured=measured,
+            # the CPU platform's host copies, timed where there is no accelerator: explain()
+            # must not present them as a device calibration
+            host_reference=result.host_only and dev.platform == "cpu",
+            timer=result.timer,
+            elapsed_s=round(elapsed, 2),
+            settings=settings.to_dict(),
+            directions=[str(d) for d in dirs],
+            measurements=result.measurements,
+            failures=result.failures,
+            interference=result.interference,
+            notes=result.notes,
+        )
+        profile, raw = store.split(doc)
+        store.save(profile, path)
+        written.append(path)
+        store.save_measurements(raw, raw_path)
+        written.append(raw_path)
+        try:
+            from .plot import plot_profile
+
+            what = "host memory copies, host reference" if result.host_only else f"{dev.platform} copies"
+            plot_profile(fitted, plot_path, title=f"{dev.name} ({what})")
+            written.append(plot_path)
+        except ImportError as e:
+            plot_path = None
+            warnings.warn(f"no plot written: {e} (install kvswap[plot] for matplotlib)")
+        print(calibration_report(fitted, result.measurements, result.interference, result.failures))
+        print()
+        for note in result.notes:
+            print(f"note: {note}")
+        if result.host_only:
+            print("measured: HOST MEMORY COPIES (the host reference, no accelerator); these are not device link "
+                  "numbers, and explain() says so")
+        print(f"profile for {dev.identity} written to {path} (in {duration(elapsed)})")
+        print(f"raw measurements written to {raw_path}")
+        if plot_path is not None:
+            print(f"plot written to {plot_path}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            found = profiles.find(dev)
+        used = profiles.profile_path(found.source) if found is not None else None
+        if used is None or used.resolve() != path.resolve():
+            try:
+                also = f", or copy it to {profiles.default_path(dev)}"
+            except ImportError:  # a --no-deps install without platformdirs has no user directory
+                also = ""
+            print(f"note: the resolver does not read this file for {dev.identity} (it reads {used or 'no profile'}); "
+                  f"set {profiles.PROFILE_ENV}={path} to use it{also}")
+        return 0
+    except KeyboardInterrupt:
+        if not written:
+            print(f"kvswap calibrate: interrupted after {duration(time.monotonic() - t0)}; nothing was saved "
+                  f"({path} is as it was)", file=sys.stderr)
+        else:
+            print(f"kvswap calibrate: interrupted after saving the profile for {dev.identity} to {path}"
+                  + (f" (also written: {', '.join(map(str, written[1:]))})" if written[1:] else "")
+                  , file=sys.stderr)
+        return 130

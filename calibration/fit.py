@@ -1,78 +1,64 @@
 """Turn measurements into decisions: pure functions, no device, no I/O.
 
-Per direction:
+Per direction (:class:`~.decisions.Decision`):
 
 * **SM knee**: the fewest SMs at which the kernel stays within ``tolerance`` of its own
   peak (over every SM count measured), on the geometric mean of its fraction of that peak
-  over the block sizes where, at the peak, it beats the best batch route. A mean, not
-  every size: one noisy point, or the 1 KiB blocks that need many SMs, would otherwise
-  buy the whole range its SMs (seen on the H200: a knee of 48 SMs for a 3% shortfall at
-  one size). Fewer SMs leave more for compute (FACTS.md: a copy kernel on 8 SMs cost a
-  GEMM up to 57%), so nothing beyond the knee is worth taking.
+  over the block sizes where, at the peak, it beats the best batch route. A mean, not every
+  size, so that one noisy point, or the 1 KiB blocks that need many SMs, cannot buy the whole
+  range its SMs. Every SM a copy kernel holds is taken from compute (docs/design.md), so
+  nothing beyond the knee is worth taking.
 * **Route per block size**: the fastest of the batch routes and the kernel *at the knee*,
-  where the kernel must be faster by more than ``KERNEL_MARGIN`` (the resolver's rule:
-  ties, and near-ties, go to the route that takes no SMs). ``by_size`` says it for each
-  measured size;
-  ``routes`` for each of the resolver's block-size classes, ranked from the curves the
-  profile holds exactly as the resolver ranks them, so ``explain()`` shows what the fit
-  decided.
-* **Minimum batch**: the batch-size threshold under which the batch route is used
-  instead of the kernel, chosen to minimise the summed slowdown against the faster of
-  the two over the measured batch sizes; ties go to the larger threshold. A batch size
-  where the kernel wins by less than ``KERNEL_MARGIN`` and the timings' noise counts as
-  a tie. One noisy point cannot move it the way "first batch where the kernel won" would. It is fitted per
-  measured block size (``min_batch_by_size``, which the resolver interpolates: the
-  threshold moves with the block size by an order of magnitude) and over all of them
-  (``kernel_min_batch``, for readers that take one number).
-* **SM tiers by batch size**: the knee is fitted where the batch is large enough to fill
-  the link; a medium batch (the H200: 1-16 KiB blocks, 0.5-16 MiB per transfer) finishes
-  up to 30% sooner on more SMs. Per measured block size, over the batch sizes the kernel
-  is used for, a step function from batch size to SM count (``kernel_sms_by_batch``): the
-  fewest SMs the timings cannot tell from the fastest count measured at each batch size,
-  where one noisy batch size cannot open a tier of its own (see :func:`sms_by_batch`).
-* **The kernel's batch window where the batch route is the route**: the route per block
-  size is fitted at a large batch, where the batch route can win a block size whose small
-  batches a kernel on more SMs still copies sooner (the H100: 512 KiB blocks in batches of
-  1-64 took up to 1.6x as long on the batch route as on the kernel on 24 SMs). Per such
-  measured size, the batch sizes the kernel takes (:func:`kernel_window`, a tie going to
-  the batch route), with their SM tiers, and 0 SMs (the batch route) for the others: the
-  row ``[[1, 0], [4, 24], [181, 0]]`` gives batches of 4-180 to the kernel on 24 SMs. A
-  size where the kernel takes no batch gets ``[[1, 0]]``.
+  ranked by the resolver's rule (:mod:`kvswap.routing`: a kernel must be faster by more
+  than its margin; ties go to the route that takes no SMs). ``by_size`` says it for each
+  measured size; ``routes`` for each of the resolver's block-size classes, ranked from the
+  profile's curves as the resolver ranks them, so ``explain()`` shows what the fit decided.
+* **Minimum batch**: the batch-size threshold under which the batch route is used instead
+  of the kernel, chosen to minimise the summed slowdown against the faster of the two over
+  the measured batch sizes; ties go to the larger threshold. A kernel win within the margin
+  and the timings' noise counts as a tie, so one noisy point cannot move it the way "first
+  batch where the kernel won" would. Fitted per measured block size (``min_batch_by_size``,
+  which the resolver interpolates) and over all of them (``kernel_min_batch``).
+* **SM tiers by batch size**: the knee is fitted where the batch fills the link; a medium
+  batch can finish sooner on more SMs. Per measured block size, over the batch sizes the
+  kernel is used for, a step function from batch size to SM count (``kernel_sms_by_batch``):
+  the fewest SMs the timings cannot tell from the fastest count at each batch size, where
+  one noisy batch size cannot open a tier of its own (:func:`sms_by_batch`).
+* **The kernel's batch window where the batch route is the route**: fitted at a large
+  batch, the batch route can win a block size whose small batches a kernel on more SMs
+  still copies sooner. Per such size, the batch sizes the kernel takes
+  (:func:`kernel_window`, a tie going to the batch route), with their SM tiers, and 0 SMs
+  (the batch route) for the others: ``[[1, 0], [4, 24], [181, 0]]`` gives batches of 4-180
+  to the kernel on 24 SMs. A size where the kernel takes no batch gets ``[[1, 0]]``.
 """
 from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Any, Iterable, Optional
+from typing import Iterable, Optional
 
-from kvswap.routing import KERNEL_MARGIN, SIZE_CLASSES
-from kvswap.thresholds import Calibration, Curve
-from kvswap.types import Direction
+from kvswap import Calibration, Curve, Direction
 
+from kvswap import routing
+from .decisions import ClassRoute, Decision, Fitted, SizeRoute, Tiers
 from .records import BATCH, CEILING, SIZE, Interference, Measurement
 from .timing import standard_error
+
+KERNEL_MARGIN = routing.KERNEL_MARGIN
 
 # "Within a few % of peak": what the knee may give up for fewer SMs, on the geometric mean
 # over the kernel's block sizes (:func:`sm_knee`), so one size may fall further behind.
 TOLERANCE = 0.05
 
 # A batch-size tier takes the fewest SMs the timings cannot tell from the fastest count
-# measured there (their standard error), and gives up nothing more for fewer SMs. Tiers are
-# the throughput policy's (``Policy(prefer="low_interference")`` keeps the knee). A slack of
-# 1% (session 5) kept medium batches 1-1.5% behind the peer's kernel on 12 SMs; one of 0.5%
-# (sessions 6-8) kept the H100's host-to-device 8 KiB x 256 on 24 SMs, 3-5% behind 32 in
-# three benches, and device-to-host 8 KiB x 10000 on 16, 5% behind 24 when timed again.
-# Without a slack the shipped profiles resolve those on the faster count, and fewer points
-# under 0.97 x the best in two of the four H100 benches of sessions 7-8 (as many in the
-# other two and in both H200 benches), for 0.9-1.5 more SMs a call on average over the
-# bench's points (docs/results/session8/tier-slack.txt).
+# measured there (their standard error), with no slack beyond it: a slack of even 0.5% kept
+# medium batches on fewer SMs than a faster count the bench then measured 3-5% ahead.
+# Tiers are the throughput policy's (``Policy(prefer="low_interference")`` keeps the knee).
 #
 # A batch size whose fewest SMs differ from both neighbours' takes theirs when that count is
 # within TIER_NOISE of the fastest there: one tier for one batch size is more likely the
-# run-to-run noise of short calls than a feature. At 2%, this gave the H100 two points
-# 3.4-3.8% behind the best count in the bench (device->host 8 KiB x 64 on 6 SMs where 12 were
-# 1% behind 16; session 6): the slack now stays within a sixth of the bench's 3% bar, and the
-# timings' standard error still counts beside it.
+# run-to-run noise of short calls than a feature. Kept well within the bench's 3% bar
+# (:data:`~.bench.BAR_BEST`); the timings' standard error still counts beside it.
 TIER_NOISE = 0.005
 
 Key = tuple[str, str, Optional[int]]  # (impl, kind, num_sms)
@@ -123,62 +109,66 @@ def sm_knee(kernel: dict[int, dict[int, float]], sizes: Iterable[int], tolerance
     return counts[-1]
 
 
-def choose_routes(table: dict[Key, dict[int, float]], knee: Optional[int]) -> list[dict[str, Any]]:
-    """The route per measured block size: batch routes and kernels bound at ``knee``."""
+def choose_routes(table: dict[Key, dict[int, float]], knee: Optional[int]) -> list[SizeRoute]:
+    """The route per measured block size: batch routes and kernels bound at ``knee``,
+    ranked by the resolver's rule."""
     sizes = sorted({b for row in table.values() for b in row})
     out = []
     for b in sizes:
-        rows = [
-            (-(g / (1.0 + KERNEL_MARGIN) if kind == "kernel" else g), kind == "kernel", impl, kind, sms, g)
-            for (impl, kind, sms), row in table.items()
-            if (g := row.get(b)) is not None and (kind == "batch" or (kind == "kernel" and sms == knee))
-        ]
-        if not rows:
-            continue
-        _, _, impl, kind, sms, g = min(rows)
-        out.append({"block_bytes": b, "impl": impl, "kind": kind, "num_sms": sms, "gbps": round(g, 3)})
+        options = [(impl, kind, sms, g) for (impl, kind, sms), row in table.items()
+                   if (g := row.get(b)) is not None and (kind == "batch" or (kind == "kernel" and sms == knee))]
+        if options:
+            impl, kind, sms, g = best(options)
+            out.append(SizeRoute(b, impl, kind, sms, round(g, 3)))
     return out
 
 
-def resolver_routes(curve_docs: list[dict[str, Any]], direction: str, knee: Optional[int]) -> list[dict[str, Any]]:
-    """The route per block-size class exactly as the resolver will rank ``curve_docs``
-    (its classes, its representative size per class, its interpolation, its tie-break:
-    no SMs first, then the name), kernels at ``knee`` SMs; runs of one route merged."""
-    mine = [c for c in curve_docs if c["direction"] == direction]
+Option = tuple[str, str, Optional[int], float]  # (impl, kind, num_sms, GB/s)
+
+
+def best(options: Iterable[Option]) -> Option:
+    """The route the resolver's rule (:func:`kvswap.routing.rank_key`) ranks first."""
+    return min(options, key=lambda o: routing.rank_key(o[3], o[1] == "kernel", o[0]))
+
+
+def resolver_routes(curves: list[Curve], direction: str, knee: Optional[int]) -> list[ClassRoute]:
+    """The route per block-size class as the resolver ranks ``curves`` (its classes, its
+    representative size per class, its interpolation, its rule), kernels at ``knee`` SMs;
+    runs of one route merged."""
+    mine = [c for c in curves if str(c.direction) == direction]
     if not mine:
         return []
-    cal = Calibration(source="fit", platform="*", curves=tuple(
-        Curve(c["impl"], direction, tuple(map(tuple, c["points"])), c.get("num_sms")) for c in mine))
-    routes = {(c["impl"], "kernel" if c.get("num_sms") else "batch") for c in mine}
-    out: list[dict[str, Any]] = []
-    for lo, hi, rep in SIZE_CLASSES:
-        ranked = []
+    d = Direction.parse(direction)
+    cal = Calibration(source="fit", platform="*", curves=tuple(mine))
+    routes = sorted({(c.impl, "kernel" if c.num_sms else "batch") for c in mine})
+    out: list[ClassRoute] = []
+    for lo, hi, rep in routing.SIZE_CLASSES:
+        options = []
         for impl, kind in routes:
             sms = knee if kind == "kernel" else None
             if kind == "kernel" and not knee:
                 continue
-            g = cal.predict(impl, kind, Direction.parse(direction), rep, sms)
+            g = cal.predict(impl, kind, d, rep, sms)
             if g is not None:
-                rank = g / (1.0 + KERNEL_MARGIN) if kind == "kernel" else g
-                ranked.append((-rank, kind == "kernel", impl, kind, sms))
-        if not ranked:
+                options.append((impl, kind, sms, g))
+        if not options:
             continue
-        _, _, impl, kind, sms = min(ranked)
-        if out and (out[-1]["impl"], out[-1]["num_sms"]) == (impl, sms):
-            out[-1]["max_bytes"] = hi
+        impl, kind, sms, _ = best(options)
+        if out and (out[-1].impl, out[-1].num_sms) == (impl, sms):
+            out[-1] = ClassRoute(out[-1].min_bytes, hi, impl, kind, sms)
         else:
-            out.append({"min_bytes": lo, "max_bytes": hi, "impl": impl, "kind": kind, "num_sms": sms})
+            out.append(ClassRoute(lo, hi, impl, kind, sms))
     return out
 
 
-def crossover(routes: list[dict[str, Any]]) -> Optional[int]:
+def crossover(routes: list[ClassRoute]) -> Optional[int]:
     """The smallest block size from which a batch route is used at every larger size,
     when a kernel is used below it; None when one kind is used throughout."""
-    kinds = [r["kind"] for r in routes]
+    kinds = [r.kind for r in routes]
     if "kernel" not in kinds or kinds[-1] == "kernel":
         return None
     last_kernel = max(i for i, k in enumerate(kinds) if k == "kernel")
-    return routes[last_kernel + 1]["min_bytes"]
+    return routes[last_kernel + 1].min_bytes
 
 
 def min_batch(points: Iterable[tuple[int, int, float, float]]) -> Optional[int]:
@@ -209,8 +199,8 @@ def batch_points(ms: Iterable[Measurement], direction: str) -> list[tuple[int, i
     each kind, the kernel's taken as the batch route's where it wins by no more than
     ``KERNEL_MARGIN`` (the resolver's, for block sizes) and twice the standard error of
     the two timings: a closer call is a tie, which :func:`min_batch` gives to the route
-    that takes no SMs. Tiny batches are all host work (10-20 us), and their order moved by
-    up to 5% between two runs on the H200."""
+    that takes no SMs. Tiny batches are all host work (10-20 us), whose order can move by a
+    few % from one run to the next."""
     kern: dict[tuple[int, int], Timed] = {}
     dma: dict[tuple[int, int], Timed] = {}
     for m in ms:
@@ -319,12 +309,11 @@ def sms_by_batch(times: dict[int, dict[int, Timed]], floor: int = 1) -> list[lis
     return tiers
 
 
-def fit_direction(ms: list[Measurement], direction: str, tolerance: float = TOLERANCE) -> dict[str, Any]:
+def fit_direction(ms: list[Measurement], direction: str, tolerance: float = TOLERANCE) -> Decision:
     """Everything decided for one direction from its measurements (see the module doc)."""
     table = size_table(ms, direction)
     kernel = _kernel_by_sms(table)
     batch = _best_batch(table)
-    out: dict[str, Any] = {"knee_tolerance": tolerance}
     knee = peak_sms = None
     if kernel:
         sizes = sorted({b for row in kernel.values() for b in row})
@@ -334,27 +323,24 @@ def fit_direction(ms: list[Measurement], direction: str, tolerance: float = TOLE
         peak_sms = max(kernel, key=lambda k: (sum(kernel[k].get(b, 0.0) for b in winning or sizes), -k))
     by_size = choose_routes(table, knee)
     routes = resolver_routes(curves(m for m in ms if m.direction == direction), direction, knee)
-    uses_kernel = [r for r in by_size if r["kind"] == "kernel"]
-    out.update(
+    uses_kernel = [r for r in by_size if r.kind == "kernel"]
+    out = Decision(
+        knee_tolerance=tolerance,
         by_size=by_size,
         routes=routes,
         crossover_bytes=crossover(routes),
-        kernel_impl=max(
-            {r["impl"] for r in uses_kernel}, key=lambda i: sum(r["impl"] == i for r in uses_kernel), default=None
-        ),
+        kernel_impl=max({r.impl for r in uses_kernel}, key=lambda i: sum(r.impl == i for r in uses_kernel),
+                        default=None),
         kernel_sms=knee,
         kernel_peak_sms=peak_sms,
-        kernel_min_batch=None,
-        min_batch_by_size=[],
-        kernel_sms_by_batch=[],
     )
     points = batch_points(ms, direction)
-    kernel_sizes = {r["block_bytes"] for r in uses_kernel}
+    kernel_sizes = {r.block_bytes for r in uses_kernel}
     if uses_kernel:
-        out["kernel_min_batch"] = min_batch(p for p in points if p[0] in kernel_sizes)
+        out.kernel_min_batch = min_batch(p for p in points if p[0] in kernel_sizes)
         for b in sorted({p[0] for p in points} & kernel_sizes):
-            out["min_batch_by_size"].append([b, min_batch(p for p in points if p[0] == b)])
-    kernel_from = dict(out["min_batch_by_size"])
+            out.min_batch_by_size.append([b, min_batch(p for p in points if p[0] == b)])
+    kernel_from = dict(out.min_batch_by_size)
     for b, rows in sorted(kernel_batch_times(ms, direction).items()):
         if b in kernel_sizes:
             used = {n: row for n, row in rows.items() if n >= kernel_from.get(b, 1)}
@@ -365,18 +351,18 @@ def fit_direction(ms: list[Measurement], direction: str, tolerance: float = TOLE
             inside = {n: row for n, row in rows.items() if window and window[0] <= n <= window[1]}
             tiers = window_tiers(sorted(p[1] for p in mine), window, sms_by_batch(inside, knee or 1))
         if tiers:
-            out["kernel_sms_by_batch"].append([b, tiers])
+            out.kernel_sms_by_batch.append([b, tiers])
     return out
 
 
-def curves(ms: Iterable[Measurement]) -> list[dict[str, Any]]:
+def curves(ms: Iterable[Measurement]) -> list[Curve]:
     """The profile's curves: GB/s against block size per route (and SM count), size sweep."""
     rows: dict[tuple[str, str, Optional[int]], dict[int, float]] = defaultdict(dict)
     for m in ms:
         if m.stage == SIZE:
             rows[(m.direction, m.impl, m.num_sms)][m.block_bytes] = m.gbps
     return [
-        {"impl": impl, "direction": d, "num_sms": sms, "points": [[b, round(g, 3)] for b, g in sorted(pts.items())]}
+        Curve(impl, Direction.parse(d), tuple((b, round(g, 3)) for b, g in sorted(pts.items())), sms)
         for (d, impl, sms), pts in sorted(rows.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0))
     ]
 
@@ -389,7 +375,7 @@ def ceilings(ms: Iterable[Measurement]) -> dict[str, float]:
     return out
 
 
-def slowdown(records: Iterable[Interference], decisions: dict[str, dict[str, Any]]) -> dict[str, float]:
+def slowdown(records: Iterable[Interference], decisions: dict[str, Decision]) -> dict[str, float]:
     """Slowdown per impl, and per kind, as the resolver reads them: a kernel at the SM
     count the resolver binds it with (the knee), a batch route as measured; the worse
     direction counts (the resolver has one number per impl)."""
@@ -397,12 +383,24 @@ def slowdown(records: Iterable[Interference], decisions: dict[str, dict[str, Any
     for r in records:
         if r.kind not in ("batch", "kernel"):
             continue
-        if r.kind == "kernel" and r.num_sms != decisions.get(r.direction, {}).get("kernel_sms"):
+        dec = decisions.get(r.direction)
+        if r.kind == "kernel" and r.num_sms != (dec.kernel_sms if dec else None):
             continue
         v = min(max(r.slowdown, 0.0), 0.99)
         for key in (r.impl, r.kind):
             out[key] = round(max(v, out.get(key, 0.0)), 4)
     return out
+
+
+def carried(prior: Calibration, direction: str) -> Decision:
+    """What ``prior`` decided for ``direction``, for a run that did not measure it."""
+    return Decision(
+        carried_from=prior.source,
+        kernel_sms=prior.kernel_sms.get(direction),
+        kernel_min_batch=prior.kernel_min_batch.get(direction),
+        min_batch_by_size=[list(p) for p in prior.min_batch_by_size.get(direction, ())],
+        kernel_sms_by_batch=[[b, [list(t) for t in tiers]] for b, tiers in prior.kernel_sms_by_batch.get(direction, ())],
+    )
 
 
 def profile_fields(
@@ -411,7 +409,7 @@ def profile_fields(
     directions: Iterable[str],
     prior: Optional[Calibration] = None,
     tolerance: float = TOLERANCE,
-) -> dict[str, Any]:
+) -> Fitted:
     """``curves``, ``decisions``, ``ceiling_gbps`` and ``slowdown`` of a profile.
 
     Directions not measured in this run, and the slowdown when interference was not
@@ -422,31 +420,19 @@ def profile_fields(
     decisions = {d: fit_direction(ms, d, tolerance) for d in measured}
     out_curves = curves(ms)
     ceiling = ceilings(ms)
-    fields: dict[str, Any] = {}
     if prior is not None:
-        carried = {str(c.direction) for c in prior.curves} | set(prior.kernel_sms)
-        for d in (str(x) for x in Direction if x.crosses_host or str(x) in carried):
+        known = {str(c.direction) for c in prior.curves} | set(prior.kernel_sms)
+        for d in (str(x) for x in Direction if x.crosses_host or str(x) in known):
             if d in decisions:
                 continue
-            out_curves += [
-                {"impl": c.impl, "direction": d, "num_sms": c.num_sms, "points": [list(p) for p in c.points]}
-                for c in prior.curves if str(c.direction) == d
-            ]
-            decisions[d] = {
-                "carried_from": prior.source,
-                "kernel_sms": prior.kernel_sms.get(d),
-                "kernel_min_batch": prior.kernel_min_batch.get(d),
-                "min_batch_by_size": [list(p) for p in prior.min_batch_by_size.get(d, ())],
-                "kernel_sms_by_batch": [[b, [list(t) for t in tiers]] for b, tiers in prior.kernel_sms_by_batch.get(d, ())],
-            }
+            out_curves += [c for c in prior.curves if str(c.direction) == d]
+            decisions[d] = carried(prior, d)
             if d in prior.ceiling_gbps:
                 ceiling[d] = prior.ceiling_gbps[d]
-    measured_slowdown = slowdown(records, decisions)
     if records:
-        fields["slowdown_source"] = "measured beside a reference GEMM in this run"
-        fields["slowdown"] = measured_slowdown
+        source, slow = "measured beside a reference GEMM in this run", slowdown(records, decisions)
     else:
-        fields["slowdown_source"] = f"not measured (run with --interference); carried from {prior.source}" if prior else "not measured"
-        fields["slowdown"] = dict(prior.slowdown) if prior else {}
-    fields.update(curves=out_curves, decisions=decisions, ceiling_gbps=ceiling)
-    return fields
+        source = f"not measured (run with --interference); carried from {prior.source}" if prior else "not measured"
+        slow = dict(prior.slowdown) if prior else {}
+    return Fitted(curves=out_curves, decisions=decisions, ceiling_gbps=ceiling, slowdown=slow,
+                  slowdown_source=source)

@@ -1,8 +1,7 @@
 """How much compute a route costs: a reference GEMM stream timed alone and beside copies.
 
 A copy kernel's SMs are not free, and even the copy engine competes for memory bandwidth
-(FACTS.md: beside a bf16 4096^3 GEMM on the H200, contiguous DMA cost ~8%, a copy kernel on
-8 SMs 26-57%). For each route this times a window of GEMMs alone, then the same window
+(docs/design.md). For each route this times a window of GEMMs alone, then the same window
 while the route copies 16 KiB blocks on another stream, and records the fraction of GEMM
 throughput lost. Both streams are held behind a short sleep kernel until everything is
 enqueued, so they start together; a run in which the copies end before the GEMMs is
@@ -11,42 +10,42 @@ repeated with more copies, and flagged if it still is not covered.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
-from kvswap.types import Direction
+from kvswap import Direction
 
+from .binding import Bound, Failures
+from .progress import Progress
 from .records import Interference
 from .timing import median
-
-if TYPE_CHECKING:
-    from .sweep import Bound, Sweep
+from .workload import Pools
 
 KiB = 1024
-GEMM_N = 4096  # bf16 4096^3: the reference FACTS.md's interference numbers were taken with
-BLOCK = 16 * KiB  # the block size FACTS.md measured interference at
+GEMM_N = 4096  # the reference: a bf16 4096^3 GEMM, large enough to keep every SM busy
+BLOCK = 16 * KiB  # a typical KV-cache block
 WINDOW_S = 0.02  # GEMM window per measurement
 COVER = 3.0  # copies enqueued for COVER x the GEMM window alone: tolerates a 3x slowdown
 GATE_CYCLES = 200_000_000  # ~0.1 s at 2 GHz: time to enqueue both streams before either runs
 ROUNDS = 3
 
 
-def measure_interference(sweep: Sweep, direction: Direction, bounds: Sequence[Bound],
-                         on_each: Callable[[], None] = lambda: None) -> list[Interference]:
-    """One :class:`Interference` per route in ``bounds`` (and the contiguous copy)."""
+def measure_interference(pools: Pools, timer: Any, direction: Direction, bounds: Sequence[Bound], *,
+                         max_batch: int, seed: int, failures: Failures, progress: Progress) -> list[Interference]:
+    """One :class:`Interference` per route in ``bounds`` (and the contiguous copy), each
+    copying up to ``max_batch`` blocks of ``BLOCK`` from ``pools`` on ``timer``'s stream
+    (a :class:`~.timing.DeviceTimer`); a route that fails goes to ``failures``."""
     import torch
 
-    pools, timer, dev = sweep.pools, sweep.timer, sweep.dev
-    assert pools is not None
-    n = min(sweep.settings.max_batch, pools.slots(BLOCK))
+    n = min(max_batch, pools.slots(BLOCK))
     batch = pools.batch(direction, BLOCK, n)
     contenders: list[tuple[str, str, Optional[int], Any]] = [
         ("contiguous", "ceiling", None, pools.contiguous(direction, batch.nbytes))
-    ] + [(b.impl, b.kind, b.num_sms, sweep.call_of(b, batch)) for b in bounds if b.accepts(BLOCK)]
-    sweep.progress.add(len(contenders))
+    ] + [(b.impl, b.kind, b.num_sms, b.call(batch.src, batch.dst, batch.sizes)) for b in bounds if b.accepts(BLOCK)]
+    progress.add(len(contenders))
 
     index = timer.index
-    where = torch.device(dev.torch_device)
-    gen = torch.Generator(device=where).manual_seed(sweep.settings.seed)
+    where = torch.device(pools.device.torch_device)
+    gen = torch.Generator(device=where).manual_seed(seed)
     a = torch.randn(GEMM_N, GEMM_N, device=where, dtype=torch.bfloat16, generator=gen)
     b = torch.randn(GEMM_N, GEMM_N, device=where, dtype=torch.bfloat16, generator=gen)
     out = torch.empty_like(a)
@@ -117,6 +116,6 @@ def measure_interference(sweep: Sweep, direction: Direction, bounds: Sequence[Bo
                     covered=covered,
                 ))
             except Exception as e:
-                sweep._fail(direction, impl, sms, BLOCK, e)
-            on_each()
+                failures.add(direction, impl, sms, BLOCK, e)
+            progress.step(f"{direction} interference")
     return records

@@ -8,33 +8,29 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .records import SIZE, Measurement
+from .decisions import Fitted
 
 
 def _label(b: int) -> str:
     return f"{b // 1024}K" if b % 1024 == 0 else f"{b / 1024:g}K"
 
 
-def plot_profile(doc: dict[str, Any], path: Path) -> Path:
-    """Write ``path`` (PNG): one panel per direction; each batch route a line, the kernel
-    one line per SM count (darker = more SMs), the ceiling dashed, the chosen route
-    highlighted and the kernel/batch crossover marked."""
+def plot_profile(fitted: Fitted, path: Path, title: str = "") -> Path:
+    """Write ``path`` (PNG) from a profile's curves and decisions: one panel per direction;
+    each batch route a line, the kernel one line per SM count (darker = more SMs), the
+    ceiling dashed, the chosen route highlighted and the kernel/batch crossover marked."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
-    ms = [Measurement.from_dict(m) for m in doc.get("measurements", [])]
-    decisions = doc.get("decisions", {})
-    directions = [d for d in ("h2d", "d2h") if any(m.direction == d and m.stage == SIZE for m in ms)]
+    directions = [d for d, dec in fitted.decisions.items() if dec.carried_from is None and fitted.curves_of(d)]
     directions = directions or ["h2d"]
     fig, axes = plt.subplots(1, len(directions), figsize=(7.5 * len(directions), 5.2), squeeze=False)
     cmap = plt.get_cmap("viridis")
     for ax, d in zip(axes[0], directions):
-        rows: dict[tuple[str, str, Any], dict[int, float]] = {}
-        for m in ms:
-            if m.direction == d and m.stage == SIZE:
-                rows.setdefault((m.impl, m.kind, m.num_sms), {})[m.block_bytes] = m.gbps
+        rows: dict[tuple[str, str, Any], dict[int, float]] = {
+            (c.impl, "kernel" if c.num_sms else "batch", c.num_sms): dict(c.points) for c in fitted.curves_of(d)}
         kernel_sms = sorted({k[2] for k in rows if k[1] == "kernel" and k[2]})
         for (impl, kind, sms), pts in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2] or 0)):
             xs = sorted(pts)
@@ -43,15 +39,15 @@ def plot_profile(doc: dict[str, Any], path: Path) -> Path:
                 ax.plot(xs, [pts[x] for x in xs], "-o", ms=3, lw=1.2, color=cmap(1 - shade), label=f"{impl} {sms} SMs")
             else:
                 ax.plot(xs, [pts[x] for x in xs], "-s", ms=4, lw=2, label=impl)
-        dec = decisions.get(d, {})
-        chosen = dec.get("by_size", [])
+        dec = fitted.decisions.get(d)
+        chosen = dec.by_size if dec else []
         if chosen:
-            ax.plot([r["block_bytes"] for r in chosen], [r["gbps"] for r in chosen], "-", lw=7, alpha=0.22,
+            ax.plot([r.block_bytes for r in chosen], [r.gbps for r in chosen], "-", lw=7, alpha=0.22,
                     color="tab:red", label="chosen route", zorder=0)
-        ceiling = doc.get("ceiling_gbps", {}).get(d)
+        ceiling = fitted.ceiling_gbps.get(d)
         if ceiling:
             ax.axhline(ceiling, ls="--", color="black", lw=1, label=f"contiguous ceiling {ceiling:.1f} GB/s")
-        cross = dec.get("crossover_bytes")
+        cross = dec.crossover_bytes if dec else None
         if cross:
             ax.axvline(cross, ls=":", color="tab:red", lw=1.5)
             ax.annotate(f"batch from {_label(cross)}", (cross, ax.get_ylim()[1] * 0.95), rotation=90,
@@ -63,14 +59,13 @@ def plot_profile(doc: dict[str, Any], path: Path) -> Path:
             ax.set_xticklabels([_label(b) for b in sizes], rotation=90, fontsize=7)
         ax.set_xlabel("block size (bytes)")
         ax.set_ylabel("GB/s")
-        knee = dec.get("kernel_sms")
+        knee = dec.kernel_sms if dec else None
         sub = f", kernel knee {knee} SMs" if knee else ""
-        sub += f", kernel from batch {dec['kernel_min_batch']}" if dec.get("kernel_min_batch") else ""
+        sub += f", kernel from batch {dec.kernel_min_batch}" if dec and dec.kernel_min_batch else ""
         ax.set_title(f"{d}{sub}", fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7, loc="lower right")
-    device = doc.get("device", {})
-    fig.suptitle(f"kvswap calibration: {device.get('name', '?')} ({doc.get('measured', '')})", fontsize=11)
+    fig.suptitle(f"kvswap calibration: {title}" if title else "kvswap calibration", fontsize=11)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,76 +1,53 @@
-"""Calibration profiles on disk: writing them (reading and lookup are :mod:`kvswap.profiles`).
+"""Writing calibration profiles: versioned JSON keyed by device identity.
 
-A profile document (schema ``kvswap.profile/1``) holds: ``schema``, ``kvswap_version``,
-``identity``, ``device`` (the full DeviceInfo), ``created``, ``measured`` (what was timed,
-in words), ``settings``, ``ceiling_gbps``, ``measurements`` (raw timings), ``failures``,
-``curves``, ``decisions`` (per direction: routes, ``kernel_sms``, ``kernel_min_batch``,
-``min_batch_by_size``, ``kernel_sms_by_batch``, crossover), ``slowdown`` and ``interference``. :func:`to_calibration` is what the resolver
-reads of it.
+Reading and finding them is :mod:`kvswap.profiles` (the resolver's); this module writes what
+it reads. A profile document (schema ``kvswap.profile/1``) holds: ``schema``,
+``kvswap_version``, ``identity``, ``device`` (the full DeviceInfo), ``created``, ``measured``
+(what was timed, in words), ``host_reference`` (true where the host reference's host memory
+copies were timed, on a machine without an accelerator: not a device calibration),
+``settings``, ``directions``, ``failures``, ``notes``, and the fitted fields
+(:class:`~.decisions.Fitted`): ``curves``, ``decisions`` (per direction: routes,
+``kernel_sms``, ``kernel_min_batch``, ``min_batch_by_size``, ``kernel_sms_by_batch``,
+crossover), ``ceiling_gbps``, ``slowdown`` and ``slowdown_source``.
+
+The raw rows a profile was fitted from (every timing, every interference record) are kept
+apart, in an optional ``<profile stem>.measurements.json`` beside it (:func:`split`), so a
+profile holds what the resolver reads and stays small; the profiles shipped with kvswap come
+without theirs (``kvswap calibrate --strip``).
 """
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
-from kvswap import profiles
-from kvswap.profiles import (  # noqa: F401  (reading is core's; re-exported for calibration's callers)
-    PROFILE_ENV,
-    SCHEMA,
-    ProfileError,
-    candidates,
-    default_path,
-    is_shipped,
-    load,
-    profile_name,
-    profile_path,
-    read,
-    shipped_dir,
-    source_of,
-    to_calibration,
-    user_dir,
-)
-from kvswap.thresholds import Calibration
-from kvswap.types import DeviceInfo
+from kvswap import Curve, DeviceInfo
+from kvswap.profiles import SCHEMA, ProfileError, to_calibration
 
-SHIPPED = shipped_dir()
+from .decisions import Fitted, curve_to_dict
+from .records import Interference, Measurement
 
 
-# While `kvswap calibrate` measures, it must bind kernels at exact SM counts and must not
-# be steered by the profile it is about to replace; an override stands in for find().
-_NO_PROFILE = object()
-_overrides: list[Any] = []
+def _plain(value: Any) -> Any:
+    """``value`` as JSON holds it: dataclasses of this package by their ``to_dict()``."""
+    if isinstance(value, Curve):
+        return curve_to_dict(value)
+    if hasattr(value, "to_dict"):
+        return value.to_dict()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
-@contextlib.contextmanager
-def override(calibration: Optional[Calibration]) -> Iterator[None]:
-    """Inside the block, :func:`find` answers ``calibration`` (None: no profile at all,
-    so the resolver falls back to backend defaults) instead of reading files."""
-    _overrides.append(_NO_PROFILE if calibration is None else calibration)
-    try:
-        yield
-    finally:
-        _overrides.pop()
-
-
-def find(device: DeviceInfo) -> Optional[Calibration]:
-    """The measured calibration for ``device``, or None (:func:`kvswap.profiles.find`)."""
-    if _overrides:
-        top = _overrides[-1]
-        if top is _NO_PROFILE:
-            return None
-        if top.identity in (None, device.identity):
-            return top
-    return profiles.find(device)
-
-
-def make_document(device: DeviceInfo, **fields: Any) -> dict[str, Any]:
-    """A profile document for ``device``: schema, version, identity, device, time, then ``fields``."""
+def make_document(device: DeviceInfo, fitted: Optional[Fitted] = None, **fields: Any) -> dict[str, Any]:
+    """A profile document for ``device``: schema, version, identity, device, time, then the
+    ``fitted`` fields and ``fields`` (dataclasses written as their ``to_dict()``)."""
     from kvswap import __version__
 
     # DeviceInfo.details is free-form plugin data: keep what JSON can hold, as text otherwise.
@@ -82,8 +59,46 @@ def make_document(device: DeviceInfo, **fields: Any) -> dict[str, Any]:
         "device": described,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    doc.update(fields)
+    if fitted is not None:
+        doc.update(fitted.to_dict())
+    doc.update({k: _plain(v) for k, v in fields.items()})
     return doc
+
+
+# A profile holds what the resolver reads and how it was measured, in words; the raw rows
+# it was fitted from (every timing, every interference record) go to a file of their own
+# beside it, which is optional and never shipped: ``<profile stem>.measurements.json``.
+MEASUREMENTS_SCHEMA = "kvswap.measurements/1"
+RAW_FIELDS = ("measurements", "interference")
+
+
+def measurements_path(profile: Path) -> Path:
+    """Where the raw measurements of the profile at ``profile`` are written."""
+    profile = Path(profile)
+    return profile.with_name(f"{profile.stem}.measurements.json")
+
+
+def split(doc: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``doc`` as a profile without its raw rows, and those rows as a measurements document."""
+    profile = {k: v for k, v in doc.items() if k not in RAW_FIELDS}
+    raw = {"schema": MEASUREMENTS_SCHEMA, "identity": doc.get("identity"), "created": doc.get("created"),
+           **{k: doc.get(k, []) for k in RAW_FIELDS}}
+    return profile, raw
+
+
+def read_measurements(path: Path) -> tuple[list[Measurement], list[Interference]]:
+    """The raw rows of a measurements file (:func:`split`)."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ProfileError(f"cannot be read as JSON: {e}") from e
+    if not isinstance(doc, dict) or doc.get("schema") != MEASUREMENTS_SCHEMA:
+        raise ProfileError(f"is not a {MEASUREMENTS_SCHEMA} file")
+    try:
+        return ([Measurement.from_dict(m) for m in doc.get("measurements", [])],
+                [Interference.from_dict(r) for r in doc.get("interference", [])])
+    except (KeyError, TypeError) as e:
+        raise ProfileError(f"{type(e).__name__}: {e}") from e
 
 
 _FLAT_LIST = re.compile(r"\[\s+([^\[\]{}\"]*?)\s+\]")
@@ -96,12 +111,10 @@ def dumps(doc: dict[str, Any]) -> str:
     return _FLAT_LIST.sub(lambda m: "[" + re.sub(r"\s*\n\s*", " ", m.group(1)) + "]", text) + "\n"
 
 
-def save(doc: dict[str, Any], path: Path) -> Path:
-    """Write ``doc`` atomically (temporary file in the same folder, then rename)."""
-    to_calibration(doc, str(path))  # refuse to write what could not be read back
+def write(text: str, path: Path) -> Path:
+    """Write ``text`` to ``path`` atomically (a temporary file in the same folder, then a rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = dumps(doc)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         os.fchmod(fd, 0o644)  # a profile is meant to be read and shared, unlike mkstemp's 0600
@@ -112,3 +125,32 @@ def save(doc: dict[str, Any], path: Path) -> Path:
         os.unlink(tmp)
         raise
     return path
+
+
+def save(doc: dict[str, Any], path: Path) -> Path:
+    """Write the profile ``doc`` to ``path`` atomically, refusing what could not be read back."""
+    to_calibration(doc, str(path))
+    return write(dumps(doc), path)
+
+
+def save_measurements(raw: dict[str, Any], path: Path) -> Path:
+    """Write a measurements document (:func:`split`) to ``path`` atomically."""
+    return write(json.dumps(raw, sort_keys=True, allow_nan=False) + "\n", path)
+
+
+def strip(path: Path) -> tuple[Path, Optional[Path]]:
+    """Rewrite the profile at ``path`` without its raw rows, which go to
+    :func:`measurements_path` beside it (None where it held none): how the shipped
+    profiles are made from a calibration's output. What the resolver reads is unchanged."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ProfileError(f"{path} cannot be read as JSON: {e}") from e
+    profile, raw = split(doc)
+    to_calibration(profile, str(path))
+    out = None
+    if any(raw[k] for k in RAW_FIELDS):
+        out = save_measurements(raw, measurements_path(path))
+    save(profile, path)
+    return path, out

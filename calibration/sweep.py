@@ -8,9 +8,9 @@ minimum batch and the SM tiers by batch size; where the batch route wins, the ba
 the kernel still takes); optionally the compute slowdown each route causes beside a GEMM;
 last, the ceiling again, with a note where it moved (:meth:`Sweep.steady`). Routes are bound
 through ``kvswap.resolve(..., policy=Policy(force=name))`` exactly as an engine gets them,
-with a calibration override that binds kernels at exactly the SM count being measured. A
-route that raises or copies the wrong bytes is recorded as a failure and left out; the run
-goes on.
+given a calibration that binds kernels at exactly the SM count being measured
+(:mod:`.binding`). A route that raises or copies the wrong bytes is recorded as a failure
+and left out; the run goes on.
 """
 from __future__ import annotations
 
@@ -18,16 +18,15 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from kvswap.errors import KvSwapError
-from kvswap.plugins import PluginHost, plugin_host
+from kvswap import DeviceInfo, Direction, KvSwapError, resolve
 from kvswap.platform import detect
-from kvswap.resolver import resolve
-from kvswap.thresholds import Calibration
-from kvswap.types import DeviceInfo, Direction, Policy
+from kvswap.plugins import PluginHost, plugin_host
 
 from . import fit
-from .records import BATCH, CEILING, SIZE, Failure, Interference, Measurement
+from .binding import Bound, Failures, bound_at
+from .interference import measure_interference
 from .progress import Progress
+from .records import BATCH, CEILING, SIZE, Failure, Interference, Measurement
 from .timing import HostTimer, in_passes, make_timer, median, on_host, per_pass, pooled, round_ratios, rounds_for, spread
 from .workload import Batch, Pools
 
@@ -68,19 +67,14 @@ class Settings:
     batch_max_repeats: int = 0
     # The batch sweep runs its whole grid this many times, each point a fresh draw of
     # slots; the rounds and seconds above are shared among the passes. A slow spell of the
-    # machine (about a second, every route slowed unevenly) or the slots drawn (the batch
-    # route moves by up to 7%, the kernel by 1%) can set one point off, and passes outvote
-    # that (tests/bench/bench_draws.py, docs/results/h100-draws.txt). Three passes did no
-    # better than one while each route kept the median of its own passes (timing.pooled,
-    # docs/results/passes.txt); routes are now compared round by round (Sweep.record), which
-    # is what made the bench's passes pay (docs/results/session6/README.txt).
+    # machine (about a second, every route slowed unevenly) or an unlucky draw of slots (the
+    # batch route's time moves with the slots by a few %) can set one point off; passes
+    # outvote it, with routes compared round by round (Sweep.record).
     batch_passes: int = 1
     # The size sweep likewise, with ``repeats`` shared among its passes. Its calls are long
-    # (5 ms at 256 MiB), so a point gets one or two rounds, and a slow spell that catches some
-    # of a size's routes and not the others set them 10-40% off alone. An H100 run fitted its
-    # host->device knee at 48 SMs (4-8 elsewhere), where the knee sat on the edge of its
-    # tolerance and such dips decided the side, and gave 192 KiB blocks to the batch route on
-    # one of them (docs/results/session9/README.txt).
+    # (milliseconds), so a point gets one or two rounds a pass, and a slow spell that catches
+    # some of a size's routes and not the others can set them 10-40% off, enough to move the
+    # knee where it sits near the edge of its tolerance.
     size_passes: int = 1
     interference: bool = False
     interference_all_sms: bool = False
@@ -93,18 +87,16 @@ class Settings:
 
 # A point whose timings stray by more than this (the median over its routes of the MAD as a
 # fraction of the median) was most likely disturbed while it ran: timed once more, and the
-# steadier of the two kept. Undisturbed points on the H200 stray 1-7%; one at 11-13% put the
-# batch route 20% slower than it is, and the fit gave that batch size to the kernel.
+# steadier of the two kept. Undisturbed GPU points stray by a few %; a disturbed one can put
+# a route 20% off and hand its batch size to the wrong route.
 RETRY_SPREAD = 0.08
 
 # The SM counts of the batch sweep, as multiples of the knee: the knee, then ever wider
-# steps. On the H200 (knee 4) medium batches gained most at 16-24 SMs, and 12 SMs, which
-# engines commonly run a copy kernel on, was sometimes faster than both 8 and 16.
+# steps (medium batches can gain up to several times the knee's SMs; 12 is a count engines
+# commonly run a copy kernel on).
 TIER_FACTORS = (1, 2, 3, 4, 6, 8, 12)
 # How far apart a direction's ceiling may come out at its start and its end before the run
-# says the machine was not steady. The contiguous copy of our H100s and H200s measured
-# 53.9-55.5 GB/s in every bench and most calibrations; two H100 calibrations began at
-# 50.1 and 44.6 GB/s host to device.
+# says the machine was not steady (a PCIe link's contiguous copy repeats within a few %).
 CEILING_DRIFT = 0.05
 
 
@@ -155,12 +147,12 @@ def settings_for(device: DeviceInfo, quick: bool = False, max_sms: Optional[int]
     return Settings(
         block_sizes=grid_sizes(midpoints=not quick),
         # 1 SM is left out: a kernel that slow would spend most of the run's time and is
-        # never the knee of a kernel worth having (FACTS.md: 45 GB/s on 2 SMs at 4 KiB).
+        # never the knee of a kernel worth having (2 SMs already come near a PCIe link).
         sm_counts=_sm_counts((2, 4, 8, 16, 32) if quick else (2, 4, 6, 8, 12, 16, 24, 32, 48), device, max_sms),
         batch_sizes=(1, 4, 16, 64, 256, 1024, 4096) if quick
         else (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 10000),
         batch_sweep_blocks=4 if quick else None,
-        # The H200 knee is 4 SMs; medium batches there wanted 12-24 (tests/bench/bench_sm_by_batch.py).
+        # Medium batches can want several times the knee's SMs (tier_sms).
         tier_counts=3 if quick else 5,
         # Batch-sweep calls are short (10 us-1 ms) and stray by 3-7% from call to call: more
         # rounds, so a gain of 1% stands out of the noise (the fit weighs the spread).
@@ -182,27 +174,6 @@ def settings_for(device: DeviceInfo, quick: bool = False, max_sms: Optional[int]
 
 
 @dataclass
-class Bound:
-    """One route as measured: an impl forced through resolve(), bound at ``num_sms``."""
-
-    impl: str
-    kind: str
-    num_sms: Optional[int]
-    fn: Any
-    constraints: dict[str, Any]
-
-    @property
-    def label(self) -> str:
-        return f"{self.impl}@{self.num_sms}" if self.num_sms else self.impl
-
-    def accepts(self, block_bytes: int) -> bool:
-        c = self.constraints
-        if block_bytes < c.get("min_block_bytes", 1) or block_bytes % c.get("alignment", 1):
-            return False
-        return c.get("max_block_bytes") is None or block_bytes <= c["max_block_bytes"]
-
-
-@dataclass
 class SweepResult:
     device: DeviceInfo
     settings: Settings
@@ -218,32 +189,28 @@ class SweepResult:
         return on_host(self.device)
 
 
-def measurement_calibration(device: DeviceInfo, num_sms: Optional[int]) -> Calibration:
-    """What the resolver decides by while a route is bound for measurement."""
-    sms = {str(d): num_sms for d in Direction} if num_sms else {}
-    return Calibration(
-        source=f"kvswap calibrate: bound at {num_sms or 'no'} SMs for measurement",
-        platform=device.platform, scope="device", kernel_sms=sms, identity=device.identity,
-    )
-
-
 class Sweep:
-    """One calibration run on one device: :meth:`prepare` binds the routes, :meth:`run`
-    measures them stage by stage into :attr:`result`."""
+    """One calibration run on one device, ready to run once constructed: the device
+    detected, the pools filled, every route bound (:attr:`bounds`); :meth:`run` measures
+    them stage by stage into :attr:`result`.
+
+    :param timer: what times the copies (default: :func:`~.timing.make_timer` for the device).
+    """
 
     def __init__(self, device: Any, settings: Settings, directions: Sequence[Any], *,
-                 host: Optional[PluginHost] = None, progress: Optional[Progress] = None) -> None:
+                 host: Optional[PluginHost] = None, progress: Optional[Progress] = None,
+                 timer: Any = None) -> None:
         self.spec = device
         self.host = plugin_host() if host is None else host
         self.dev = detect(self.host, device)
         self.settings = settings
         self.directions = [Direction.parse(d) for d in directions]
         self.progress = progress or Progress()
-        self.timer = make_timer(self.dev)
+        self.timer = make_timer(self.dev) if timer is None else timer
         self.result = SweepResult(self.dev, settings, [str(d) for d in self.directions], self.timer.label)
-        self.pools: Optional[Pools] = None
-        self._dead: set[tuple[str, str, Optional[int]]] = set()
-        self._bounds: Optional[dict[Direction, list[Bound]]] = None
+        self.failures = Failures(self.result.failures)
+        self.bounds: dict[Direction, list[Bound]] = {d: self.bind(d) for d in self.directions}
+        self.pools = Pools(self.dev, settings.pool_bytes, settings.seed)
 
     # -- binding -------------------------------------------------------------------------
     def bind(self, direction: Direction) -> list[Bound]:
@@ -251,7 +218,7 @@ class Sweep:
         try:
             plan = resolve(direction, device=self.spec, host=self.host, profiles=False).plan
         except KvSwapError as e:
-            self._fail(direction, "resolve", None, None, e)
+            self.failures.add(direction, "resolve", None, None, e)
             return []
         out = []
         for c in plan.candidates:
@@ -263,33 +230,23 @@ class Sweep:
                 self.result.notes.append(f"{direction}: {c.name} not measured: no SM budget (--max-sms 0)")
             for k in counts:
                 try:
-                    fn = resolve(direction, device=self.spec, host=self.host, policy=Policy(force=c.name, max_sms=k),
-                                 calibration=measurement_calibration(self.dev, k))
+                    fn = bound_at(direction, self.dev, self.spec, self.host, c.name, k)
                     got = fn.plan.params.get(c.name, {}).get("num_sms")
                     if k is not None and got != k:
                         raise KvSwapError(f"resolve bound it with num_sms={got!r}, not {k}")
                 except Exception as e:
-                    self._fail(direction, c.name, k, None, e)
+                    self.failures.add(direction, c.name, k, None, e)
                     continue
                 out.append(Bound(c.name, c.kind, k, fn, dict(c.constraints)))
         return out
 
-    def _fail(self, direction: Direction, impl: str, sms: Optional[int], block: Optional[int], e: BaseException) -> None:
-        self._dead.add((str(direction), impl, sms))
-        self.result.failures.append(Failure(str(direction), impl, sms, block, f"{type(e).__name__}: {e}"))
-
     # -- measuring -----------------------------------------------------------------------
-    def call_of(self, bound: Bound, batch: Batch) -> Callable[[Any], None]:
-        fn, src, dst, sizes = bound.fn, batch.src, batch.dst, batch.sizes
-        return lambda stream: fn(src, dst, sizes, stream=stream)
-
     def _checked(self, bound: Bound, batch: Batch) -> bool:
         """Copy once into poisoned destinations and compare; a failure retires the route."""
-        assert self.pools is not None
         try:
-            self.pools.verify(self.timer, self.call_of(bound, batch), batch)
+            self.pools.verify(self.timer, bound.call(batch.src, batch.dst, batch.sizes), batch)
         except Exception as e:
-            self._fail(batch.direction, bound.impl, bound.num_sms, batch.block_bytes, e)
+            self.failures.add(batch.direction, bound.impl, bound.num_sms, batch.block_bytes, e)
             return False
         return True
 
@@ -301,9 +258,8 @@ class Sweep:
         footing: a reference route's own (:func:`~.timing.pooled`; the first batch route,
         else the first route) times the median of each route's ratio to it, round by round
         (:func:`~.timing.round_ratios`). Routes timed in the same rounds met the same state
-        of the machine, which moved every route by 10-40%, unevenly, between a calibration
-        and the bench minutes after it on the lent machines
-        (docs/results/session6/*-drift.txt). ``spread`` stays each route's own;
+        of the machine, which can move every route by 10-40%, unevenly, from one minute to
+        the next. ``spread`` stays each route's own;
         ``paired_spread`` is that of its ratio to the reference, which the fit weighs
         comparisons by (0 for the reference)."""
         d = str(batch.direction)
@@ -326,12 +282,12 @@ class Sweep:
         (``repeats`` rounds, default the settings', or more for short calls:
         :func:`~.timing.rounds_for`); retired routes skipped, failing ones retired."""
         d = str(batch.direction)
-        live = [b for b in bounds if (d, b.impl, b.num_sms) not in self._dead and b.accepts(batch.block_bytes)]
+        live = [b for b in bounds if not self.failures.retired(d, b) and b.accepts(batch.block_bytes)]
         live = [b for b in live if self._checked(b, batch)]
         if not live:
             return []
         s = self.settings
-        calls = [self.call_of(b, batch) for b in live]
+        calls = [b.call(batch.src, batch.dst, batch.sizes) for b in live]
         repeats = repeats or s.repeats
         try:
             repeats = rounds_for(self.timer, calls, repeats, point_seconds, max_repeats, s.warmup)
@@ -344,16 +300,15 @@ class Sweep:
             times = []  # one of them failed mid-run: time them one by one to find which
             for b in list(live):
                 try:
-                    times.append(self.timer.measure([self.call_of(b, batch)], repeats, s.warmup)[0])
+                    times.append(self.timer.measure([b.call(batch.src, batch.dst, batch.sizes)], repeats, s.warmup)[0])
                 except Exception as e:
-                    self._fail(batch.direction, b.impl, b.num_sms, batch.block_bytes, e)
+                    self.failures.add(batch.direction, b.impl, b.num_sms, batch.block_bytes, e)
                     live.remove(b)
         return list(zip(live, times))
 
     def ceiling(self, direction: Direction) -> float:
         """The contiguous copy's GB/s, recorded (the profile's ceiling is the best of a
         direction's)."""
-        assert self.pools is not None
         nbytes = min(self.settings.ceiling_bytes, self.pools.pool_bytes)
         t = self.timer.measure([self.pools.contiguous(direction, nbytes)], self.settings.repeats, self.settings.warmup)[0]
         m = Measurement(str(direction), CEILING, "contiguous", "ceiling", None, nbytes, 1, median(t), len(t))
@@ -362,10 +317,8 @@ class Sweep:
 
     def steady(self, direction: Direction, start: float, end: float) -> None:
         """A note when the contiguous copy ran more than ``CEILING_DRIFT`` apart at the start
-        and the end of a direction: the machine changed under the run (an H100 calibration
-        began at 44.6 GB/s host to device, where the bench measured 54.9 minutes later; its
-        profile missed the regret bar at more points than another machine's profile on every
-        H100 bench, its own machine's included). Not where the host clock times host
+        and the end of a direction: the machine changed under the run, and decisions fitted
+        while it was slow may not hold once it is not. Not where the host clock times host
         copies (the host reference): a memcpy of a few MiB moves with the caches from one
         call to the next, and nothing is decided by it there."""
         if not isinstance(self.timer, HostTimer) and min(start, end) < (1.0 - CEILING_DRIFT) * max(start, end):
@@ -379,12 +332,10 @@ class Sweep:
         """Time each ``(block, batch)`` point's contenders ``passes`` times over, the whole
         grid before any point again and a fresh draw of slots every time, and record them
         (:meth:`record`); a route retired in a later pass keeps none of its passes."""
-        assert self.pools is not None
         d, what = str(direction), "block sizes" if stage == SIZE else "batch sizes"
         drawn: dict[tuple[int, int], Batch] = {}
 
         def time_point(point: tuple[int, int], i: int) -> dict[str, list[float]]:
-            assert self.pools is not None
             drawn[point] = batch = self.pools.batch(direction, *point)
             got = self.timings(contenders_at[point], batch, repeats, seconds, most)
             self.progress.step(f"{direction} {what}" + (f" (pass {i + 1} of {passes})" if passes > 1 else ""))
@@ -393,12 +344,11 @@ class Sweep:
         routes = {x.label: x for contenders in contenders_at.values() for x in contenders}
         for point, got in in_passes(list(contenders_at), passes, time_point).items():
             self.record(stage, drawn[point], [(routes[label], t) for label, t in got.items()
-                                              if (d, routes[label].impl, routes[label].num_sms) not in self._dead])
+                                              if not self.failures.retired(d, routes[label])])
 
     def size_sweep(self, direction: Direction, bounds: list[Bound]) -> None:
         """Every route at every block size, a batch of ``size_sweep_bytes`` (up to
         ``max_batch``), ``size_passes`` times over."""
-        assert self.pools is not None
         s = self.settings
         passes = max(1, s.size_passes)
         points = {(b, min(s.max_batch, max(1, s.size_sweep_bytes // b), self.pools.slots(b))): bounds
@@ -413,21 +363,20 @@ class Sweep:
         go to the kernel: :func:`~.fit.kernel_window`). The grid runs ``batch_passes`` times
         over, a fresh draw of each point every time; the rounds and seconds per point are
         shared among the passes."""
-        assert self.pools is not None
         d, s = str(direction), self.settings
         decision = fit.fit_direction(self.result.measurements, d, s.knee_tolerance)
         table = fit.size_table(self.result.measurements, d)
-        knee = decision.get("kernel_sms")
-        kernel_at = [r for r in decision["by_size"] if r["kind"] == "kernel"]
+        knee = decision.kernel_sms
+        kernel_at = decision.uses_kernel
         if not knee:
             return
         k = self.settings.batch_sweep_blocks or len(kernel_at)
         picks = [kernel_at[round(i * (len(kernel_at) - 1) / max(k - 1, 1))] for i in range(min(k, len(kernel_at)))]
-        picks = list({r["block_bytes"]: r for r in picks}.values())  # evenly spread, ends included
-        picks += [r for r in decision["by_size"] if r["kind"] == "batch"]
+        picks = list({r.block_bytes: r for r in picks}.values())  # evenly spread, ends included
+        picks += [r for r in decision.by_size if r.kind == "batch"]
         plan = []
         for r in picks:
-            b = r["block_bytes"]
+            b = r.block_bytes
             dma = [(row[b], impl) for (impl, kind, _), row in table.items() if kind == "batch" and b in row]
             kern = [(row[b], impl) for (impl, kind, sms), row in table.items() if kind == "kernel" and sms == knee and b in row]
             if not dma or not kern:
@@ -445,34 +394,25 @@ class Sweep:
         self.sweep_points(BATCH, direction, contenders_at, passes, repeats, seconds, most)
 
     def interference(self, direction: Direction, bounds: list[Bound]) -> None:
-        from .interference import measure_interference
-
-        assert self.pools is not None
+        """The compute slowdown beside each route (:mod:`.interference`): the kernel at its
+        knee, or at every SM count measured with ``interference_all_sms``."""
         decision = fit.fit_direction(self.result.measurements, str(direction), self.settings.knee_tolerance)
-        knee = decision.get("kernel_sms")
         chosen = [
             b for b in bounds
-            if (str(direction), b.impl, b.num_sms) not in self._dead
-            and (b.kind != "kernel" or self.settings.interference_all_sms or b.num_sms == knee)
+            if not self.failures.retired(direction, b)
+            and (b.kind != "kernel" or self.settings.interference_all_sms or b.num_sms == decision.kernel_sms)
         ]
-        self.result.interference.extend(
-            measure_interference(self, direction, chosen, lambda: self.progress.step(f"{direction} interference"))
-        )
+        self.result.interference.extend(measure_interference(
+            self.pools, self.timer, direction, chosen, max_batch=self.settings.max_batch, seed=self.settings.seed,
+            failures=self.failures, progress=self.progress))
 
     # -- the whole run -------------------------------------------------------------------
-    def prepare(self) -> dict[Direction, list[Bound]]:
-        """Bind every route (once); what :meth:`run` will measure, per direction."""
-        if self._bounds is None:
-            self._bounds = {d: self.bind(d) for d in self.directions}
-        return self._bounds
-
     def run(self) -> SweepResult:
         s = self.settings
         if s.interference and on_host(self.dev):
             self.result.notes.append("interference not measured: it needs a GPU to run the reference GEMM on")
-        bounds = self.prepare()
+        bounds = self.bounds
         self.progress.add(sum(1 + (1 + len(s.block_sizes) * max(1, s.size_passes)) * bool(bounds[d]) for d in self.directions))
-        self.pools = Pools(self.dev, s.pool_bytes, s.seed)
         for d in self.directions:
             start = self.ceiling(d)
             self.progress.step(f"{d} ceiling")

@@ -6,16 +6,11 @@ each call runs a block of its own: ``SETTLE`` untimed calls, then up to ``KEEP``
 Interleaving the calls of a comparison in rounds spreads clock and thermal drift over all of
 them instead of biasing the last one.
 
-The block is there because a call's time depends on what ran before it, even four calls
-back. On the H200 (tests/bench/bench_context.py, docs/results/h200-context.txt), host->device
-8 KiB x 4 took 15.2 us on the batch route after four calls of itself and 17.3 us after four of
-the kernel; the kernel took 17.2 us after itself and 20.1 us after the batch route. Timed one
-call per contender per round, a route's time depended on the other contenders: calibration,
-which times the kernel at five SM counts against one batch route, put the batch route at
-1.01 x the kernel's time at 8 KiB x 4 where the bench, with other contenders, put it at 0.92,
-and gave the kernel batch sizes the bench then found it losing. Timed in blocks, the two
-harnesses agree within 1% at every point measured: each route is timed as an engine sees it
-when it calls that route step after step, whatever else is being compared.
+The block is there because a short call's time depends on what ran before it, even a few
+calls back: after another route, a route's small batch can take 10-20% longer than after
+itself. Timed one call per contender per round, a route's time would depend on which other
+contenders a harness compares it with, and the calibration and the bench would disagree. Timed in blocks, each route is timed as an engine
+sees it when it calls that route step after step, whatever else is being compared.
 """
 from __future__ import annotations
 
@@ -82,8 +77,8 @@ def paired(num: Sequence[Sequence[float]], den: Sequence[Sequence[float]]) -> tu
 
     A ratio of medians taken over a whole point is thrown off by whatever changes during
     it: a slow spell of the machine (20-30% for about a second) or timings with two modes,
-    where a median lands in either. Identical work timed that way came out up to 2.7%
-    apart in one bench (docs/results/passes.txt). Within a round the two calls ran a few
+    where a median lands in either: identical work timed that way can come out a few %
+    apart. Within a round the two calls ran a few
     microseconds apart, in the same state of the machine, so the ratio of each round
     keeps only what tells the calls apart."""
     ratios = round_ratios(num, den)
@@ -164,8 +159,8 @@ class _Shuffled:
     change its time a little, and a fixed order would give that advantage to the same
     contender every round. ``rng`` is the timer's, seeded once (runs repeat) and
     carried from one measurement to the next: restarting it per measurement replayed the
-    same orders at every point of a bench, which biased one contender by 5-7% at all the
-    short calls alike (seen on the H200)."""
+    same orders at every point of a bench, which biases one contender at all the short
+    calls alike."""
 
     def __init__(self, count: int, rng: random.Random) -> None:
         self._rng = rng
@@ -212,7 +207,7 @@ class DeviceTimer:
     the stream from the moment it is asked for: the host work of enqueueing it (which
     dominates tiny batches) plus the copy. Calls timed back to back instead let one
     call's leftover GPU work hide the next one's host work, which made the same function
-    measure up to 35% apart depending on what ran before it (seen on the H200 bench).
+    measure far apart depending on what ran before it.
     The stream is a fresh non-default one: the batch-copy API rejects the legacy stream.
     """
 

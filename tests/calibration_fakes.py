@@ -18,7 +18,7 @@ BOTH = (Direction.H2D, Direction.D2H)
 
 
 def batch_gbps(b: int) -> float:
-    """A copy engine with the small-block cliff of FACTS.md: slow below 32 KiB."""
+    """A copy engine with the small-block cliff of docs/design.md: slow below 32 KiB."""
     return 3.0 if b < 4 * KiB else 4.0 if b < 32 * KiB else 45.0 if b < 128 * KiB else 52.0
 
 

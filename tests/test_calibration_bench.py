@@ -10,6 +10,7 @@ from kvswap import plugins
 from kvswap.calibration import bench as bench_module
 from kvswap.calibration import sweep as sweep_module
 from kvswap.calibration.bench import BenchSettings, peer_route, run_bench
+from kvswap.calibration.bench_records import BenchResult, BenchRow, CandidateTiming, PeerTiming, ResolvedTiming
 from kvswap.cli import main
 
 from calibration_fakes import KiB, Ledger, LedgerTimer, ModelPlatform, ModeTimer, batch_gbps, kernel_gbps
@@ -44,31 +45,30 @@ def test_bench_after_calibration_never_loses_to_the_peer(peer_named_device, caps
     s = BenchSettings(block_sizes=(4 * KiB, 64 * KiB, 256 * KiB), batch_sizes=(1, 16, 64), pool_bytes=32 * MiB,
                       ceiling_bytes=MiB, repeats=2, warmup=0)
     out = run_bench("modelplat:0", s, ["h2d", "d2h"])
-    assert out["failures"] == [] and len(out["rows"]) == 18
-    assert out["calibration"]["h2d"]["source"].startswith("profile ")
-    for r in out["rows"]:
-        d, b, n = r["direction"], r["block_bytes"], r["batch"]
+    assert out.failures == [] and len(out.rows) == 18
+    assert out.calibration["h2d"]["source"].startswith("profile ")
+    for r in out.rows:
+        d, b, n = r.direction, r.block_bytes, r.batch
         impl, sms = peer_route(d, b, n)
-        assert r["peer"]["route"] == impl + (f"@{sms}" if sms else "")
+        assert r.peer.route == impl + (f"@{sms}" if sms else "")
         # bound as resolve() binds it: the knee (the model's costs need no batch tiers)
-        assert set(r["candidates"]) == {"cuda.batch", "triton.kernel@8"}
-        assert r["candidates"]["triton.kernel@8"] == {**r["candidates"]["triton.kernel@8"],
-                                                       "impl": "triton.kernel", "num_sms": 8}
-        best = r["candidates"][r["best"]]["gbps"]
-        assert r["resolved_over_best"] == pytest.approx(r["resolved"]["gbps"] / best, rel=1e-3)
+        assert set(r.candidates) == {"cuda.batch", "triton.kernel@8"}
+        assert (r.candidates["triton.kernel@8"].impl, r.candidates["triton.kernel@8"].num_sms) == ("triton.kernel", 8)
+        best = r.candidates[r.best].gbps
+        assert r.resolved_over_best == pytest.approx(r.resolved.gbps / best, rel=1e-3)
         # modelled costs are exact: the calibrated route is the best candidate and never below the peer
-        assert r["resolved_over_best"] == pytest.approx(1.0, abs=1e-3)
-        assert r["resolved_over_peer"] >= 1.0 - 1e-3
-    small = next(r for r in out["rows"] if (r["direction"], r["block_bytes"], r["batch"]) == ("d2h", 4 * KiB, 64))
+        assert r.resolved_over_best == pytest.approx(1.0, abs=1e-3)
+        assert r.resolved_over_peer >= 1.0 - 1e-3
+    small = next(r for r in out.rows if (r.direction, r.block_bytes, r.batch) == ("d2h", 4 * KiB, 64))
     # d2h 4 KiB x 64: the peer's batch DMA at 4 GB/s against the kernel at its knee
-    assert small["resolved"]["route"] == "triton.kernel@8"
-    assert small["resolved_over_peer"] > kernel_gbps(4 * KiB, 8) / batch_gbps(4 * KiB) / 2
-    assert out["summary"]["d2h"]["min_resolved_over_peer"] >= 1.0 - 1e-3
+    assert small.resolved.route == "triton.kernel@8"
+    assert small.resolved_over_peer > kernel_gbps(4 * KiB, 8) / batch_gbps(4 * KiB) / 2
+    assert out.summary["d2h"].min_resolved_over_peer >= 1.0 - 1e-3
 
 
 def test_bench_ratios_pair_the_rounds_so_a_machine_switching_modes_cannot_skew_them(peer_named_device, monkeypatch,
                                                                                      capsys):
-    """Rounds in a fast or a 40% slower mode, as the lent machines have them: taken apart,
+    """Rounds in a fast or a 40% slower mode, as a busy machine can have them: taken apart,
     the medians of identical work land in different modes; the ratios pair the rounds."""
     assert main(["calibrate", "--quick", "--device", "modelplat:0"]) == 0
     capsys.readouterr()
@@ -76,18 +76,18 @@ def test_bench_ratios_pair_the_rounds_so_a_machine_switching_modes_cannot_skew_t
     s = BenchSettings(block_sizes=(4 * KiB, 64 * KiB, 256 * KiB), batch_sizes=(1, 16, 64, 256), pool_bytes=80 * MiB,
                       ceiling_bytes=MiB, repeats=45, warmup=0)
     out = run_bench("modelplat:0", s, ["h2d", "d2h"])
-    assert out["failures"] == [] and len(out["rows"]) == 24
+    assert out.failures == [] and len(out.rows) == 24
     # the medians apart: identical work (resolved and the candidate on its route) 40% off somewhere
-    apart = [r["resolved"]["gbps"] / r["candidates"][r["resolved"]["route"]]["gbps"] for r in out["rows"]]
+    apart = [r.resolved.gbps / r.candidates[r.resolved.route].gbps for r in out.rows]
     assert max(apart) / min(apart) > 1.3
-    for r in out["rows"]:  # paired: the modelled costs exactly, but for the calls' own 0.5%
-        assert r["candidates"][r["resolved"]["route"]]["resolved_over"] == pytest.approx(1.0, abs=0.01)
-        assert r["candidates"][r["best"]]["resolved_over_se"] == r["resolved_over_best_se"]
-        assert r["resolved_over_best"] == pytest.approx(1.0, abs=0.01)
-        assert r["resolved_over_peer"] >= 0.99
+    for r in out.rows:  # paired: the modelled costs exactly, but for the calls' own 0.5%
+        assert r.candidates[r.resolved.route].resolved_over == pytest.approx(1.0, abs=0.01)
+        assert r.candidates[r.best].resolved_over_se == r.resolved_over_best_se
+        assert r.resolved_over_best == pytest.approx(1.0, abs=0.01)
+        assert r.resolved_over_peer >= 0.99
     for d in ("h2d", "d2h"):
-        s = out["summary"][d]
-        assert s["under_best_bar"] == 0 and s["same_work_min"] >= 0.99 and s["same_work_max"] <= 1.01
+        s = out.summary[d]
+        assert s.under_best_bar == 0 and s.same_work_min >= 0.99 and s.same_work_max <= 1.01
 
 
 def test_batch_tiers_from_calibration_beat_the_knee_and_the_peer_at_medium_batches(monkeypatch, capsys, tmp_path):
@@ -110,37 +110,42 @@ def test_batch_tiers_from_calibration_beat_the_knee_and_the_peer_at_medium_batch
     s = BenchSettings(block_sizes=(16 * KiB,), batch_sizes=(16, 64, 256, 1024), pool_bytes=32 * MiB,
                       ceiling_bytes=MiB, repeats=1, warmup=0)
     out = run_bench("modelplat:0", s, ["h2d"])
-    assert out["failures"] == []
-    for r in out["rows"]:
-        assert set(r["candidates"]) == {"cuda.batch", "triton.kernel@8", "triton.kernel@16"}
-        tier = r["batch"] < 128
-        assert r["resolved"]["route"] == ("triton.kernel@16" if tier else "triton.kernel@8")
+    assert out.failures == []
+    for r in out.rows:
+        assert set(r.candidates) == {"cuda.batch", "triton.kernel@8", "triton.kernel@16"}
+        tier = r.batch < 128
+        assert r.resolved.route == ("triton.kernel@16" if tier else "triton.kernel@8")
         # the knee where more SMs gain nothing; the peer's 12 SMs neither
-        assert r["resolved_over_best"] == pytest.approx(1.0, abs=1e-3) if tier else r["resolved_over_best"] >= 0.99
-        assert r["resolved_over_peer"] > 1.0 if tier else r["resolved_over_peer"] >= 0.99
-        assert r["peer"]["same_route"] is False
-    at64 = next(r for r in out["rows"] if r["batch"] == 64)
-    knee = at64["candidates"]["triton.kernel@8"]["gbps"]
-    assert at64["resolved"]["gbps"] > 1.005 * knee
+        assert r.resolved_over_best == pytest.approx(1.0, abs=1e-3) if tier else r.resolved_over_best >= 0.99
+        assert r.resolved_over_peer > 1.0 if tier else r.resolved_over_peer >= 0.99
+        assert r.peer.same_route is False
+    at64 = next(r for r in out.rows if r.batch == 64)
+    knee = at64.candidates["triton.kernel@8"].gbps
+    assert at64.resolved.gbps > 1.005 * knee
 
 
 def test_short_points_get_more_rounds_up_to_the_cap(peer_named_device):
     s = BenchSettings(block_sizes=(4 * KiB, 256 * KiB), batch_sizes=(1, 64), pool_bytes=32 * MiB,
                       ceiling_bytes=MiB, repeats=2, warmup=0, point_seconds=1e-3, max_repeats=50)
     out = run_bench("modelplat:0", s, ["h2d"])
-    reps = {(r["block_bytes"], r["batch"]): r["repeats"] for r in out["rows"]}
+    reps = {(r.block_bytes, r.batch): r.repeats for r in out.rows}
     assert reps[(256 * KiB, 64)] == 2  # a round of 64 x 256 KiB takes over 1 ms: the minimum
     assert reps[(4 * KiB, 1)] == 50  # a round of microseconds: the cap
     assert 2 < reps[(4 * KiB, 64)] < 50
 
 
 def bench_row(over_best, best_se, over_peer, peer_se, same_route):
-    return {"direction": "h2d", "block_bytes": 4 * KiB, "batch": 16, "ceiling_gbps": 50.0, "best": "x",
-            "candidates": {"x": {"impl": "x", "gbps": 10.0, "num_sms": None, "resolved_over": over_best}},
-            "resolved": {"gbps": 10.0 * over_best, "route": "x"},
-            "peer": {"gbps": 10.0, "route": "x" if same_route else "y", "same_route": same_route},
-            "repeats": 41, "resolved_over_best": over_best, "resolved_over_best_se": best_se,
-            "resolved_over_peer": over_peer, "resolved_over_peer_se": peer_se}
+    return BenchRow(over_best, best_se, over_peer, peer_se, direction="h2d", block_bytes=4 * KiB, batch=16,
+                    ceiling_gbps=50.0, best="x",
+                    candidates={"x": CandidateTiming("x", 10.0, None, over_best, best_se)},
+                    resolved=ResolvedTiming(10.0 * over_best, "x"),
+                    peer=PeerTiming(10.0, "x" if same_route else "y", same_route), repeats=41)
+
+
+def bench_result(rows, summary):
+    return BenchResult(kvswap_version="0", device={}, directions=["h2d"], measured="modelled", host_only=False,
+                       timer="modelled", settings={}, peer_policy="", ceiling_gbps={"h2d": 50.0}, rows=rows,
+                       summary={"h2d": summary})
 
 
 def test_the_summary_counts_points_under_each_bar_and_those_beyond_the_noise():
@@ -152,16 +157,16 @@ def test_the_summary_counts_points_under_each_bar_and_those_beyond_the_noise():
             bench_row(0.96, 0.004, 0.97, 0.004, False),  # under both bars by more than 2 SE
             bench_row(0.965, 0.004, 0.99, 0.006, False)]  # under both, within 2 SE of each
     s = summarize(rows)
-    assert s["points"] == 4 and s["min_resolved_over_best"] == 0.96 and s["min_resolved_over_peer"] == 0.97
-    assert (s["under_best_bar"], s["under_best_bar_beyond_noise"]) == (2, 1)
-    assert (s["under_peer"], s["under_peer_beyond_noise"], s["under_peer_same_route"]) == (3, 1, 1)
-    text = bench_report({"directions": ["h2d"], "rows": rows, "ceiling_gbps": {"h2d": 50.0}, "summary": {"h2d": s}})
+    assert s.points == 4 and s.min_resolved_over_best == 0.96 and s.min_resolved_over_peer == 0.97
+    assert (s.under_best_bar, s.under_best_bar_beyond_noise) == (2, 1)
+    assert (s.under_peer, s.under_peer_beyond_noise, s.under_peer_same_route) == (3, 1, 1)
+    text = bench_report(bench_result(rows, s))
     assert "0.995 ±0.008 =" in text  # the peer's own route is marked
     assert "0.970 ±0.008" in text and "0.970 ±0.008 =" not in text
     assert "2 under 0.97 x the best candidate (1 by more than 2 standard errors)" in text
     assert "3 under 1.0 x the peer (1 by more than 2 standard errors; 1 on the peer's own route)" in text
     # identical work: each row's resolved route "x" is also a candidate; the second's peer runs it too
-    assert (s["same_work_pairs"], s["same_work_min"], s["same_work_max"]) == (5, 0.96, 1.0)
+    assert (s.same_work_pairs, s.same_work_min, s.same_work_max) == (5, 0.96, 1.0)
     assert "identical work timed 0.960-1.000 x apart (5 pairs" in text
 
 
@@ -189,24 +194,24 @@ def test_bench_passes_outvote_a_slow_spell_and_draw_fresh_slots(peer_named_devic
         monkeypatch.setattr(bench_module, "make_timer", lambda device: timer)
         draws.clear()
         out = run_bench("modelplat:0", BenchSettings(**grid, passes=passes), ["h2d"])
-        assert out["failures"] == []
-        return {(r["block_bytes"], r["batch"]): r for r in out["rows"]}, timer.count
+        assert out.failures == []
+        return {(r.block_bytes, r.batch): r for r in out.rows}, timer.count
 
     calm, calls = bench(3, (None,))
     assert calls == 1 + 3 * 6 and len(draws) == 3 * 6  # the ceiling, then each point once a pass
     for b, n in calm:
         if n >= 16:
             assert len({d for bb, nn, d in draws if (bb, nn) == (b, n)}) == 3
-        assert calm[(b, n)]["repeats"] == 3  # 3 timed calls a point in all: one a pass
+        assert calm[(b, n)].repeats == 3  # 3 timed calls a point in all: one a pass
     spell = (1 + 2, 2)  # the third and fourth points of the first pass
     assert bench(3, spell)[0] == calm
     once, _ = bench(1, (None,))
     slowed, _ = bench(1, spell)
-    moved = [k for k in once if slowed[k]["resolved"]["gbps"] != once[k]["resolved"]["gbps"]]
+    moved = [k for k in once if slowed[k].resolved.gbps != once[k].resolved.gbps]
     assert moved == [(4 * KiB, 64), (64 * KiB, 1)]
     for k in moved:
-        assert slowed[k]["resolved"]["gbps"] == pytest.approx(once[k]["resolved"]["gbps"] / 1.5, rel=1e-3)
-        assert slowed[k]["resolved_over_best"] == pytest.approx(once[k]["resolved_over_best"], rel=1e-3)
+        assert slowed[k].resolved.gbps == pytest.approx(once[k].resolved.gbps / 1.5, rel=1e-3)
+        assert slowed[k].resolved_over_best == pytest.approx(once[k].resolved_over_best, rel=1e-3)
 
 
 def test_a_gpu_bench_draws_every_point_three_times_and_the_host_one_unless_told():
@@ -263,20 +268,21 @@ def test_a_point_under_the_bar_by_its_draw_alone_is_timed_again_and_cleared(peer
     timer = LowDrawTimer(peer_named_device.ledger, at=1 + 4, index=2)
     monkeypatch.setattr(bench_module, "make_timer", lambda device: timer)
     out = run_bench("modelplat:0", BenchSettings(**GRID, confirm=2), ["h2d"])
-    assert out["failures"] == []
-    rows = {(r["block_bytes"], r["batch"]): r for r in out["rows"]}
+    assert out.failures == []
+    rows = {(r.block_bytes, r.batch): r for r in out.rows}
     low = rows[(64 * KiB, 16)]
-    assert low["resolved_over_best"] == pytest.approx(1 / 1.1, rel=1e-3)  # the grid saw the unlucky draw
-    assert low["confirm"]["passes"] == 2 and low["confirm"]["best"] == low["best"]
-    assert low["confirm"]["resolved_over_best"] == pytest.approx(1.0, abs=1e-3)  # timed again: nothing wrong
-    assert [k for k, r in rows.items() if "confirm" in r] == [(64 * KiB, 16)]  # the others were not under a bar
+    assert low.resolved_over_best == pytest.approx(1 / 1.1, rel=1e-3)  # the grid saw the unlucky draw
+    assert low.confirm.passes == 2 and low.confirm.best == low.best
+    assert low.confirm.resolved_over_best == pytest.approx(1.0, abs=1e-3)  # timed again: nothing wrong
+    assert [k for k, r in rows.items() if r.confirm is not None] == [(64 * KiB, 16)]  # the others were not under a bar
     assert timer.count == 1 + 6 + 2  # the ceiling, the grid, then that one point twice
-    s = out["summary"]["h2d"]
-    assert (s["under_best_bar"], s["under_best_bar_beyond_noise"]) == (1, 1)
-    assert (s["confirmed_points"], s["confirmed_under_best_bar"], s["confirmed_under_best_bar_beyond_noise"]) == (1, 0, 0)
+    s = out.summary["h2d"]
+    assert (s.under_best_bar, s.under_best_bar_beyond_noise) == (1, 1)
+    assert (s.confirmed_points, s.confirmed_under_best_bar, s.confirmed_under_best_bar_beyond_noise) == (1, 0, 0)
     from kvswap.calibration.report import bench_report
     text = bench_report(out)
-    assert "64 KiB x 16: res/best 0.909 ±0.000 -> 1.000 ±0.000" in text
+    # modelled timings agree to the last digit: no "±0.000" that would say nothing
+    assert "64 KiB x 16: res/best 0.909 -> 1.000 (" in text and "±0.000" not in text
     assert "of those 1: 0 still under 0.97 x the best candidate" in text
 
 
@@ -286,25 +292,25 @@ def test_a_resolved_route_that_is_wrong_stays_under_the_bar_when_timed_again(pee
     another route: device to host it runs the batch route too)."""
     monkeypatch.setenv("KVSWAP_FORCE_IMPL", "cuda.batch")
     out = run_bench("modelplat:0", BenchSettings(**GRID, confirm=1), ["h2d", "d2h"])
-    assert out["failures"] == []
-    for r in out["rows"]:
-        assert r["resolved"]["route"] == "cuda.batch"
-        if r["resolved_over_best"] < 0.97:
-            c = r["confirm"]
-            assert c["resolved_over_best"] == pytest.approx(r["resolved_over_best"], rel=1e-3)
-            if r["peer"]["same_route"]:
-                assert c["resolved_over_peer"] is None
+    assert out.failures == []
+    for r in out.rows:
+        assert r.resolved.route == "cuda.batch"
+        if r.resolved_over_best < 0.97:
+            c = r.confirm
+            assert c.resolved_over_best == pytest.approx(r.resolved_over_best, rel=1e-3)
+            if r.peer.same_route:
+                assert c.resolved_over_peer is None
             else:
-                assert c["resolved_over_peer"] == pytest.approx(r["resolved_over_peer"], rel=1e-3)
-                assert c["resolved_over_peer"] < 1.0
+                assert c.resolved_over_peer == pytest.approx(r.resolved_over_peer, rel=1e-3)
+                assert c.resolved_over_peer < 1.0
         else:
-            assert "confirm" not in r
+            assert r.confirm is None
     for d in ("h2d", "d2h"):
-        s = out["summary"][d]
-        assert s["under_best_bar"] >= 2
-        assert s["confirmed_points"] == s["confirmed_under_best_bar_beyond_noise"] == s["under_best_bar"]
-    assert out["summary"]["h2d"]["confirmed_under_peer_beyond_noise"] >= 1
-    assert out["summary"]["d2h"]["confirmed_under_peer"] == 0
+        s = out.summary[d]
+        assert s.under_best_bar >= 2
+        assert s.confirmed_points == s.confirmed_under_best_bar_beyond_noise == s.under_best_bar
+    assert out.summary["h2d"].confirmed_under_peer_beyond_noise >= 1
+    assert out.summary["d2h"].confirmed_under_peer == 0
 
 
 def test_confirmation_passes_default_to_three_on_a_gpu_and_reach_the_bench_from_the_cli(peer_named_device, monkeypatch,

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
-from kvswap import plugins
+from kvswap import plugins, profiles
 from kvswap.calibration import store
 from kvswap.calibration import sweep as sweep_module
 from kvswap.cli import main
@@ -32,38 +33,49 @@ def test_calibrate_quick_writes_profile_and_plot_and_explain_names_it(tmp_path, 
     assert main(["calibrate", "--quick", "--out", str(out), "--plot", str(png)]) == 0
     printed = capsys.readouterr()
     assert "HOST MEMORY COPIES" in printed.out and "HOST MEMORY COPIES" in printed.err
+    assert "host reference" in printed.out and "not device link numbers" in printed.out
     assert f"written to {out}" in printed.out and f"KVSWAP_PROFILE={out}" in printed.out
-    doc = store.read(out, cpu_device())
-    assert doc["measured"].startswith("host memory copies")
+    assert re.search(rf"written to {re.escape(str(out))} \(in \d+(\.\d+)? s\)", printed.out), printed.out
+    assert "(0 s)" not in printed.out
+    doc = profiles.read(out, cpu_device())
+    assert doc["measured"].startswith("host memory copies") and doc["host_reference"] is True
     assert {c["impl"] for c in doc["curves"]} == {"host.reference"}
-    assert {m["stage"] for m in doc["measurements"]} == {"ceiling", "size"}
+    assert "measurements" not in doc  # the raw rows lie beside the profile
+    raw = store.measurements_path(out)
+    assert raw.name == "cpu.measurements.json" and f"raw measurements written to {raw}" in printed.out
+    ms, inter = store.read_measurements(raw)
+    assert {m.stage for m in ms} == {"ceiling", "size"} and inter == []
     assert set(doc["decisions"]) == {"h2d", "d2h"} and set(doc["ceiling_gbps"]) == {"h2d", "d2h"}
     assert png.read_bytes()[:8] == PNG_MAGIC
-    monkeypatch.setenv(store.PROFILE_ENV, str(out))
+    monkeypatch.setenv(profiles.PROFILE_ENV, str(out))
     assert main(["explain", "--direction", "h2d"]) == 0
-    assert f"calibration: profile {out} (measured)" in capsys.readouterr().out
+    explained = capsys.readouterr().out
+    # a host reference profile is not presented as a device calibration
+    assert f"calibration: profile {out} (host reference: " in explained and "(measured)" not in explained
+    assert "not a device calibration" in explained
 
 
 def test_calibrate_default_location_is_found_by_a_new_process(tmp_path, capsys):
     assert main(["calibrate", "--quick", "--directions", "d2h"]) == 0
-    path = store.default_path(cpu_device())
+    path = profiles.default_path(cpu_device())
     assert path.is_relative_to(os.environ["XDG_DATA_HOME"])
     assert path.with_suffix(".png").read_bytes()[:8] == PNG_MAGIC
-    doc = store.read(path, cpu_device())
+    assert store.measurements_path(path).is_file()
+    doc = profiles.read(path, cpu_device())
     assert doc["directions"] == ["d2h"] and "carried_from" in doc["decisions"]["h2d"]
     assert "KVSWAP_PROFILE" not in capsys.readouterr().out  # no hint: it is where the resolver looks
     run = subprocess.run([sys.executable, "-m", "kvswap", "explain", "--direction", "d2h"],
                          capture_output=True, text=True, env=dict(os.environ), check=True)
-    assert f"calibration: profile {path} (measured)" in run.stdout
+    assert f"calibration: profile {path} (host reference" in run.stdout
 
 
 def test_calibrate_replaces_a_corrupt_profile_and_names_it(capsys):
-    path = store.default_path(cpu_device())
+    path = profiles.default_path(cpu_device())
     path.parent.mkdir(parents=True)
     path.write_text("{broken")
     assert main(["calibrate", "--quick", "--directions", "h2d"]) == 0
     assert f"skipped calibration profile {path}" in capsys.readouterr().err
-    assert store.read(path, cpu_device())["directions"] == ["h2d"]
+    assert profiles.read(path, cpu_device())["directions"] == ["h2d"]
 
 
 def test_calibrate_a_device_with_a_kernel_route_then_explain(capsys, monkeypatch):
@@ -75,9 +87,9 @@ def test_calibrate_a_device_with_a_kernel_route_then_explain(capsys, monkeypatch
     assert main(["calibrate", "--quick", "--device", "modelplat:0"]) == 0
     out = capsys.readouterr().out
     assert "model.kernel@8" in out and "SM knee: 8 SMs" in out and "kernel only for batches of at least" in out
-    path = store.user_dir() / f"{ModelPlatform.IDENTITY}.json"
+    path = profiles.user_dir() / f"{ModelPlatform.IDENTITY}.json"
     doc = json.loads(path.read_text())
-    assert doc["decisions"]["h2d"]["kernel_sms"] == 8
+    assert doc["decisions"]["h2d"]["kernel_sms"] == 8 and doc["host_reference"] is False
     assert {c["num_sms"] for c in doc["curves"] if c["impl"] == "model.kernel"} == {1, 2, 4, 8, 16}
     assert path.with_suffix(".png").read_bytes()[:8] == PNG_MAGIC
     assert main(["explain", "--direction", "h2d", "--device", "modelplat:0"]) == 0
@@ -92,6 +104,7 @@ def test_bench_writes_json_with_ratios(tmp_path, capsys):
     printed = capsys.readouterr()
     assert "HOST MEMORY COPIES" in printed.err and "host memory copies" in printed.out
     assert "res/best" in printed.out
+    assert "±0.000" not in printed.out  # the host's few rounds give no standard error worth printing
     result = json.loads(out.read_text())
     assert result["device"]["platform"] == "cpu" and set(result["ceiling_gbps"]) == {"h2d", "d2h"}
     assert len(result["rows"]) == 8 and result["failures"] == []
@@ -102,6 +115,8 @@ def test_bench_writes_json_with_ratios(tmp_path, capsys):
         assert row["peer"] is None and row["resolved_over_peer"] is None  # no triton/cuda: not applicable
     assert sum("peer baseline not applicable" in n for n in result["notes"]) == 2
     assert result["summary"]["h2d"]["points"] == 4 and result["summary"]["h2d"]["min_resolved_over_peer"] is None
+    from kvswap.calibration.bench_records import BenchResult
+    assert BenchResult.from_dict(result).to_dict() == result  # tables can be redrawn from the file
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -125,4 +140,79 @@ def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, argv, says):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and says in err[0], err
     assert sorted(tmp_path.rglob("*")) == before
-    assert not store.default_path(cpu_device()).exists()
+    assert not profiles.default_path(cpu_device()).exists()
+
+
+def interrupt_at(monkeypatch, where):
+    """Make ``kvswap calibrate`` see Ctrl-C once ``where`` (a store or plot function) is called."""
+    from kvswap.calibration import plot
+
+    module = plot if where == "plot_profile" else store
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(module, where, interrupted)
+
+
+@pytest.mark.parametrize("where, saved", [
+    ("make_document", False),  # measured, nothing written yet
+    ("save_measurements", True),  # the profile is in place, its raw rows not
+    ("plot_profile", True),
+])
+def test_an_interrupted_calibrate_says_what_it_saved(tmp_path, capsys, monkeypatch, where, saved):
+    out = tmp_path / "cpu.json"
+    out.write_text("{\"old\": true}")  # a profile from before: replaced only once the new one is saved
+    interrupt_at(monkeypatch, where)
+    assert main(["calibrate", "--quick", "--out", str(out)]) == 130
+    err = capsys.readouterr().err
+    if saved:
+        assert f"interrupted after saving the profile for {cpu_device().identity} to {out}" in err
+        assert profiles.read(out, cpu_device())["host_reference"] is True
+        assert ("also written" in err) == (where == "plot_profile")
+        assert store.measurements_path(out).exists() == (where == "plot_profile")
+    else:
+        assert "nothing was saved" in err and f"{out} is as it was" in err
+        assert out.read_text() == "{\"old\": true}"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["cpu.json"]
+    assert "kvswap: interrupted" not in err  # the command's own word, not the generic one
+
+
+def test_an_interrupt_while_measuring_saves_nothing(capsys, monkeypatch):
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sweep_module.Sweep, "run", interrupted)
+    assert main(["calibrate", "--quick"]) == 130
+    assert "nothing was saved" in capsys.readouterr().err
+    assert not profiles.default_path(cpu_device()).exists()
+
+
+def test_progress_in_a_log_is_lines_not_a_bar(capsys):
+    """stderr that is not a terminal (a log, a pipe, pytest's capture) gets plain lines:
+    one at the end at least, never a bar redrawn in place."""
+    assert not sys.stderr.isatty()
+    assert main(["calibrate", "--quick", "--directions", "h2d"]) == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    done = [line for line in err.splitlines() if re.fullmatch(r"  (\d+)/(\d+) steps( \(.*\))?, \d+ s", line)]
+    assert done, err
+    n, total = map(int, re.match(r"  (\d+)/(\d+)", done[-1]).groups())
+    assert n == total > 1
+
+
+def test_progress_lines_come_every_so_often_and_at_the_end():
+    import io
+
+    from kvswap.calibration.progress import Lines
+
+    now = [0.0]
+    out = io.StringIO()
+    bar = Lines(10, "step", out, every=5.0, clock=lambda: now[0])
+    for i in range(10):
+        now[0] = 2.0 * (i + 1)
+        bar.set_description(f"point {i}")
+        bar.update(1)
+    bar.close()
+    assert out.getvalue().splitlines() == ["  3/10 steps (point 2), 6 s", "  6/10 steps (point 5), 12 s",
+                                           "  9/10 steps (point 8), 18 s", "  10/10 steps (point 9), 20 s"]

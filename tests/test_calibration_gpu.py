@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 
 import kvswap
+from kvswap import profiles
 from kvswap.calibration import fit, store
 from kvswap.calibration.bench import bench_settings, run_bench
 from kvswap.calibration.plot import plot_profile
@@ -58,12 +59,15 @@ def test_sweep_with_interference_yields_a_profile_the_resolver_reads(tmp_path):
         assert {r.impl for r in inter} >= {"contiguous"} | set(usable(d))
         assert all(0 <= r.slowdown < 1 and r.gemm_tflops_alone > 0 and r.copy_gbps_beside > 0 for r in inter)
     assert all(m.gbps > 0 for m in result.measurements)
-    doc = store.make_document(result.device, measurements=[m.to_dict() for m in result.measurements],
-                              interference=[r.to_dict() for r in result.interference],
-                              **fit.profile_fields(result.measurements, result.interference, ["h2d", "d2h"]))
-    path = store.save(doc, tmp_path / "gpu.json")
-    assert plot_profile(doc, tmp_path / "gpu.png").stat().st_size > 0
-    assert store.load(path, result.device).slowdown  # measured, not carried over
+    fitted = fit.profile_fields(result.measurements, result.interference, ["h2d", "d2h"])
+    doc = store.make_document(result.device, fitted, measurements=result.measurements,
+                              interference=result.interference, host_reference=False)
+    profile, raw = store.split(doc)
+    path = store.save(profile, tmp_path / "gpu.json")
+    store.save_measurements(raw, store.measurements_path(path))
+    assert store.read_measurements(store.measurements_path(path)) == (result.measurements, result.interference)
+    assert plot_profile(fitted, tmp_path / "gpu.png").stat().st_size > 0
+    assert profiles.load(path, result.device).slowdown  # measured, not carried over
     assert doc["slowdown_source"].startswith("measured")
 
 
@@ -71,11 +75,11 @@ def test_bench_small_grid_has_ratios_and_the_peer():
     s = replace(bench_settings(False, [4 * KiB, 64 * KiB], [1, 64], repeats=3), pool_bytes=64 * MiB,
                 ceiling_bytes=32 * MiB)
     out = run_bench(None, s, ["h2d", "d2h"])
-    assert out["failures"] == [] and len(out["rows"]) == 8
-    for row in out["rows"]:
-        assert row["resolved"]["gbps"] > 0 and row["resolved_over_best"] > 0
-        if {"triton.kernel", "cuda.batch"} <= set(usable(row["direction"])):
-            assert row["peer"]["gbps"] > 0 and row["resolved_over_peer"] > 0
+    assert out.failures == [] and len(out.rows) == 8
+    for row in out.rows:
+        assert row.resolved.gbps > 0 and row.resolved_over_best > 0
+        if {"triton.kernel", "cuda.batch"} <= set(usable(row.direction)):
+            assert row.peer.gbps > 0 and row.resolved_over_peer > 0
 
 
 
@@ -89,10 +93,10 @@ def test_bench_times_points_under_the_bar_again_checking_every_copy(monkeypatch)
     s = replace(bench_settings(False, [4 * KiB, 64 * KiB], [1, 64], repeats=3, passes=1, confirm=2),
                 pool_bytes=64 * MiB, ceiling_bytes=32 * MiB)
     out = run_bench(None, s, ["h2d", "d2h"])
-    assert out["failures"] == [] and len(out["rows"]) == 4 * 2
-    for row in out["rows"]:
-        again = row["confirm"]
-        assert again["passes"] == 2 and again["best"] == row["best"]
-        assert again["resolved_over_best"] > 0
+    assert out.failures == [] and len(out.rows) == 4 * 2
+    for row in out.rows:
+        again = row.confirm
+        assert again.passes == 2 and again.best == row.best
+        assert again.resolved_over_best > 0
     for d in ("h2d", "d2h"):
-        assert out["summary"][d]["confirmed_points"] == 4
+        assert out.summary[d].confirmed_points == 4

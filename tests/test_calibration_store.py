@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 import kvswap
-from kvswap import ProfileWarning
-from kvswap import profiles
+from kvswap import ProfileWarning, profiles
 from kvswap.calibration import store
 from kvswap.platform import cpu_device
 
@@ -38,13 +37,13 @@ def shipped(tmp_path, monkeypatch):
 def test_round_trip(tmp_path):
     doc = profile()
     path = store.save(doc, tmp_path / "deep" / "p.json")
-    assert store.read(path, CPU) == doc
-    cal = store.load(path, CPU)
+    assert profiles.read(path, CPU) == doc
+    cal = profiles.load(path, CPU)
     assert (cal.source, cal.identity, cal.platform, cal.scope) == (f"profile {path}", CPU.identity, "cpu", "device")
     assert cal.kernel_sms == {"h2d": 6, "d2h": 6} and cal.kernel_min_batch == {"h2d": 32, "d2h": 32}
     assert cal.ceiling_gbps == {"h2d": 50.0, "d2h": 51.0} and dict(cal.slowdown) == {"batch": 0.1}
     assert cal.predict("host.reference", "batch", "h2d", 65536) == 30.0
-    assert doc["schema"] == store.SCHEMA and doc["kvswap_version"] == kvswap.__version__
+    assert doc["schema"] == profiles.SCHEMA and doc["kvswap_version"] == kvswap.__version__
     assert doc["device"] == json.loads(json.dumps(CPU.to_dict()))
     assert os.stat(path).st_mode & 0o777 == 0o644
     text = path.read_text()
@@ -63,7 +62,7 @@ def test_save_refuses_what_could_not_be_read_back_and_keeps_the_old_file(tmp_pat
     before = path.read_text()
     doc = profile(sms=9)
     change(doc)
-    with pytest.raises(store.ProfileError, match=why):
+    with pytest.raises(profiles.ProfileError, match=why):
         store.save(doc, path)
     assert path.read_text() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]  # no temporary file left
@@ -72,38 +71,38 @@ def test_save_refuses_what_could_not_be_read_back_and_keeps_the_old_file(tmp_pat
 def test_load_refuses_a_profile_for_another_device(tmp_path):
     other = kvswap.DeviceInfo(platform="cpu", name="other", identity="cpu-other", compute_units=1)
     path = store.save(profile(other), tmp_path / "p.json")
-    with pytest.raises(store.ProfileError, match="is for device 'cpu-other'"):
-        store.load(path, CPU)
+    with pytest.raises(profiles.ProfileError, match="is for device 'cpu-other'"):
+        profiles.load(path, CPU)
 
 
 def test_lookup_order_env_then_user_dir_then_shipped(tmp_path, monkeypatch, shipped):
     env = store.save(profile(sms=3), tmp_path / "env.json")
-    user = store.save(profile(sms=5), store.default_path(CPU))
-    ship = store.save(profile(sms=7), shipped / store.profile_name(CPU.identity))
+    user = store.save(profile(sms=5), profiles.default_path(CPU))
+    ship = store.save(profile(sms=7), shipped / profiles.profile_name(CPU.identity))
     assert user.is_relative_to(os.environ["XDG_DATA_HOME"])  # the user data dir (conftest's per-test XDG)
-    monkeypatch.setenv(store.PROFILE_ENV, str(env))
-    assert store.find(CPU).kernel_sms["h2d"] == 3
-    monkeypatch.delenv(store.PROFILE_ENV)
-    assert store.find(CPU).kernel_sms["h2d"] == 5
+    monkeypatch.setenv(profiles.PROFILE_ENV, str(env))
+    assert profiles.find(CPU).kernel_sms["h2d"] == 3
+    monkeypatch.delenv(profiles.PROFILE_ENV)
+    assert profiles.find(CPU).kernel_sms["h2d"] == 5
     user.unlink()
-    assert store.find(CPU).kernel_sms["h2d"] == 7
+    assert profiles.find(CPU).kernel_sms["h2d"] == 7
     ship.unlink()
-    assert store.find(CPU) is None
+    assert profiles.find(CPU) is None
 
 
 def test_resolver_and_explain_name_the_profile_used(monkeypatch, shipped):
-    path = store.save(profile(), store.default_path(CPU))
+    path = store.save(profile(), profiles.default_path(CPU))
     fn = kvswap.resolve("h2d", device="cpu")
     assert fn.plan.calibration["source"] == f"profile {path}" and fn.plan.calibration["calibrated"]
     assert f"calibration: profile {path} (measured)" in fn.explain()
 
 
 def test_explain_says_a_shipped_profile_was_measured_on_another_machine(monkeypatch, shipped):
-    ship = store.save(profile(), shipped / store.profile_name(CPU.identity))
+    ship = store.save(profile(), shipped / profiles.profile_name(CPU.identity))
     explained = kvswap.resolve("h2d", device="cpu").explain()
     assert f"calibration: profile {ship} (measured on another machine of this kind" in explained
     assert "`kvswap calibrate` measures this one" in explained
-    user = store.save(profile(), store.default_path(CPU))  # this machine's own comes first
+    user = store.save(profile(), profiles.default_path(CPU))  # this machine's own comes first
     explained = kvswap.resolve("h2d", device="cpu").explain()
     assert f"calibration: profile {user} (measured)" in explained and "another machine" not in explained
 
@@ -120,59 +119,70 @@ def bad_files(tmp_path):
 
 
 def test_bad_env_profiles_are_skipped_with_a_warning_naming_the_file(tmp_path, monkeypatch, shipped):
-    user = store.save(profile(sms=5), store.default_path(CPU))
+    user = store.save(profile(sms=5), profiles.default_path(CPU))
     for path, why in bad_files(tmp_path).items():
-        monkeypatch.setenv(store.PROFILE_ENV, str(path))
+        monkeypatch.setenv(profiles.PROFILE_ENV, str(path))
         with pytest.warns(ProfileWarning) as caught:
-            cal = store.find(CPU)
+            cal = profiles.find(CPU)
         assert cal.source == f"profile {user}"  # the next place in the lookup order
         (w,) = caught
         assert str(path) in str(w.message) and why in str(w.message)
 
 
 def test_a_corrupt_user_profile_falls_through_to_the_shipped_one(tmp_path, shipped):
-    ship = store.save(profile(sms=7), shipped / store.profile_name(CPU.identity))
-    user = store.default_path(CPU)
+    ship = store.save(profile(sms=7), shipped / profiles.profile_name(CPU.identity))
+    user = profiles.default_path(CPU)
     user.parent.mkdir(parents=True)
     user.write_text("not json at all")
     with pytest.warns(ProfileWarning, match=f"skipped calibration profile {user}: cannot be read"):
-        cal = store.find(CPU)
+        cal = profiles.find(CPU)
     assert cal.source == f"profile {ship}"
 
 
 def test_a_foreign_profile_under_this_devices_name_is_skipped_by_the_resolver(shipped):
     other = kvswap.DeviceInfo(platform="cpu", name="x", identity="cpu-elsewhere", compute_units=1)
-    path = store.save(profile(other), store.default_path(CPU))  # the wrong device's profile, this name
+    path = store.save(profile(other), profiles.default_path(CPU))  # the wrong device's profile, this name
     with pytest.warns(ProfileWarning, match=f"{path}: is for device 'cpu-elsewhere'"):
         fn = kvswap.resolve("d2h", device="cpu")
     assert "profile" not in fn.plan.calibration["source"]  # the backend defaults instead
 
 
 def test_user_dir_follows_xdg_and_without_platformdirs_is_skipped_with_a_warning(monkeypatch, shipped):
-    assert store.user_dir() == Path(os.environ["XDG_DATA_HOME"]) / "kvswap" / "profiles"
-    store.save(profile(sms=5), store.default_path(CPU))
-    assert store.find(CPU).kernel_sms["h2d"] == 5
+    assert profiles.user_dir() == Path(os.environ["XDG_DATA_HOME"]) / "kvswap" / "profiles"
+    store.save(profile(sms=5), profiles.default_path(CPU))
+    assert profiles.find(CPU).kernel_sms["h2d"] == 5
     monkeypatch.setitem(sys.modules, "platformdirs", None)  # import now raises ImportError
     with pytest.warns(ProfileWarning, match="platformdirs is not installed"):
-        assert store.find(CPU) is None  # the user dir is not searched; nothing shipped for CPU
+        assert profiles.find(CPU) is None  # the user dir is not searched; nothing shipped for CPU
 
 
-def test_override_hides_profiles_and_nests(shipped):
-    store.save(profile(sms=5), store.default_path(CPU))
-    fake = store.to_calibration(profile(sms=11), "stand-in")
-    with store.override(None):
-        assert store.find(CPU) is None
-        with store.override(fake):
-            assert store.find(CPU).kernel_sms["h2d"] == 11
-        assert store.find(CPU) is None
-    assert store.find(CPU).kernel_sms["h2d"] == 5
+def test_the_resolver_skips_profiles_or_decides_by_a_calibration_passed_in_and_keeps_no_state(shipped):
+    """What ``kvswap calibrate`` and the bench bind routes by: arguments, no module state."""
+    path = store.save(profile(sms=5), profiles.default_path(CPU))
+    fake = profiles.to_calibration(profile(sms=11), "stand-in")
+    hidden = kvswap.resolve("h2d", device="cpu", profiles=False).plan.calibration
+    assert hidden["source"] != f"profile {path}" and "profile" not in hidden["source"]
+    given = kvswap.resolve("h2d", device="cpu", calibration=fake, profiles=False)
+    assert given.plan.calibration["source"] == "stand-in"
+    assert kvswap.resolve("h2d", device="cpu", calibration=fake).plan.calibration["source"] == "stand-in"
+    assert profiles.find(CPU).kernel_sms["h2d"] == 5  # the lookup is untouched
+    assert kvswap.resolve("h2d", device="cpu").plan.calibration["source"] == f"profile {path}"
+    assert not hasattr(store, "override") and not hasattr(store, "_overrides")
 
 
-def test_every_shipped_profile_loads_and_is_named_for_its_device():
-    shipped = sorted(store.SHIPPED.glob("*.json"))
-    assert shipped, "the profile measured on the lent GPU is shipped"
+def shipped_profiles() -> list[Path]:
+    return sorted(p for p in profiles.shipped_dir().glob("*.json") if not p.name.endswith(".measurements.json"))
+
+
+def test_every_shipped_profile_loads_is_named_for_its_device_and_holds_no_raw_rows():
+    shipped = shipped_profiles()
+    assert shipped, "profiles of the measured GPUs are shipped"
     for path in shipped:
-        cal = store.load(path)
+        cal = profiles.load(path)
         assert cal.calibrated and cal.scope == "device"
-        assert path.name == store.profile_name(cal.identity)
+        assert path.name == profiles.profile_name(cal.identity)
         assert cal.curves and cal.kernel_sms
+        assert path.stat().st_size <= 64 * 1024, f"{path.name}: {path.stat().st_size} bytes"
+        doc = json.loads(path.read_text())
+        assert not set(store.RAW_FIELDS) & set(doc) and doc.get("host_reference") in (None, False)
+        assert not store.measurements_path(path).exists()  # raw measurements are never shipped

@@ -7,6 +7,7 @@ import pytest
 
 import kvswap
 from kvswap import DeviceInfo, Policy
+from kvswap import profiles
 from kvswap.calibration import fit, store, timing
 from kvswap.calibration.records import BATCH, CEILING, SIZE
 from kvswap.calibration.sweep import Settings, Sweep, grid_sizes, settings_for
@@ -32,8 +33,7 @@ def model_sweep(broken: bool = False, batch_setup_s: float = 0.0, **over):
     ledger = Ledger()
     plat = ModelPlatform(ledger, broken=broken, batch_setup_s=batch_setup_s)
     host = create_plugin_host(entry_points=[], extra=[("model", plat)])
-    sweep = Sweep("modelplat:0", tiny(**over), ["h2d", "d2h"], host=host)
-    sweep.timer = LedgerTimer(ledger)
+    sweep = Sweep("modelplat:0", tiny(**over), ["h2d", "d2h"], host=host, timer=LedgerTimer(ledger))
     return sweep.run(), plat, host
 
 
@@ -49,28 +49,28 @@ def test_sweep_binds_each_sm_count_and_fits_the_model():
         assert [m.stage for m in result.measurements if m.direction == d].count(CEILING) == 2  # at the start and the end
         dec = fit.fit_direction(result.measurements, d)
         # kernel_gbps caps at 50 GB/s; below 16 KiB it needs 8 SMs (6.5 each) to get there
-        assert dec["kernel_sms"] == 8
+        assert dec.kernel_sms == 8
         # KERNEL_LAUNCH_S=5 us: at 2 KiB the kernel pays from n*2048*(1/3e9-1/50e9) > 5us (n > 7),
         # at 64 KiB from n > 34; of the measured 1, 4, 64 the threshold is 64
-        assert dec["kernel_min_batch"] == 64
+        assert dec.kernel_min_batch == 64
         batch_blocks = {m.block_bytes for m in result.measurements if m.direction == d and m.stage == BATCH}
         # first and last size where the kernel is the route, and the batch route's size (256 KiB)
         assert batch_blocks == {2 * KiB, 64 * KiB, 256 * KiB}
-        assert dict(dec["kernel_sms_by_batch"])[256 * KiB] == [[1, 0]]  # the kernel takes none of its batches
-        assert [r["impl"] for r in dec["by_size"]] == ["model.kernel"] * 4 + ["model.batch"]
+        assert dict(dec.kernel_sms_by_batch)[256 * KiB] == [[1, 0]]  # the kernel takes none of its batches
+        assert [r.impl for r in dec.by_size] == ["model.kernel"] * 4 + ["model.batch"]
         # between 64 KiB (45 GB/s) and 256 KiB (52) the batch curve passes the kernel's 49.3 GB/s
         # at ~152 KiB; the resolver ranks the class [128, 192) KiB at 128 KiB (48.5 GB/s on the
         # batch curve) and [192, 256) KiB at 192 KiB (50.5): batch from 192 KiB
-        assert dec["crossover_bytes"] == 192 * KiB
+        assert dec.crossover_bytes == 192 * KiB
 
 
 def test_a_ceiling_that_moved_during_a_direction_leaves_a_note_and_the_better_one_is_kept():
     ledger = Ledger()
     host = create_plugin_host(entry_points=[], extra=[("model", ModelPlatform(ledger))])
     for slow, noted in ((1.06, True), (1.04, False)):
-        sweep = Sweep("modelplat:0", tiny(), ["h2d", "d2h"], host=host)
         # the run's first measurement is the h2d ceiling: that one alone runs slow
-        sweep.timer = SpellTimer(ledger, start=0, length=1, factor=slow)
+        sweep = Sweep("modelplat:0", tiny(), ["h2d", "d2h"], host=host,
+                      timer=SpellTimer(ledger, start=0, length=1, factor=slow))
         result = sweep.run()
         h2d = [m.gbps for m in result.measurements if m.direction == "h2d" and m.stage == CEILING]
         assert len(h2d) == 2 and h2d[0] * slow == pytest.approx(h2d[1], rel=1e-3)
@@ -83,9 +83,8 @@ def test_a_ceiling_that_moved_during_a_direction_leaves_a_note_and_the_better_on
 def test_profile_from_a_sweep_is_what_the_resolver_decides_by():
     result, plat, host = model_sweep()
     dev = result.device
-    doc = store.make_document(dev, measurements=[m.to_dict() for m in result.measurements],
-                              **fit.profile_fields(result.measurements, [], ["h2d", "d2h"]))
-    path = store.save(doc, store.default_path(dev))
+    doc = store.make_document(dev, fit.profile_fields(result.measurements, [], ["h2d", "d2h"]))
+    path = store.save(doc, profiles.default_path(dev))
     for d in ("h2d", "d2h"):
         fn = kvswap.resolve(d, device="modelplat:0", host=host)
         assert fn.plan.calibration["source"] == f"profile {path}"
@@ -108,13 +107,13 @@ def test_small_batches_of_a_batch_routed_size_go_to_the_kernel_where_it_was_meas
     # A batch call that costs 8 us more: at 256 KiB the batch route still wins 64 blocks
     # (331 against 341 us) but loses 1 and 4 to the kernel's 5 us launch (13 against 10 us).
     result, plat, host = model_sweep(batch_setup_s=8e-6)
-    doc = store.make_document(result.device, measurements=[m.to_dict() for m in result.measurements],
-                              **fit.profile_fields(result.measurements, [], ["h2d", "d2h"]))
-    dec = doc["decisions"]["h2d"]
-    assert next(r for r in dec["by_size"] if r["block_bytes"] == 256 * KiB)["impl"] == "model.batch"
-    assert dict(dec["kernel_sms_by_batch"])[256 * KiB] == [[1, 8], [16, 0]]
-    assert 256 * KiB not in dict(dec["min_batch_by_size"])  # a kernel size's threshold, not this one's
-    store.save(doc, store.default_path(result.device))
+    fitted = fit.profile_fields(result.measurements, [], ["h2d", "d2h"])
+    doc = store.make_document(result.device, fitted)
+    dec = fitted.decisions["h2d"]
+    assert next(r for r in dec.by_size if r.block_bytes == 256 * KiB).impl == "model.batch"
+    assert dict(dec.kernel_sms_by_batch)[256 * KiB] == [[1, 8], [16, 0]]
+    assert 256 * KiB not in dict(dec.min_batch_by_size)  # a kernel size's threshold, not this one's
+    store.save(doc, profiles.default_path(result.device))
     fn = kvswap.resolve("h2d", device="modelplat:0", host=host, block_bytes=256 * KiB)
     route = next(r for r in fn.plan.routes if r.at_bytes == 256 * KiB)
     assert (route.impl, route.small_batch_impl, route.sms_by_batch) == ("model.kernel", "model.batch", ((1, 8), (16, 0)))
@@ -137,7 +136,7 @@ def test_routes_that_raise_or_copy_nothing_are_reported_and_skipped():
     small = {m.block_bytes for m in result.measurements if m.impl == "model.small" and m.stage == SIZE}
     assert small == {2 * KiB, 4 * KiB}
     assert "model.small" not in {f.impl for f in result.failures}
-    assert fit.fit_direction(result.measurements, "h2d")["kernel_sms"] == 8  # the rest still decides
+    assert fit.fit_direction(result.measurements, "h2d").kernel_sms == 8  # the rest still decides
 
 
 def test_no_sm_budget_measures_no_kernel():
@@ -145,8 +144,8 @@ def test_no_sm_budget_measures_no_kernel():
     assert {m.impl for m in result.measurements if m.stage == SIZE} == {"model.batch"}
     assert any("no SM budget" in n for n in result.notes)
     dec = fit.fit_direction(result.measurements, "h2d")
-    assert dec["kernel_sms"] is None and dec["kernel_min_batch"] is None
-    assert [r["impl"] for r in dec["routes"]] == ["model.batch"]
+    assert dec.kernel_sms is None and dec.kernel_min_batch is None
+    assert [r.impl for r in dec.routes] == ["model.batch"]
 
 
 def test_sweep_on_the_cpu_measures_real_copies_of_every_available_route():
@@ -183,23 +182,23 @@ def test_default_settings():
     assert (g.batch_passes, settings_for(gpu, quick=True).batch_passes) == (3, 1)  # --quick: one pass
 
 
-def test_measurement_override_binds_exact_sm_counts_and_then_restores_lookup(tmp_path, monkeypatch):
-    from kvswap.calibration.sweep import measurement_calibration
+def test_a_route_bound_for_measurement_takes_exact_sm_counts_and_leaves_the_lookup_alone(tmp_path, monkeypatch):
+    from kvswap.calibration.binding import bound_at
 
     ledger = Ledger()
     plat = ModelPlatform(ledger)
     host = create_plugin_host(entry_points=[], extra=[("model", plat)])
     dev = kvswap.resolve("h2d", device="modelplat:0", host=host).plan.device
-    fn = kvswap.resolve("h2d", device="modelplat:0", host=host, policy=Policy(force="model.kernel"),
-                        calibration=measurement_calibration(dev, 12))
+    fn = bound_at("h2d", dev, "modelplat:0", host, "model.kernel", 12)
     assert fn.plan.params["model.kernel"]["num_sms"] == 12
     assert not fn.plan.notes or "not calibrated" not in " ".join(fn.plan.notes)
     after = kvswap.resolve("h2d", device="modelplat:0", host=host, policy=Policy(force="model.kernel"))
     assert after.plan.params["model.kernel"]["num_sms"] == 8  # the built-in fallback's, again
-    with pytest.raises(RuntimeError):
-        with store.override(measurement_calibration(dev, 3)):
-            raise RuntimeError("boom")
-    assert store._overrides == []
+    # a profile in force for the device steers neither the binding nor is changed by it
+    monkeypatch.setenv(profiles.PROFILE_ENV, str(tmp_path / "missing.json"))
+    with pytest.warns(kvswap.ProfileWarning):
+        assert kvswap.resolve("h2d", device="modelplat:0", host=host).plan.calibration["calibrated"] is False
+    assert bound_at("h2d", dev, "modelplat:0", host, "model.kernel", 3).plan.params["model.kernel"]["num_sms"] == 3
 
 
 def test_tier_sms_takes_the_knee_and_counts_near_its_multiples():
@@ -265,7 +264,7 @@ def test_the_schedule_runs_each_call_in_blocks_settled_before_they_are_timed():
 
 
 def test_a_route_times_the_same_whatever_it_is_compared_with(monkeypatch):
-    """A call's cost depends on the two calls before it (seen on the H200: a route is
+    """A call's cost depends on the two calls before it (on a GPU a route can be
     slower after another route). Timed in blocks, each route measures its cost after
     itself, alone or among others; timed once a round, it did not."""
     from kvswap.calibration import timing
@@ -339,10 +338,8 @@ def test_a_disturbed_point_is_timed_once_more_and_the_steadier_timings_kept():
 
     ledger = Ledger()
     host = create_plugin_host(entry_points=[], extra=[("model", ModelPlatform(ledger))])
-    sweep = Sweep("modelplat:0", tiny(repeats=8), ["h2d"], host=host)
-    sweep.timer = Disturbed(ledger, noisy=1)
-    bounds = sweep.prepare()[kvswap.Direction.H2D]
-    sweep.pools = sweep_module.Pools(sweep.dev, MiB * 16, 0)
+    sweep = Sweep("modelplat:0", tiny(repeats=8), ["h2d"], host=host, timer=Disturbed(ledger, noisy=1))
+    bounds = sweep.bounds[kvswap.Direction.H2D]
 
     def spreads():  # each route's timings at one point, as the sweeps take them
         return [timing.spread(t) for _, t in sweep.timings(bounds, sweep.pools.batch(kvswap.Direction.H2D, 4 * KiB, 4))]
@@ -366,11 +363,9 @@ def test_routes_timed_side_by_side_are_compared_round_by_round():
 
     ledger = Ledger()
     host = create_plugin_host(entry_points=[], extra=[("model", ModelPlatform(ledger))])
-    sweep = Sweep("modelplat:0", tiny(repeats=45), ["h2d"], host=host)
-    bounds = sweep.prepare()[kvswap.Direction.H2D]
-    sweep.pools = sweep_module.Pools(sweep.dev, MiB * 16, 0)
+    sweep = Sweep("modelplat:0", tiny(repeats=45), ["h2d"], host=host, timer=LedgerTimer(ledger))
+    bounds = sweep.bounds[kvswap.Direction.H2D]
     batch = sweep.pools.batch(kvswap.Direction.H2D, 4 * KiB, 64)
-    sweep.timer = LedgerTimer(ledger)
 
     def measured():  # one pass of the point, recorded as the sweeps record theirs
         return sweep.record(BATCH, batch, [(b, [t]) for b, t in sweep.timings(bounds, batch)])
@@ -417,9 +412,8 @@ def test_the_progress_bar_ends_full(passes):
 
     ledger = Ledger()
     host = create_plugin_host(entry_points=[], extra=[("model", ModelPlatform(ledger))])
-    sweep = Sweep("modelplat:0", tiny(size_passes=passes, batch_passes=passes), ["h2d", "d2h"], host=host)
-    sweep.timer = LedgerTimer(ledger)
-    sweep.progress = Progress(Bar)
+    sweep = Sweep("modelplat:0", tiny(size_passes=passes, batch_passes=passes), ["h2d", "d2h"], host=host,
+                  timer=LedgerTimer(ledger), progress=Progress(Bar))
     sweep.run()
     assert sweep.progress.bar.n == sweep.progress.bar.total > 0
 
@@ -434,10 +428,9 @@ def test_batch_sweep_passes_outvote_a_slow_spell_and_draw_fresh_slots():
     def batch_sweep(passes, spell):
         ledger = Ledger()
         host = create_plugin_host(entry_points=[], extra=[("model", ModelPlatform(ledger))])
-        sweep = Sweep("modelplat:0", tiny(batch_passes=passes, batch_sweep_blocks=None), ["h2d"], host=host)
-        sweep.timer = LedgerTimer(ledger)
-        bounds = sweep.prepare()[kvswap.Direction.H2D]
-        sweep.pools = sweep_module.Pools(sweep.dev, MiB * 16, 0)
+        sweep = Sweep("modelplat:0", tiny(batch_passes=passes, batch_sweep_blocks=None), ["h2d"], host=host,
+                      timer=LedgerTimer(ledger))
+        bounds = sweep.bounds[kvswap.Direction.H2D]
         sweep.size_sweep(kvswap.Direction.H2D, bounds)
         draws: list[tuple[int, int, bytes]] = []
         draw = sweep.pools.batch
@@ -481,8 +474,7 @@ def test_size_sweep_passes_outvote_a_spell_that_caught_one_route_and_keep_the_kn
         ledger = Ledger()
         host = create_plugin_host(entry_points=[], extra=[("model", ModelPlatform(ledger))])
         sweep = Sweep("modelplat:0", tiny(size_passes=passes, repeats=6), ["h2d"], host=host)
-        bounds = sweep.prepare()[kvswap.Direction.H2D]
-        sweep.pools = sweep_module.Pools(sweep.dev, MiB * 16, 0)
+        bounds = sweep.bounds[kvswap.Direction.H2D]
         draw, draws = sweep.pools.batch, []
 
         def recorded(direction, b, n):
@@ -495,7 +487,7 @@ def test_size_sweep_passes_outvote_a_spell_that_caught_one_route_and_keep_the_kn
         sweep.timer = SpellTimer(ledger, *spell, only=only)
         sweep.size_sweep(kvswap.Direction.H2D, bounds)
         ms = [m for m in sweep.result.measurements if m.stage == SIZE]
-        knee = fit.fit_direction(ms, "h2d")["kernel_sms"]
+        knee = fit.fit_direction(ms, "h2d").kernel_sms
         return {(m.impl, m.num_sms, m.block_bytes): m for m in ms}, knee, draws, sweep.timer.count
 
     spell = (1, 1, 1.5)  # the second size of the first pass

@@ -19,7 +19,7 @@ import time
 import torch
 
 import kvswap
-from kvswap.calibration.bench import bound_at
+from kvswap.calibration.binding import bound_at
 from kvswap.descriptors import checked
 from kvswap.platform import detect
 from kvswap.plugins import plugin_host

@@ -5,10 +5,9 @@ round: the route's ratio to the best is resolved-over-best divided by resolved-o
 and, per profile and direction, the mean SM count of those routes and their ratio to the
 bench's peer (vLLM's policy), the same way.
 
-Not a test. It answers "would another fit of the same measurements (say, without
-``paired_spread``: tests/bench/refit_profile.py on a copy with the field removed) have done
-better in this bench?" without a device. Routes are decided by the resolver's own route
-building (``kvswap.routing.routes``) from each profile's decisions, at the bench's exact
+Not a test. It answers "would another fit of the same measurements have done better in
+this bench?" without a device. Routes are decided by the resolver's own route
+building (:func:`kvswap.routing.routes`) from each profile's decisions, at the bench's exact
 block size, as ``kvswap bench`` resolves them; a point is left out where a profile picks a
 kernel SM count the bench did not time. The first PROFILE should be the one the bench ran
 with: its routes must match the bench's resolved ones, which the script checks.
@@ -32,8 +31,7 @@ def route_at(routes, block: int, batch: int, knee: int) -> str:
 
 
 def routes_of(path: Path, direction: str, block: int):
-    from kvswap import CopyImpl, DeviceInfo, Direction, Policy
-    from kvswap import profiles, routing
+    from kvswap import CopyImpl, DeviceInfo, Direction, Policy, profiles, routing
 
     cal = profiles.load(path)
     device = DeviceInfo(platform="cuda", name=cal.identity, identity=cal.identity, compute_units=132)

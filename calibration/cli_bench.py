@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     from kvswap.platform import detect
     from kvswap.plugins import plugin_host
 
-    from .bench import bench_settings, run_bench
+    from .bench import PEER_BATCH, PEER_KERNEL, bench_settings, run_bench
     from .report import bench_report
     from .progress import Progress
     from .timing import on_host
@@ -81,7 +81,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvswap bench on {dev.platform} device {dev.name!r} ({result.measured})")
     for d, cal in result.calibration.items():
         print(f"  {d} calibration: {cal.get('source')}")
-    print(f"  peer: {result.peer_policy}")
+    if any(r.peer for r in result.rows):
+        print(f"  peer: {result.peer_policy}")
+    else:
+        print(f"  peer: not applicable here (vLLM's policy needs {PEER_KERNEL} and {PEER_BATCH})")
     print()
     print(bench_report(result))
     for note in result.notes:

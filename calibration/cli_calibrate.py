@@ -21,8 +21,10 @@ DESCRIPTION = (
     "every available implementation over block sizes (1 KiB-512 KiB) and batch sizes, the kernel "
     "at several SM counts, and optionally the compute slowdown beside a reference GEMM. Fit the "
     "route per block size, the SM knee and the minimum batch for the kernel; write the profile "
-    "(JSON, keyed by device identity) where the resolver finds it, and a PNG of the curves. "
-    "On a machine without an accelerator it measures the host reference's host memory copies."
+    "(JSON, keyed by device identity) where the resolver finds it, the raw measurements beside it "
+    "(<profile>.measurements.json, optional: the resolver never reads them), and a PNG of the curves. "
+    "On a machine without an accelerator it measures the host reference's host memory copies, and "
+    "marks the profile so (explain does not present it as a device calibration)."
 )
 
 

@@ -105,6 +105,7 @@ def test_bench_writes_json_with_ratios(tmp_path, capsys):
     assert "HOST MEMORY COPIES" in printed.err and "host memory copies" in printed.out
     assert "res/best" in printed.out
     assert "±0.000" not in printed.out  # the host's few rounds give no standard error worth printing
+    assert "peer: not applicable here" in printed.out and "d2h: always cuda.batch" not in printed.out
     result = json.loads(out.read_text())
     assert result["device"]["platform"] == "cpu" and set(result["ceiling_gbps"]) == {"h2d", "d2h"}
     assert len(result["rows"]) == 8 and result["failures"] == []

@@ -346,8 +346,6 @@ def test_no_product_file_speaks_of_development_history():
 
 # --- Size -------------------------------------------------------------------------------------
 
-@pytest.mark.xfail(reason="the shipped profiles still carry their raw measurements; this passes once they hold "
-                          "only what the resolver reads, and then the marker goes", strict=False)
 def test_repository_is_at_most_3_mb():
     files = repository_files()
     total = sum(p.stat().st_size for p in files)
@@ -357,8 +355,6 @@ def test_repository_is_at_most_3_mb():
         + ", ".join(f"{p.relative_to(ROOT)} {p.stat().st_size // 1000} kB" for p in largest))
 
 
-@pytest.mark.xfail(reason="the shipped profiles still carry their raw measurements; this passes once they hold "
-                          "only what the resolver reads, and then the marker goes", strict=False)
 def test_each_shipped_profile_is_at_most_64_kib():
     profiles = sorted((ROOT / "calibration" / "profiles").glob("*.json"))
     assert profiles, "kvswap ships profiles"

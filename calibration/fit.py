@@ -37,7 +37,7 @@ import math
 from collections import defaultdict
 from typing import Iterable, Optional
 
-from kvswap import Calibration, Curve, Direction
+from kvswap import BindContext, Calibration, CopyImpl, Curve, DeviceInfo, Direction, Policy
 
 from kvswap import routing
 from .decisions import ClassRoute, Decision, Fitted, SizeRoute, Tiers
@@ -132,33 +132,33 @@ def best(options: Iterable[Option]) -> Option:
 
 
 def resolver_routes(curves: list[Curve], direction: str, knee: Optional[int]) -> list[ClassRoute]:
-    """The route per block-size class as the resolver ranks ``curves`` (its classes, its
-    representative size per class, its interpolation, its rule), kernels at ``knee`` SMs;
-    runs of one route merged."""
+    """The route per block-size class that the resolver (:func:`kvswap.routing.routes`)
+    gives routes of these names under ``curves``, kernels bound at ``knee`` SMs; runs of
+    one route merged."""
     mine = [c for c in curves if str(c.direction) == direction]
     if not mine:
         return []
     d = Direction.parse(direction)
+    kinds = {c.impl: "kernel" if c.num_sms else "batch" for c in mine}
+    usable = [CopyImpl(impl, kind, ("*",), (d,), _unbound) for impl, kind in sorted(kinds.items())
+              if kind == "batch" or knee]
+    if not usable:
+        return []
     cal = Calibration(source="fit", platform="*", curves=tuple(mine))
-    routes = sorted({(c.impl, "kernel" if c.num_sms else "batch") for c in mine})
+    device = DeviceInfo(platform="*", name="fit", identity="fit", compute_units=knee or 1)
     out: list[ClassRoute] = []
-    for lo, hi, rep in routing.SIZE_CLASSES:
-        options = []
-        for impl, kind in routes:
-            sms = knee if kind == "kernel" else None
-            if kind == "kernel" and not knee:
-                continue
-            g = cal.predict(impl, kind, d, rep, sms)
-            if g is not None:
-                options.append((impl, kind, sms, g))
-        if not options:
-            continue
-        impl, kind, sms, _ = best(options)
-        if out and (out[-1].impl, out[-1].num_sms) == (impl, sms):
-            out[-1] = ClassRoute(out[-1].min_bytes, hi, impl, kind, sms)
+    for r in routing.routes(usable, cal, d, Policy(), (), knee or 1, device):
+        kind = kinds[r.impl]
+        sms = knee if kind == "kernel" else None
+        if out and (out[-1].impl, out[-1].num_sms) == (r.impl, sms) and out[-1].max_bytes == r.min_bytes - 1:
+            out[-1] = ClassRoute(out[-1].min_bytes, r.max_bytes, r.impl, kind, sms)
         else:
-            out.append(ClassRoute(lo, hi, impl, kind, sms))
+            out.append(ClassRoute(r.min_bytes, r.max_bytes, r.impl, kind, sms))
     return out
+
+
+def _unbound(ctx: BindContext) -> None:  # the fit ranks routes, it never binds one
+    raise AssertionError("not bound")
 
 
 def crossover(routes: list[ClassRoute]) -> Optional[int]:

@@ -64,6 +64,10 @@ def run(args: argparse.Namespace) -> int:
     dirs = list(dict.fromkeys(args.directions))
     if not dirs:
         raise ConfigurationError("--directions must name at least one of h2d, d2h")
+    within = [str(d) for d in dirs if not d.crosses_host]
+    if within:
+        raise ConfigurationError(f"--directions {','.join(within)}: only copies across the host link (h2d, d2h) "
+                                 "are measured here")
     if args.json is not None and args.json.is_dir():
         raise ConfigurationError(f"--json {str(args.json)!r} is a directory; name the file to write")
     host = plugin_host()

@@ -66,6 +66,10 @@ def _check(args: argparse.Namespace) -> list[Direction]:
     dirs = list(dict.fromkeys(args.directions))
     if not dirs:
         raise ConfigurationError("--directions must name at least one of h2d, d2h")
+    within = [str(d) for d in dirs if not d.crosses_host]
+    if within:
+        raise ConfigurationError(f"--directions {','.join(within)}: only copies across the host link (h2d, d2h) "
+                                 "are measured here")
     if args.out is not None and args.out.is_dir():
         raise ConfigurationError(f"--out {str(args.out)!r} is a directory; name the profile file to write")
     if args.plot is not None:

@@ -123,6 +123,8 @@ def test_bench_writes_json_with_ratios(tmp_path, capsys):
 @pytest.mark.parametrize("argv, says", [
     (["calibrate", "--directions", "sideways"], "direction='sideways'"),
     (["calibrate", "--directions", ","], "at least one"),
+    (["calibrate", "--directions", "h2d,d2d"], "only copies across the host link"),
+    (["bench", "--directions", "d2d"], "only copies across the host link"),
     (["calibrate", "--max-sms", "-1"], "must be >= 0"),
     (["calibrate", "--knee-tolerance", "0.7"], "fraction in [0, 0.5)"),
     (["calibrate", "--plot", "curves.jpg"], "must name a .png"),

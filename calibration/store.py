@@ -25,8 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
-from kvswap import Curve, DeviceInfo
-from kvswap.profiles import SCHEMA, ProfileError, to_calibration
+from kvswap import Curve, DeviceInfo, profiles
 
 from .decisions import Fitted, curve_to_dict
 from .records import Interference, Measurement
@@ -53,7 +52,7 @@ def make_document(device: DeviceInfo, fitted: Optional[Fitted] = None, **fields:
     # DeviceInfo.details is free-form plugin data: keep what JSON can hold, as text otherwise.
     described = json.loads(json.dumps(device.to_dict(), default=str))
     doc: dict[str, Any] = {
-        "schema": SCHEMA,
+        "schema": profiles.SCHEMA,
         "kvswap_version": __version__,
         "identity": device.identity,
         "device": described,
@@ -91,14 +90,14 @@ def read_measurements(path: Path) -> tuple[list[Measurement], list[Interference]
     try:
         doc = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
-        raise ProfileError(f"cannot be read as JSON: {e}") from e
+        raise profiles.ProfileError(f"cannot be read as JSON: {e}") from e
     if not isinstance(doc, dict) or doc.get("schema") != MEASUREMENTS_SCHEMA:
-        raise ProfileError(f"is not a {MEASUREMENTS_SCHEMA} file")
+        raise profiles.ProfileError(f"is not a {MEASUREMENTS_SCHEMA} file")
     try:
         return ([Measurement.from_dict(m) for m in doc.get("measurements", [])],
                 [Interference.from_dict(r) for r in doc.get("interference", [])])
     except (KeyError, TypeError) as e:
-        raise ProfileError(f"{type(e).__name__}: {e}") from e
+        raise profiles.ProfileError(f"{type(e).__name__}: {e}") from e
 
 
 _FLAT_LIST = re.compile(r"\[\s+([^\[\]{}\"]*?)\s+\]")
@@ -129,7 +128,7 @@ def write(text: str, path: Path) -> Path:
 
 def save(doc: dict[str, Any], path: Path) -> Path:
     """Write the profile ``doc`` to ``path`` atomically, refusing what could not be read back."""
-    to_calibration(doc, str(path))
+    profiles.to_calibration(doc, str(path))
     return write(dumps(doc), path)
 
 
@@ -146,9 +145,9 @@ def strip(path: Path) -> tuple[Path, Optional[Path]]:
     try:
         doc = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise ProfileError(f"{path} cannot be read as JSON: {e}") from e
+        raise profiles.ProfileError(f"{path} cannot be read as JSON: {e}") from e
     profile, raw = split(doc)
-    to_calibration(profile, str(path))
+    profiles.to_calibration(profile, str(path))
     out = None
     if any(raw[k] for k in RAW_FIELDS):
         out = save_measurements(raw, measurements_path(path))

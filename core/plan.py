@@ -118,6 +118,8 @@ def _explain_lines(p: Plan) -> list[str]:
     state = "measured" if cal.get("calibrated") else "NOT calibrated: run `kvswap calibrate` on this device"
     if cal.get("calibrated") and is_shipped(str(cal.get("source"))):
         state = "measured on another machine of this kind, shipped with kvswap: `kvswap calibrate` measures this one"
+    if cal.get("calibrated") and cal.get("host_reference"):
+        state = "host reference: host memory copies timed on a machine without an accelerator, not a device calibration"
     lines.append(f"  calibration: {cal.get('source')} ({state})")
     if p.forced:
         lines.append(f"  forced: {p.forced}")

@@ -139,6 +139,7 @@ def to_calibration(doc: Any, source: str) -> Calibration:
             slowdown=doc.get("slowdown", {}),
             ceiling_gbps=doc.get("ceiling_gbps", {}),
             identity=identity,
+            host_reference=doc.get("host_reference") is True,
         )
     except ProfileError:
         raise

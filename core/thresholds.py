@@ -94,6 +94,8 @@ class Calibration:
         name or by kind (``"batch"``, ``"kernel"``); used by ``prefer="low_interference"``.
     :param ceiling_gbps: per direction, the contiguous copy ceiling when measured.
     :param calibrated: False for guesses; ``explain()`` then says how to calibrate.
+    :param host_reference: measured host memory copies (the host reference, on a machine
+        without an accelerator), not a device: ``explain()`` says so.
     """
 
     source: str
@@ -108,6 +110,7 @@ class Calibration:
     ceiling_gbps: Mapping[str, float] = field(default_factory=dict)
     calibrated: bool = True
     identity: Optional[str] = None
+    host_reference: bool = False
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> InvalidImplError:
@@ -195,6 +198,7 @@ class Calibration:
             "scope": self.scope,
             "calibrated": self.calibrated,
             "identity": self.identity,
+            "host_reference": self.host_reference,
         }
 
 

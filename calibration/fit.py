@@ -140,20 +140,25 @@ def resolver_routes(curves: list[Curve], direction: str, knee: Optional[int]) ->
         return []
     d = Direction.parse(direction)
     kinds = {c.impl: "kernel" if c.num_sms else "batch" for c in mine}
-    usable = [CopyImpl(impl, kind, ("*",), (d,), _unbound) for impl, kind in sorted(kinds.items())
+    # Stand-ins named in the measured names' order (ties go by name), each with its curves.
+    names = {impl: f"fit.route{i:04d}" for i, impl in enumerate(sorted(kinds))}
+    real = {v: k for k, v in names.items()}
+    usable = [CopyImpl(names[impl], kind, ("*",), (d,), _unbound) for impl, kind in kinds.items()
               if kind == "batch" or knee]
     if not usable:
         return []
-    cal = Calibration(source="fit", platform="*", curves=tuple(mine))
+    cal = Calibration(source="fit", platform="*", curves=tuple(
+        Curve(names[c.impl], c.direction, c.points, c.num_sms) for c in mine))
     device = DeviceInfo(platform="*", name="fit", identity="fit", compute_units=knee or 1)
     out: list[ClassRoute] = []
     for r in routing.routes(usable, cal, d, Policy(), (), knee or 1, device):
-        kind = kinds[r.impl]
+        impl = real[r.impl]
+        kind = kinds[impl]
         sms = knee if kind == "kernel" else None
-        if out and (out[-1].impl, out[-1].num_sms) == (r.impl, sms) and out[-1].max_bytes == r.min_bytes - 1:
-            out[-1] = ClassRoute(out[-1].min_bytes, r.max_bytes, r.impl, kind, sms)
+        if out and (out[-1].impl, out[-1].num_sms) == (impl, sms) and out[-1].max_bytes == r.min_bytes - 1:
+            out[-1] = ClassRoute(out[-1].min_bytes, r.max_bytes, impl, kind, sms)
         else:
-            out.append(ClassRoute(r.min_bytes, r.max_bytes, r.impl, kind, sms))
+            out.append(ClassRoute(r.min_bytes, r.max_bytes, impl, kind, sms))
     return out
 
 

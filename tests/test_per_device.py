@@ -121,10 +121,10 @@ def test_calibration_settings_take_each_devices_sm_count(rig):
     _, host = rig
     big, small = detect(host, "cuda:0"), detect(host, "cuda:2")
     assert max(settings_for(big).sm_counts) > 8 and max(settings_for(small).sm_counts) <= 8
-    from kvswap.calibration import store
+    from kvswap import profiles
 
-    assert store.default_path(big) != store.default_path(small)
-    assert store.default_path(big) == store.default_path(detect(host, "cuda:1"))  # one kind, one profile
+    assert profiles.default_path(big) != profiles.default_path(small)
+    assert profiles.default_path(big) == profiles.default_path(detect(host, "cuda:1"))  # one kind, one profile
 
 
 def test_info_lists_every_gpu_with_link_node_and_near_cpus(rig, tmp_path, monkeypatch):

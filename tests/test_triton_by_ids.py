@@ -108,3 +108,13 @@ def test_pack_template_checks_its_fields():
     T.sizes = [9]
     with pytest.raises(ValueError, match="one length"):
         pack_template(T)
+
+
+def test_the_binding_module_imports_neither_triton_nor_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, kvswap.backends.triton_generic.by_ids\n"
+            "print('triton' in sys.modules, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False"]

@@ -9,7 +9,10 @@ Its one hook registers ``triton.kernel``; where each part lives:
 * :mod:`.launch` — the bound callable (:class:`KernelCopy`) and the launch shapes
   (:class:`TilePlan`, :class:`Tile`); :mod:`.staging` and :mod:`.compiled` — its pinned
   descriptor buffers and directly launched compiled variants;
-* :mod:`.jit` — the Triton kernel itself (the only module that imports Triton at the top).
+* :mod:`.jit` — the Triton kernel itself (it and :mod:`.by_ids_jit` are the modules that
+  import Triton at the top);
+* :mod:`.by_ids` — ``KernelCopy.by_ids``: blocks copied by id, addresses derived on the
+  device from a BlockMover's template (kernel in :mod:`.by_ids_jit`).
 
 Importing this package is cheap: Triton and torch.cuda load inside functions.
 """

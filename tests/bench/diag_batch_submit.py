@@ -8,7 +8,8 @@ allocation cost 0.45-0.98 µs either way. This script times, with the stream kep
 
 Part ``raw``: the driver call alone, over a grid of
   * ``allocs``: device memory in 1..160 separate ``cuMemAlloc`` allocations (``one``:
-    the same count of regions cut from ONE allocation; ``torch``: torch tensors);
+    the same count of regions cut from ONE allocation; ``torch``: torch tensors, as an
+    engine's per-layer KV cache is);
   * ``host``: pinned host tensors, 1 or as many as the device allocations;
   * ``order``: ``srcAccessOrder`` STREAM / ANY (``--orders`` adds DURING_API_CALL; ANY
     is timed device->host too, on garbage bytes, to separate order from direction);
@@ -386,7 +387,8 @@ def main() -> None:
     ap.add_argument("--allocs", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 28, 80, 160])
     ap.add_argument("--orders", type=lambda s: s.split(","), default=["stream", "any"],
                     help="srcAccessOrder values: stream, any, during")
-    ap.add_argument("--torch-allocs", action="store_true", help="also device regions from torch tensors")
+    ap.add_argument("--no-torch-allocs", dest="torch_allocs", action="store_false",
+                    help="skip device regions made of torch tensors (as an engine's KV cache is)")
     ap.add_argument("--models", type=lambda s: s.split(","), default=list(MODELS))
     ap.add_argument("--blocks", type=lambda s: [int(x) for x in s.split(",")], default=[32, 512])
     ap.add_argument("--host-blocks", type=int, default=2048)

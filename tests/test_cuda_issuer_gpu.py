@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from kvswap import Direction
-from test_cuda_gpu import BOTH, KiB, Pools
+from test_cuda_gpu import ALL, BOTH, KiB, Pools
 
 pytestmark = pytest.mark.gpu
 SPIN = 200_000_000  # torch.cuda._sleep cycles: ~0.1-0.2 s, longer than queueing what follows
@@ -51,7 +51,7 @@ def later_snapshot(torch, pools, stream):
         return pools.dst_t.to("cuda", non_blocking=True)
 
 
-@pytest.mark.parametrize("direction", BOTH, ids=str)
+@pytest.mark.parametrize("direction", ALL, ids=str)
 @pytest.mark.parametrize("n, size", [(10_000, 4 * KiB), (700, 64 * KiB), (3000, 13)])
 def test_later_work_on_the_callers_stream_sees_the_bytes(cuda, direction, n, size):
     torch = cuda.torch

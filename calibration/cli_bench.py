@@ -46,9 +46,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from .multi import add_arguments as add_multi
 
     add_multi(p)
+    from . import cli_step
+
+    cli_step.add_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
+    from . import cli_step
+
+    if cli_step.wanted(args):  # --model, a custom shape or --render: the step benchmark
+        return cli_step.run(args)
     from kvswap.platform import detect
     from kvswap.plugins import plugin_host
 

@@ -99,10 +99,12 @@ class ModelShape:
             )
         return max(1, self.kv_heads // tp)
 
-    def shards(self, tp: int) -> bool:
-        """Whether ``tp`` ranks hold less each than one rank: ``flash`` with more than one
-        head to split (a preset worth benchmarking at this TP)."""
-        return self.layout == "flash" and self.kv_heads_at(tp) < self.kv_heads
+    def splits(self, tp: int) -> bool:
+        """Whether ``tp`` ranks each hold their own ``kv_heads / tp`` heads: always at
+        ``tp`` 1; beyond, only a ``flash`` cache whose heads ``tp`` divides (otherwise
+        ranks replicate heads, or, for ``mla``, the whole latent cache)."""
+        _check_positive("tp", tp)
+        return tp == 1 or (self.layout == "flash" and self.kv_heads % tp == 0)
 
     def at(self, tp: int = DEFAULT_TP, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> KVCache:
         """The cache one of ``tp`` ranks holds, in blocks of ``block_tokens`` tokens."""

@@ -56,8 +56,9 @@ def test_kv_heads_shard_by_tp_never_below_one():
     m = models.get("llama-3.1-8b")
     assert [m.at(tp).kv_heads for tp in (1, 2, 4, 8, 16, 32)] == [8, 4, 2, 1, 1, 1]
     assert m.at(32).chunk_bytes == m.at(8).chunk_bytes == 16 * 128 * 2
-    assert m.shards(8) and not m.shards(1) and not models.get("deepseek-v3").shards(8)
-    assert not models.get("qwen2.5-7b").shards(1) and models.get("qwen2.5-7b").shards(4)
+    assert m.splits(8) and m.splits(1) and not m.splits(16)
+    assert models.get("deepseek-v3").splits(1) and not models.get("deepseek-v3").splits(8)
+    assert models.get("qwen2.5-7b").splits(4) and not models.get("qwen2.5-7b").splits(8)
     with pytest.raises(ConfigurationError, match="do not shard evenly"):
         m.at(3)
     assert m.at(1, block_tokens=32).chunk_bytes == 2 * m.at(1).chunk_bytes

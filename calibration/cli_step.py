@@ -1,0 +1,130 @@
+"""``kvswap bench --model``: the step benchmark's options, and ``--render`` of its JSON."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvswap.cli import block_list, positive
+from kvswap.errors import ConfigurationError, KvSwapError
+from kvswap.models import DEFAULT_BLOCK_TOKENS, add_shape_arguments, shapes_from_args
+
+
+def _names(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "step benchmark (--model, or a custom shape): BlockMover jobs on a model's per-layer KV tensors "
+        "beside bf16 GEMMs, per contender (default, low_interference, batch, kernel@12, vllm): submit host "
+        "time, transfer alone and beside compute, compute slowdown, step makespan, bytes checked")
+    g.add_argument("--model", type=_names, metavar="NAME[,NAME...]",
+                   help="built-in model shape(s) (kvswap models), or all")
+    g.add_argument("--tp", type=block_list, default=[1], metavar="N[,N...]",
+                   help="tensor-parallel degrees (default 1); a degree that does not split a model's KV heads "
+                   "evenly is skipped for it")
+    g.add_argument("--block-tokens", type=positive, default=DEFAULT_BLOCK_TOKENS, metavar="N",
+                   help="tokens per KV block (default 16)")
+    g.add_argument("--blocks", type=block_list, default=[32, 512], metavar="B[,B...]",
+                   help="blocks per job (default 32,512)")
+    g.add_argument("--step-ms", type=float, default=20.0, metavar="MS",
+                   help="compute per step: bf16 GEMMs for about this long (default 20)")
+    g.add_argument("--reps", type=positive, default=7, metavar="N",
+                   help="repetitions per case, contenders interleaved; numbers are medians (default 7)")
+    g.add_argument("--plot", type=Path, metavar="FILE.png", help="also draw the results (needs matplotlib)")
+    g.add_argument("--render", type=Path, nargs="+", metavar="FILE.json",
+                   help="measure nothing: print the markdown table and the bars of step-benchmark JSON file(s) "
+                   "of one device (and draw --plot)")
+    g.add_argument("--command", dest="render_command", default="", metavar="TEXT",
+                   help="with --render: the command that produced the JSON, quoted in the markdown")
+    add_shape_arguments(p)
+
+
+def wanted(args: argparse.Namespace) -> bool:
+    """Whether the options ask for the step benchmark rather than the route grid."""
+    return bool(args.model or args.render or any(
+        getattr(args, a, None) is not None for a in ("layers", "kv_heads", "head_dim", "layout")))
+
+
+def caches_from_args(args: argparse.Namespace) -> tuple[list[Any], list[str]]:
+    """The KV caches to run (model x TP) and a note per combination skipped."""
+    caches, notes = [], []
+    for shape in shapes_from_args(args.model, args, default_all=False):
+        for tp in dict.fromkeys(args.tp):
+            if shape.splits(tp):
+                caches.append(shape.at(tp, args.block_tokens))
+            else:
+                notes.append(f"{shape.name} at tp {tp}: its KV cache does not split over {tp} ranks "
+                             f"({'mla latent cache' if shape.layout == 'mla' else f'{shape.kv_heads} KV heads'}); "
+                             f"skipped")
+    return caches, notes
+
+
+def render(args: argparse.Namespace) -> int:
+    from .step_report import merge, plot, render_markdown
+
+    docs = []
+    for f in args.render:
+        try:
+            docs.append(json.loads(Path(f).read_text()))
+        except (OSError, ValueError) as e:
+            raise ConfigurationError(f"--render {str(f)!r}: {e}") from None
+        if docs[-1].get("kind") != "kvswap step bench":
+            raise ConfigurationError(f"--render {str(f)!r} is not the JSON of kvswap bench --model")
+    doc = merge(docs)
+    print(render_markdown(doc, args.render_command, args.plot.name if args.plot else None), end="")
+    if args.plot:
+        print(f"\nplot written to {plot(doc, args.plot)}", file=sys.stderr)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.render:
+        return render(args)
+    from kvswap.platform import detect
+    from kvswap.plugins import plugin_host
+
+    from .progress import Progress
+    from .step import DeviceEnv, StepSettings, run_step_bench
+    from .step_report import bars, bars_table, header, plot, text_table
+    from .timing import on_host
+
+    if args.json is not None and args.json.is_dir():
+        raise ConfigurationError(f"--json {str(args.json)!r} is a directory; name the file to write")
+    dirs = list(dict.fromkeys(args.directions))
+    caches, notes = caches_from_args(args)
+    if not caches:
+        raise ConfigurationError("no model x TP left to run: " + "; ".join(notes))
+    host = plugin_host()
+    dev = detect(host, args.device)
+    if on_host(dev):
+        raise KvSwapError(f"kvswap bench --model needs a GPU (CUDA or ROCm): the device here is {dev.name!r}, "
+                          f"and its numbers are an engine's step on an accelerator")
+    settings = StepSettings(blocks=tuple(args.blocks), step_ms=args.step_ms, reps=args.reps)
+    progress = Progress.on_stderr("run")
+    try:
+        doc = run_step_bench(DeviceEnv(dev, args.step_ms), dev, caches, dirs, settings, host=host, progress=progress)
+    finally:
+        progress.close()
+    doc["notes"] = notes + doc["notes"]
+    doc["command"] = "kvswap " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("kvswap") else ""
+    print(f"kvswap bench --model: {header(doc)}")
+    print()
+    print(text_table(doc))
+    print()
+    print(bars_table(bars([doc])))
+    for note in doc["notes"]:
+        print(f"note: {note}")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+        print(f"results written to {args.json}")
+    if args.plot is not None:
+        try:
+            print(f"plot written to {plot(doc, args.plot)}")
+        except ImportError:
+            print("note: --plot needs matplotlib (pip install kvswap[plot]); no plot drawn")
+    return 0

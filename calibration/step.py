@@ -1,0 +1,658 @@
+"""The step benchmark: what a KV transfer costs an engine's step, on a model's own layout.
+
+For a model shape (:mod:`kvswap.models`) at a TP degree, one rank's per-layer KV tensors
+are allocated on the device and in pinned host memory, filled with random bytes, and
+BlockMover jobs of ``B`` random blocks are moved as an engine moves them, beside a compute
+load on the compute stream (bf16 GEMMs sized to the step's length):
+
+* the compute is launched first, then the job is submitted, from the same thread;
+* host to device (a prefix load into free blocks) waits for nothing: it runs beside the
+  step's compute;
+* device to host (an offload) waits for the work queued before the step (the writes of
+  the blocks it copies), as the default ordering does for a job submitted at the start of
+  a step, and runs beside the step's compute too.
+
+Each contender is a :class:`~kvswap.Policy` (or a kernel bound at exactly 12 SMs) given
+to a BlockMover over the same tensors. Per contender it reports the time ``submit`` held
+the thread, the transfer's time alone (from an idle device) and beside the compute, the
+compute's slowdown (its time beside the transfer over its time alone, in the same
+repetition), and the step's makespan (from launching the compute to both done); every
+job's destination is poisoned first and every moved byte checked against its source,
+with the blocks not copied checked unchanged. Contenders take turns within each
+repetition on the same random draw of blocks, and each number is the median over the
+repetitions.
+
+On a machine without an accelerator the same code runs on host tensors with the host
+reference copy and a host callable standing in for the GEMMs (:class:`HostEnv`): what
+the tests exercise. ``kvswap bench --model`` refuses that (its numbers would mean nothing).
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import numpy as np
+
+from kvswap.errors import KvSwapError
+from kvswap.models import KVCache
+from kvswap.mover import BlockMover, TransferResult
+from kvswap.thresholds import Calibration
+from kvswap.types import DeviceInfo, Direction, Policy
+
+from .bench import PEER_KERNEL, PEER_MAX_BLOCK, PEER_MIN_BATCH, PEER_SMS, label, peer_route
+from .progress import Progress
+from .timing import median
+
+KiB, MiB = 1024, 1 << 20
+KERNEL_SMS = PEER_SMS  # "kernel only": the SMs vLLM's Triton path runs its copy on
+POISON = 0xA5
+GEMM_N = 4096  # bf16 4096^3: ~0.2 ms on an H100/H200, fine-grained enough to fill a step
+CEILING_MAX = 256 * MiB  # the contiguous copy timed for each case's ceiling, at most
+VLLM_POLICY = (f"vLLM's Triton path: h2d chunks under {PEER_MAX_BLOCK // KiB} KiB in jobs of at least "
+               f"{PEER_MIN_BATCH} descriptors on the kernel at {PEER_SMS} SMs, else the batch route; "
+               f"d2h always the batch route")
+CONTENDERS = ("default", "low_interference", "batch", f"kernel@{KERNEL_SMS}", "vllm")
+
+
+class WrongBytes(KvSwapError):
+    """A job finished without the bytes it was given in its destination blocks."""
+
+
+# -- contenders ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Contender:
+    """One way to resolve the mover. ``exact_sms`` binds the forced kernel at exactly that
+    many SMs (not the calibrated knee capped by it); ``same_as`` names the contender whose
+    mover (and measurements) this one shares in a case."""
+
+    name: str
+    policy: Policy
+    exact_sms: Optional[int] = None
+    same_as: Optional[str] = None
+
+    @property
+    def key(self) -> tuple[Policy, Optional[int]]:
+        return self.policy, self.exact_sms
+
+
+def contenders_for(direction: Direction, cache: KVCache, blocks: int, batch_impl: Optional[str],
+                   kernel_impl: Optional[str]) -> list[Contender]:
+    """The contenders of one case. Routes that are not available here are left out
+    (``batch_impl``/``kernel_impl`` None); vLLM's policy is the batch route or the kernel
+    on 12 SMs, whichever its rule picks for this chunk size and job."""
+    out = [Contender("default", Policy()), Contender("low_interference", Policy(prefer="low_interference"))]
+    forced: dict[str, Contender] = {}
+    if batch_impl:
+        forced["batch"] = Contender("batch", Policy(force=batch_impl))
+    if kernel_impl:
+        name = f"kernel@{KERNEL_SMS}"
+        forced[name] = Contender(name, Policy(force=kernel_impl, max_sms=KERNEL_SMS), exact_sms=KERNEL_SMS)
+    out += forced.values()
+    impl, _ = peer_route(str(direction), cache.chunk_bytes, blocks * cache.descriptors_per_block)
+    # Where its kernel cannot run, vLLM copies on the batch route.
+    twin = forced.get(f"kernel@{KERNEL_SMS}") if impl == PEER_KERNEL else None
+    twin = twin or forced.get("batch")
+    if twin is not None:
+        out.append(Contender("vllm", twin.policy, twin.exact_sms, same_as=twin.name))
+    return out
+
+
+def routes_available(direction: Direction, device: Any, host: Any = None) -> tuple[Optional[str], Optional[str]]:
+    """The batch-kind and kernel-kind implementations a mover can use here, by name (None:
+    none). A kernel reads pinned host memory, which a machine without an accelerator has
+    none of: there it is left out (Triton's interpreter included)."""
+    from kvswap.resolver import resolve
+
+    plan = resolve(direction, device=device, host=host).plan
+    usable = [c for c in plan.candidates if c.available]
+    batch = next((c.name for c in usable if c.kind == "batch"), None)
+    kernel = next((c.name for c in usable if c.kind == "kernel"), None)
+    return batch, None if plan.device.platform == "cpu" else kernel
+
+
+def exact_sms_calibration(dev: DeviceInfo, num_sms: int) -> Calibration:
+    """What the resolver decides by to bind a forced kernel at exactly ``num_sms`` SMs."""
+    return Calibration(source=f"kvswap bench --model: kernel bound at {num_sms} SMs", platform=dev.platform,
+                       scope="device", kernel_sms={str(d): num_sms for d in (Direction.H2D, Direction.D2H)},
+                       identity=dev.identity)
+
+
+def bind(contender: Contender, dev: DeviceInfo, target: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``target(*args, policy=contender.policy, **kwargs)`` (BlockMover, resolve), with the
+    kernel bound at exactly ``contender.exact_sms`` SMs where it asks for that."""
+    if contender.exact_sms is None:
+        return target(*args, policy=contender.policy, **kwargs)
+    cal = exact_sms_calibration(dev, contender.exact_sms)
+    if "calibration" in inspect.signature(target).parameters:
+        return target(*args, policy=contender.policy, calibration=cal, **kwargs)
+    from . import store  # before BlockMover and resolve took a calibration: the store's override
+
+    with store.override(cal):
+        return target(*args, policy=contender.policy, **kwargs)
+
+
+def make_mover(src: list, dst: list, direction: Direction, block_dim: int, contender: Contender,
+               dev: DeviceInfo) -> BlockMover:
+    """A BlockMover for ``contender`` over these tensors."""
+    return bind(contender, dev, BlockMover, src, dst, direction, block_dim=block_dim)
+
+
+def route_label(mover: BlockMover, sid: np.ndarray, did: np.ndarray) -> str:
+    """The route(s) this job takes, as the tables name them (``triton.kernel@12``)."""
+    try:
+        work = mover.swap_fn.assign(*mover.descriptors(sid, did))
+        return "+".join(dict.fromkeys(label(name, sms) for name, sms, _ in work))
+    except Exception:  # a label is a courtesy; the run says what failed
+        return "+".join(mover.swap_fn.impls)
+
+
+# -- where it runs: a GPU, or host memory with a stand-in compute --------------------------
+
+class HostEnv:
+    """Host tensors, the host reference copy, and ``compute`` (a callable) for the GEMMs:
+    everything runs synchronously, so "beside" is "after" and only the code is tested."""
+
+    name = "host"
+
+    def __init__(self, compute: Callable[[], Any], device: str = "cpu") -> None:
+        import torch
+
+        self.torch, self.device, self.compute_fn = torch, device, compute
+        self.side = None
+        self.gemms = 1
+        self.gemm_seconds = 0.0
+
+    def alloc(self, nbytes: int, host: bool) -> Any:
+        return self.torch.empty(nbytes, dtype=self.torch.uint8)
+
+    def random_(self, t: Any, gen_seed: int) -> None:
+        g = self.torch.Generator().manual_seed(gen_seed)
+        t.copy_(self.torch.randint(0, 256, t.shape, dtype=self.torch.uint8, generator=g))
+
+    def mirror_of(self, host_flat: Any) -> Any:
+        return host_flat.clone()
+
+    def launch_compute(self) -> None:
+        self.compute_fn()
+
+    def mark(self, stream: Any = None) -> float:
+        return time.perf_counter()
+
+    def elapsed(self, a: float, b: float) -> float:
+        return max(b - a, 0.0)
+
+    def sync(self) -> None:
+        pass
+
+    def submit(self, mover: BlockMover, sid: np.ndarray, did: np.ndarray, after: Any) -> int:
+        return mover.submit(sid, did)
+
+    def context(self) -> Any:
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+class DeviceEnv:
+    """A CUDA (or ROCm) device through torch: a compute stream running bf16 GEMMs, and
+    CUDA events on it and on each mover's transfer stream."""
+
+    name = "device"
+
+    def __init__(self, dev: DeviceInfo, step_ms: float) -> None:
+        import torch
+
+        self.torch, self.dev = torch, dev
+        self.device = torch.device(dev.torch_device)
+        self.index = self.device.index or 0
+        with torch.cuda.device(self.index):
+            self.compute = torch.cuda.Stream(device=self.index)
+            self.side = torch.cuda.Stream(device=self.index)  # an idle stream: "after nothing"
+        gen = torch.Generator(device=self.device).manual_seed(0)
+        self.a = torch.randn(GEMM_N, GEMM_N, device=self.device, dtype=torch.bfloat16, generator=gen)
+        self.b = torch.randn(GEMM_N, GEMM_N, device=self.device, dtype=torch.bfloat16, generator=gen)
+        self.out = torch.empty_like(self.a)
+        self.gemms = 1
+        self.gemm_seconds = self._one_gemm()
+        self.gemms = max(1, round(step_ms / 1e3 / self.gemm_seconds))
+
+    def _one_gemm(self) -> float:
+        with self.context():
+            for _ in range(5):
+                self.launch_compute()
+            times = []
+            for _ in range(5):
+                s = self.mark()
+                for _ in range(10):
+                    self.launch_compute()
+                e = self.mark()
+                e.synchronize()
+                times.append(self.elapsed(s, e) / 10)
+        return median(times)
+
+    def alloc(self, nbytes: int, host: bool) -> Any:
+        t = self.torch
+        if host:
+            return t.empty(nbytes, dtype=t.uint8, pin_memory=True)
+        return t.empty(nbytes, dtype=t.uint8, device=self.device)
+
+    def random_(self, flat: Any, gen_seed: int) -> None:
+        t = self.torch
+        g = t.Generator(device=self.device).manual_seed(gen_seed)
+        step = 256 * MiB
+        for i in range(0, flat.numel(), step):
+            part = flat[i:i + step]
+            part.copy_(t.randint(0, 256, part.shape, dtype=t.uint8, device=self.device, generator=g))
+        t.cuda.synchronize(self.device)
+
+    def mirror_of(self, host_flat: Any) -> Any:
+        return host_flat.to(self.device)
+
+    def launch_compute(self) -> None:
+        mm = self.torch.matmul
+        for _ in range(self.gemms):
+            mm(self.a, self.b, out=self.out)
+
+    def mark(self, stream: Any = None) -> Any:
+        e = self.torch.cuda.Event(enable_timing=True)
+        e.record(self.compute if stream is None else stream)
+        return e
+
+    def elapsed(self, a: Any, b: Any) -> float:
+        return max(a.elapsed_time(b) / 1e3, 0.0)
+
+    def sync(self) -> None:
+        self.torch.cuda.synchronize(self.device)
+
+    def submit(self, mover: BlockMover, sid: np.ndarray, did: np.ndarray, after: Any) -> int:
+        """``after``: None (wait for nothing) or an event to wait for."""
+        if "after" in inspect.signature(mover.submit).parameters:
+            return mover.submit(sid, did, after=after)
+        # Before submit took ``after``: it orders after the current stream, so make that
+        # an idle stream which waits for ``after`` alone.
+        if after is not None:
+            self.side.wait_event(after)
+        with self.torch.cuda.stream(self.side):
+            return mover.submit(sid, did)
+
+    def context(self) -> Any:
+        import contextlib
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.torch.cuda.device(self.index))
+        stack.enter_context(self.torch.cuda.stream(self.compute))
+        return stack
+
+
+# -- the tensors of one rank, and the byte checks ------------------------------------------
+
+class StepPools:
+    """One rank's per-layer KV tensors on both sides, ``num_blocks`` blocks each, and a
+    mirror of the host side next to the device (where checks run)."""
+
+    def __init__(self, env: Any, cache: KVCache, num_blocks: int, seed: int = 0) -> None:
+        import torch
+
+        self.env, self.cache, self.num_blocks, self.seed = env, cache, num_blocks, seed
+        self.torch = torch
+        shape = cache.tensor_shape(num_blocks)
+        self.nbytes = math.prod(shape) * cache.element_bytes
+        self.dtype = getattr(torch, cache.model.dtype)
+        self.bytes_shape = shape[:-1] + (shape[-1] * cache.element_bytes,)
+        layers = cache.model.layers
+        self.dev_flat = [env.alloc(self.nbytes, host=False) for _ in range(layers)]
+        self.host_flat = [env.alloc(self.nbytes, host=True) for _ in range(layers)]
+        self.mirror = [env.mirror_of(f) for f in self.host_flat]
+        self.device_tensors = [self._typed(f) for f in self.dev_flat]
+        self.host_tensors = [self._typed(f) for f in self.host_flat]
+        self._fills = 0
+        self.prepared: Optional[Direction] = None
+
+    def _typed(self, flat: Any) -> Any:
+        return flat.view(self.dtype).view(self.cache.tensor_shape(self.num_blocks))
+
+    def _bytes(self, flat: Any) -> Any:
+        return flat.view(self.bytes_shape)
+
+    def sides(self, direction: Direction) -> tuple[list, list]:
+        if direction.src_is_host:
+            return self.host_tensors, self.device_tensors
+        return self.device_tensors, self.host_tensors
+
+    def prepare(self, direction: Direction) -> None:
+        """Fresh random bytes in ``direction``'s source (the other direction's runs left
+        poison and copies in it), mirrored next to the device for the checks."""
+        for f in (self.host_flat if direction.src_is_host else self.dev_flat):
+            self._fills += 1
+            self.env.random_(f, self.seed * 1_000_003 + self._fills)
+        if direction.src_is_host:
+            for m, h in zip(self.mirror, self.host_flat):
+                m.copy_(h)
+        self.env.sync()
+        self.prepared = direction
+
+    def poison(self, direction: Direction) -> None:
+        """Every destination byte set to :data:`POISON` before a job."""
+        if direction.src_is_host:
+            for f in self.dev_flat:
+                f.fill_(POISON)
+        else:  # on the device, then one contiguous copy per layer to the host
+            for m, h in zip(self.mirror, self.host_flat):
+                m.fill_(POISON)
+                h.copy_(m)
+        self.env.sync()
+
+    def check(self, direction: Direction, sid: np.ndarray, did: np.ndarray) -> int:
+        """Bytes verified: every destination block ``did[i]`` of every layer equals source
+        block ``sid[i]``, and every other destination block is still poison.
+
+        :raises WrongBytes: naming the first layer and block that differ.
+        """
+        t = self.torch
+        if direction.src_is_host:
+            dst, src = self.dev_flat, self.mirror
+        else:
+            for m, h in zip(self.mirror, self.host_flat):
+                m.copy_(h)
+            dst, src = self.mirror, self.dev_flat
+        bd = self.cache.block_dim
+        where = dst[0].device
+        s_idx = t.as_tensor(sid, dtype=t.int64).to(where)
+        d_idx = t.as_tensor(did, dtype=t.int64).to(where)
+        keep = np.ones(self.num_blocks, dtype=bool)
+        keep[did] = False
+        rest = t.as_tensor(np.flatnonzero(keep), dtype=t.int64).to(where)
+        for layer, (d, s) in enumerate(zip(dst, src)):
+            got = self._bytes(d).index_select(bd, d_idx)
+            want = self._bytes(s).index_select(bd, s_idx)
+            if not t.equal(got, want):
+                bad = (got != want).movedim(bd, 0).reshape(len(did), -1).any(dim=1)
+                i = int(t.nonzero(bad)[0, 0])
+                raise WrongBytes(f"{direction}: layer {layer}, destination block {int(did[i])} does not hold "
+                                 f"source block {int(sid[i])} (job position {i})")
+            if len(rest):
+                left = self._bytes(d).index_select(bd, rest)
+                if not bool((left == POISON).all()):
+                    bad = (left != POISON).movedim(bd, 0).reshape(len(rest), -1).any(dim=1)
+                    j = int(rest[int(t.nonzero(bad)[0, 0])])
+                    raise WrongBytes(f"{direction}: layer {layer}, destination block {j} was not in the job "
+                                     f"but was written")
+        return len(did) * self.cache.block_bytes
+
+    def draw(self, rng: np.random.Generator, blocks: int) -> tuple[np.ndarray, np.ndarray]:
+        return (rng.choice(self.num_blocks, blocks, replace=False).astype(np.int64),
+                rng.choice(self.num_blocks, blocks, replace=False).astype(np.int64))
+
+    def ceiling(self, direction: Direction, nbytes: int, reps: int = 5) -> float:
+        """GB/s of one contiguous copy of ``nbytes`` (at most :data:`CEILING_MAX`) across
+        the link in ``direction``, from an idle device (median of ``reps``)."""
+        env = self.env
+        n = max(1, min(nbytes, CEILING_MAX))
+        host, dev = env.alloc(n, host=True), env.alloc(n, host=False)
+        src, dst = (host, dev) if direction.src_is_host else (dev, host)
+        times = []
+        with env.context():
+            for i in range(reps + 1):
+                env.sync()
+                a = env.mark()
+                dst.copy_(src, non_blocking=True)
+                b = env.mark()
+                env.sync()
+                if i:
+                    times.append(env.elapsed(a, b))
+        return n / max(median(times), 1e-9) / 1e9
+
+
+# -- one case -------------------------------------------------------------------------------
+
+@dataclass
+class Runs:
+    """Raw timings of one contender over the repetitions (seconds)."""
+
+    submit: list[float] = field(default_factory=list)
+    alone: list[float] = field(default_factory=list)
+    beside: list[float] = field(default_factory=list)
+    compute: list[float] = field(default_factory=list)
+    slowdown: list[float] = field(default_factory=list)
+    makespan: list[float] = field(default_factory=list)
+    bytes_checked: int = 0
+
+
+@dataclass
+class ContenderResult:
+    """One contender in one case; times are medians over the repetitions."""
+
+    name: str
+    route: str
+    same_as: Optional[str]
+    submit_us: Optional[float] = None
+    transfer_alone_ms: Optional[float] = None
+    transfer_beside_ms: Optional[float] = None
+    compute_beside_ms: Optional[float] = None
+    slowdown: Optional[float] = None  # compute time beside the transfer / alone (1.0: none)
+    makespan_ms: Optional[float] = None
+    gbps_alone: Optional[float] = None
+    gbps_beside: Optional[float] = None
+    bytes_checked: int = 0
+    error: Optional[str] = None
+
+
+@dataclass
+class CaseResult:
+    """One model x TP x direction x blocks case."""
+
+    model: str
+    layout: str
+    tp: int
+    direction: str
+    blocks: int
+    chunk_bytes: int
+    descriptors: int
+    bytes: int
+    compute_alone_ms: float
+    ceiling_gbps: Optional[float]
+    reps: int
+    contenders: list[ContenderResult]
+
+    def by_name(self) -> dict[str, ContenderResult]:
+        return {c.name: c for c in self.contenders}
+
+
+def _ms(values: Sequence[float]) -> Optional[float]:
+    return round(median(values) * 1e3, 4) if values else None
+
+
+def _one_step(env: Any, pools: StepPools, mover: BlockMover, direction: Direction, sid: np.ndarray,
+              did: np.ndarray) -> tuple[float, float, float, float]:
+    """Launch the compute, then submit: ``(submit s, transfer s, compute s, makespan s)``."""
+    pools.poison(direction)
+    with env.context():
+        env.sync()
+        written = env.mark()  # the end of the work queued before the step
+        c0 = env.mark()
+        env.launch_compute()
+        c1 = env.mark()
+        h0 = time.perf_counter()
+        job = env.submit(mover, sid, did, None if direction.src_is_host else written)
+        h1 = time.perf_counter()
+        t1 = env.mark(mover.stream)
+        env.sync()
+    result = _result(mover, job)
+    compute = env.elapsed(c0, c1)
+    return h1 - h0, result.seconds, compute, max(compute, env.elapsed(c0, t1))
+
+
+def _alone(env: Any, pools: StepPools, mover: BlockMover, direction: Direction, sid: np.ndarray,
+           did: np.ndarray) -> float:
+    pools.poison(direction)
+    with env.context():
+        env.sync()
+        job = env.submit(mover, sid, did, None)
+        env.sync()
+    return _result(mover, job).seconds
+
+
+def _compute_alone(env: Any) -> float:
+    with env.context():
+        env.sync()
+        a = env.mark()
+        env.launch_compute()
+        b = env.mark()
+        env.sync()
+    return env.elapsed(a, b)
+
+
+def _result(mover: BlockMover, job: int) -> TransferResult:
+    mover.wait(job)
+    done = [r for r in mover.poll() if r.job_id == job]
+    if not done or not done[0].ok:
+        raise KvSwapError(f"job {job} failed: {done[0].error if done else 'no result'}")
+    return done[0]
+
+
+def run_case(env: Any, pools: StepPools, dev: DeviceInfo, direction: Direction, blocks: int,
+             contenders: Sequence[Contender], reps: int, rng: np.random.Generator,
+             progress: Optional[Progress] = None, ceiling: bool = True) -> CaseResult:
+    """Every contender on ``blocks`` random blocks, ``reps`` times, taking turns."""
+    cache = pools.cache
+    if pools.prepared != direction:
+        pools.prepare(direction)
+    src, dst = pools.sides(direction)
+    measured = [c for c in contenders if c.same_as is None]
+    movers: dict[str, BlockMover] = {}
+    errors: dict[str, str] = {}
+    runs = {c.name: Runs() for c in measured}
+    routes: dict[str, str] = {}
+    sid, did = pools.draw(rng, blocks)
+    try:
+        for c in measured:
+            try:
+                with env.context():
+                    movers[c.name] = make_mover(src, dst, direction, cache.block_dim, c, dev)
+                routes[c.name] = route_label(movers[c.name], sid, did)
+                _alone(env, pools, movers[c.name], direction, sid, did)  # warm-up (and kernel compile)
+                pools.check(direction, sid, did)
+            except Exception as e:
+                errors[c.name] = f"{type(e).__name__}: {e}"
+        compute_alone: list[float] = []
+        for r in range(reps):
+            sid, did = pools.draw(rng, blocks)
+            alone_c = _compute_alone(env)
+            compute_alone.append(alone_c)
+            live = [c for c in measured if c.name in movers and c.name not in errors]
+            order = live[r % len(live):] + live[:r % len(live)] if live else []
+            for c in order:
+                m, got = movers[c.name], runs[c.name]
+                try:
+                    got.alone.append(_alone(env, pools, m, direction, sid, did))
+                    got.bytes_checked += pools.check(direction, sid, did)
+                    s, t, comp, span = _one_step(env, pools, m, direction, sid, did)
+                    got.bytes_checked += pools.check(direction, sid, did)
+                except Exception as e:
+                    errors[c.name] = f"{type(e).__name__}: {e}"
+                    continue
+                got.submit.append(s)
+                got.beside.append(t)
+                got.compute.append(comp)
+                got.slowdown.append(comp / alone_c if alone_c > 0 else 1.0)
+                got.makespan.append(span)
+                if progress is not None:
+                    progress.step(f"{cache.label} {direction} x{blocks}")
+    finally:
+        for m in movers.values():
+            m.close()
+    nbytes = blocks * cache.block_bytes
+    results = []
+    for c in contenders:
+        who = c.same_as or c.name
+        got = runs[who]
+        res = ContenderResult(c.name, routes.get(who, "?"), c.same_as, error=errors.get(who))
+        if got.makespan:
+            alone, beside = median(got.alone), median(got.beside)
+            res.submit_us = round(median(got.submit) * 1e6, 2)
+            res.transfer_alone_ms, res.transfer_beside_ms = _ms(got.alone), _ms(got.beside)
+            res.compute_beside_ms, res.makespan_ms = _ms(got.compute), _ms(got.makespan)
+            res.slowdown = round(median(got.slowdown), 4)
+            res.gbps_alone = round(nbytes / alone / 1e9, 3) if alone > 0 else None
+            res.gbps_beside = round(nbytes / beside / 1e9, 3) if beside > 0 else None
+            res.bytes_checked = got.bytes_checked
+        results.append(res)
+    return CaseResult(
+        model=cache.model.name, layout=cache.model.layout, tp=cache.tp, direction=str(direction), blocks=blocks,
+        chunk_bytes=cache.chunk_bytes, descriptors=blocks * cache.descriptors_per_block, bytes=nbytes,
+        compute_alone_ms=_ms(compute_alone) or 0.0,
+        ceiling_gbps=round(pools.ceiling(direction, nbytes), 3) if ceiling else None,
+        reps=reps, contenders=results,
+    )
+
+
+# -- a whole run -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StepSettings:
+    blocks: tuple[int, ...] = (32, 512)
+    step_ms: float = 20.0
+    reps: int = 7
+    seed: int = 0
+    pool_factor: int = 2  # blocks in each pool: this many times the largest job, at least 64
+
+
+def pool_blocks(settings: StepSettings) -> int:
+    return max(64, settings.pool_factor * max(settings.blocks))
+
+
+def run_step_bench(env: Any, dev: DeviceInfo, caches: Iterable[KVCache], directions: Sequence[Direction],
+                   settings: StepSettings, *, host: Any = None, progress: Optional[Progress] = None,
+                   ceiling: bool = True) -> dict[str, Any]:
+    """Every case of ``caches`` x ``directions`` x ``settings.blocks``: a JSON-ready document."""
+    caches = list(caches)
+    rng = np.random.default_rng(settings.seed)
+    available = {d: routes_available(d, dev.torch_device, host) for d in directions}
+    doc: dict[str, Any] = {
+        "kind": "kvswap step bench",
+        "device": {"name": dev.name, "platform": dev.platform, "identity": dev.identity,
+                   "compute_units": dev.compute_units, "driver": dev.driver_version, "link": dev.link},
+        "env": env.name,
+        "settings": asdict(settings),
+        "compute": {"gemm": f"bf16 {GEMM_N}x{GEMM_N}x{GEMM_N}", "gemms": env.gemms,
+                    "gemm_ms": round(env.gemm_seconds * 1e3, 4)},
+        "contenders": list(CONTENDERS),
+        "vllm_policy": VLLM_POLICY,
+        "cases": [],
+        "notes": [],
+    }
+    for d, (b, k) in available.items():
+        if not b or not k:
+            doc["notes"].append(f"{d}: no {'batch' if not b else 'kernel'}-kind route here; its contenders "
+                                f"are left out")
+    if progress is not None:
+        per_case = {d: sum(c.same_as is None for c in contenders_for(d, caches[0], 1, *available[d]))
+                    for d in directions} if caches else {}
+        progress.add(sum(per_case[d] * settings.reps for d in directions) * len(settings.blocks) * len(caches))
+    for cache in caches:
+        pools = StepPools(env, cache, pool_blocks(settings), settings.seed)
+        try:
+            for d in directions:
+                for b in settings.blocks:
+                    cs = contenders_for(d, cache, b, *available[d])
+                    case = run_case(env, pools, dev, d, b, cs, settings.reps, rng, progress, ceiling)
+                    doc["cases"].append(asdict(case))
+        finally:
+            del pools
+            _free_memory(env)
+    return doc
+
+
+def _free_memory(env: Any) -> None:
+    if env.name != "device":
+        return
+    torch = env.torch
+    torch.cuda.synchronize(env.device)
+    torch.cuda.empty_cache()
+    empty_host = getattr(torch._C, "_host_emptyCache", None)  # torch's cached pinned blocks
+    if empty_host is not None:
+        empty_host()

@@ -1,0 +1,237 @@
+"""What a step benchmark's JSON says: its table (plain text and markdown), a plot, and the bars.
+
+Everything here reads the document :func:`kvswap.calibration.step.run_step_bench` wrote
+(or several merged), so a run on a GPU machine is rendered anywhere.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence
+
+KiB = 1024
+
+# The bars a step run is held to.
+BAR_MAKESPAN = 1.03  # the default's makespan at most this x the best contender's
+BAR_VS_VLLM = 1.0  # the default's transfer beside compute at least as fast as vLLM's policy
+BAR_VS_VLLM_GEOMEAN = 1.3  # ... and this much faster in geomean where chunks are 4-16 KiB
+GEOMEAN_CHUNKS = (4 * KiB, 16 * KiB)
+SUBMIT_BASE_US, SUBMIT_PER_DESCRIPTOR_US = 100.0, 0.01  # the engine thread's budget per submit
+BAR_CEILING = 0.90  # h2d 4 KiB x 10,000 through BlockMover, over the contiguous ceiling
+CEILING_POINT = ("h2d", 4 * KiB, 10_000)
+
+COLUMNS = ("model", "tp", "dir", "B", "chunk", "desc", "contender", "route", "submit us", "alone ms",
+           "beside ms", "GB/s beside", "slowdown", "makespan ms", "checked")
+
+
+def _size(b: int) -> str:
+    return f"{b // KiB} KiB" if b % KiB == 0 else f"{b} B"
+
+
+def _bytes(n: int) -> str:
+    for unit, k in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= k:
+            return f"{n / k:.1f} {unit}"
+    return f"{n} B"
+
+
+def _f(v: Optional[float], fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def rows(doc: dict[str, Any]) -> list[list[str]]:
+    out = []
+    for case in doc["cases"]:
+        for c in case["contenders"]:
+            route = c["route"] + (f" (= {c['same_as']})" if c["same_as"] else "")
+            if c["error"]:
+                cells = ["failed: " + c["error"][:60]] + [""] * 6
+            else:
+                cells = [_f(c["submit_us"], ".0f"), _f(c["transfer_alone_ms"], ".3f"),
+                         _f(c["transfer_beside_ms"], ".3f"), _f(c["gbps_beside"], ".1f"),
+                         _f(c["slowdown"], ".3f"), _f(c["makespan_ms"], ".2f"), _bytes(c["bytes_checked"])]
+            out.append([case["model"], str(case["tp"]), case["direction"], str(case["blocks"]),
+                        _size(case["chunk_bytes"]), str(case["descriptors"]), c["name"], route, *cells])
+    return out
+
+
+def text_table(doc: dict[str, Any]) -> str:
+    cells = [list(COLUMNS)] + rows(doc)
+    widths = [max(len(r[i]) for r in cells) for i in range(len(COLUMNS))]
+    lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in cells]
+    return "\n".join(lines[:1] + ["  ".join("-" * w for w in widths)] + lines[1:])
+
+
+def markdown_table(doc: dict[str, Any]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows(doc)]
+    return "\n".join(lines)
+
+
+def header(doc: dict[str, Any]) -> str:
+    d, comp, s = doc["device"], doc["compute"], doc["settings"]
+    return (f"device {d['name']!r} ({d['platform']}, {d['compute_units']} SMs, link {d.get('link', '?')}); "
+            f"compute: {comp['gemms']} x {comp['gemm']} ({comp['gemm_ms']:.3f} ms each, step {s['step_ms']} ms); "
+            f"median of {s['reps']} repetitions, contenders interleaved; vllm = {doc['vllm_policy']}")
+
+
+# -- the bars ---------------------------------------------------------------------------------
+
+def _contender(case: dict[str, Any], name: str) -> Optional[dict[str, Any]]:
+    c = next((c for c in case["contenders"] if c["name"] == name), None)
+    return c if c is not None and not c["error"] and c["makespan_ms"] is not None else None
+
+
+def _case_label(case: dict[str, Any]) -> str:
+    return f"{case['model']} tp{case['tp']} {case['direction']} x{case['blocks']}"
+
+
+def bars(docs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each bar: ``{"bar", "cases", "passed", "worst", "worst_case", "ok"}`` (``ok`` None
+    where no case could be judged)."""
+    cases = [c for doc in docs for c in doc["cases"]]
+    out = []
+
+    def bar(name: str, judged: list[tuple[str, float, bool]], worst_is_min: bool, extra: str = "") -> None:
+        if not judged:
+            out.append({"bar": name, "cases": 0, "passed": 0, "worst": None, "worst_case": None, "ok": None,
+                        "note": extra or "no case to judge"})
+            return
+        pick = min if worst_is_min else max
+        label, value, _ = pick(judged, key=lambda j: j[1])
+        passed = sum(ok for _, _, ok in judged)
+        out.append({"bar": name, "cases": len(judged), "passed": passed, "worst": round(value, 4),
+                    "worst_case": label, "ok": passed == len(judged), "note": extra})
+
+    judged = []
+    for case in cases:
+        default = _contender(case, "default")
+        others = [c for c in case["contenders"] if _contender(case, c["name"])]
+        if default and others:
+            best = min(c["makespan_ms"] for c in others)
+            r = default["makespan_ms"] / best
+            judged.append((_case_label(case), r, r <= BAR_MAKESPAN))
+    bar(f"default makespan <= {BAR_MAKESPAN} x best contender's", judged, worst_is_min=False)
+
+    judged, geo = [], []
+    for case in cases:
+        default, vllm = _contender(case, "default"), _contender(case, "vllm")
+        if default and vllm and default["transfer_beside_ms"]:
+            r = vllm["transfer_beside_ms"] / default["transfer_beside_ms"]
+            judged.append((_case_label(case), r, r >= BAR_VS_VLLM))
+            if GEOMEAN_CHUNKS[0] <= case["chunk_bytes"] <= GEOMEAN_CHUNKS[1]:
+                geo.append(r)
+    bar(f"default transfer beside compute >= {BAR_VS_VLLM} x vLLM policy's (speed)", judged, worst_is_min=True)
+    g = math.exp(sum(map(math.log, geo)) / len(geo)) if geo else None
+    out.append({"bar": f"geomean of that over chunks 4-16 KiB >= {BAR_VS_VLLM_GEOMEAN}", "cases": len(geo),
+                "passed": int(g is not None and g >= BAR_VS_VLLM_GEOMEAN), "worst": None if g is None else round(g, 4),
+                "worst_case": "geomean", "ok": None if g is None else g >= BAR_VS_VLLM_GEOMEAN, "note": ""})
+
+    judged = []
+    others_over = 0
+    for case in cases:
+        budget = SUBMIT_BASE_US + SUBMIT_PER_DESCRIPTOR_US * case["descriptors"]
+        for c in case["contenders"]:
+            if _contender(case, c["name"]) is None or c["same_as"]:
+                continue
+            r = c["submit_us"] / budget
+            if c["name"] == "default":
+                judged.append((_case_label(case), r, r <= 1.0))
+            elif r > 1.0:
+                others_over += 1
+    bar(f"default submit host time <= {SUBMIT_BASE_US:.0f} us + {SUBMIT_PER_DESCRIPTOR_US * 1e3:.0f} ns "
+        f"x descriptors (worst: fraction of budget)", judged, worst_is_min=False,
+        extra=f"other contenders over budget in {others_over} case(s)")
+
+    judged = []
+    d, chunk, n = CEILING_POINT
+    for case in cases:
+        default = _contender(case, "default")
+        if (case["direction"], case["chunk_bytes"], case["descriptors"]) == (d, chunk, n) and default \
+                and case.get("ceiling_gbps") and default["gbps_alone"]:
+            r = default["gbps_alone"] / case["ceiling_gbps"]
+            judged.append((_case_label(case), r, r >= BAR_CEILING))
+    bar(f"{d} {chunk // KiB} KiB x {n:,} through BlockMover >= {BAR_CEILING} x contiguous ceiling", judged,
+        worst_is_min=True, extra="" if judged else "run the ceiling case (see docs/benchmarks.md)")
+    return out
+
+
+def bars_table(results: Sequence[dict[str, Any]]) -> str:
+    head = ("bar", "cases", "passed", "worst", "where", "verdict")
+    cells = [list(head)]
+    for b in results:
+        verdict = "n/a" if b["ok"] is None else ("PASS" if b["ok"] else "FAIL")
+        cells.append([b["bar"], str(b["cases"]), str(b["passed"]), _f(b["worst"], ".3f"), b["worst_case"] or "-",
+                      verdict + (f" ({b['note']})" if b.get("note") else "")])
+    lines = ["| " + " | ".join(r) + " |" for r in cells]
+    return "\n".join(lines[:1] + ["|" + "---|" * len(head)] + lines[1:])
+
+
+# -- the plot ----------------------------------------------------------------------------------
+
+def plot(doc: dict[str, Any], path: Path) -> Path:
+    """Per direction: each contender's transfer time beside compute and the step's makespan
+    over the compute alone, per case (needs matplotlib: ``pip install kvswap[plot]``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directions = list(dict.fromkeys(c["direction"] for c in doc["cases"]))
+    names = list(dict.fromkeys(c["name"] for case in doc["cases"] for c in case["contenders"]))
+    fig, axes = plt.subplots(len(directions), 2, figsize=(16, 4.5 * len(directions)), squeeze=False)
+    width = 0.8 / max(len(names), 1)
+    for row, d in enumerate(directions):
+        cases = [c for c in doc["cases"] if c["direction"] == d]
+        labels = [f"{c['model']}\ntp{c['tp']} x{c['blocks']}\n{_size(c['chunk_bytes'])}" for c in cases]
+        for col, (key, title, log) in enumerate((
+                ("transfer_beside_ms", "transfer time beside compute (ms, log)", True),
+                ("makespan_over_compute", "step makespan / compute alone", False))):
+            ax = axes[row][col]
+            for i, name in enumerate(names):
+                ys = []
+                for case in cases:
+                    c = _contender(case, name)
+                    if c is None:
+                        ys.append(float("nan"))
+                    elif key == "makespan_over_compute":
+                        ys.append(c["makespan_ms"] / case["compute_alone_ms"] if case["compute_alone_ms"] else math.nan)
+                    else:
+                        ys.append(c[key])
+                xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(cases))]
+                ax.bar(xs, ys, width, label=name)
+            if log:
+                ax.set_yscale("log")
+            else:
+                ax.axhline(1.0, color="black", linewidth=0.8)
+            ax.set_xticks(range(len(cases)))
+            ax.set_xticklabels(labels, fontsize=7)
+            ax.set_title(f"{d}: {title}")
+            ax.grid(axis="y", alpha=0.3)
+        axes[row][0].legend(fontsize=8)
+    dev = doc["device"]
+    fig.suptitle(f"kvswap bench --model on {dev['name']} (step {doc['settings']['step_ms']} ms of bf16 GEMMs)")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def merge(docs: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """One document of several runs on one device (cases and notes concatenated)."""
+    docs = list(docs)
+    out = dict(docs[0])
+    out["cases"] = [c for d in docs for c in d["cases"]]
+    out["notes"] = [n for d in docs for n in d["notes"]]
+    return out
+
+
+def render_markdown(doc: dict[str, Any], command: str = "", plot_path: Optional[str] = None) -> str:
+    """The section of docs/benchmarks.md for one device's run."""
+    out = [f"**{doc['device']['name']}**" + (f" — `{command}`" if command else ""), "", header(doc), "",
+           markdown_table(doc), "", bars_table(bars([doc]))]
+    if plot_path:
+        out += ["", f"![step benchmark on {doc['device']['name']}]({plot_path})"]
+    return "\n".join(out) + "\n"

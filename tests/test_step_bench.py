@@ -1,0 +1,218 @@
+"""The step benchmark (``kvswap bench --model``) on the CPU: the workload on real host
+tensors with the host reference (and the Triton kernel in its interpreter), the compute
+load a host callable, every byte checked; contenders, tables, JSON, plot and bars."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from kvswap import Policy, models
+from kvswap.calibration import step, step_report
+from kvswap.calibration.step import Contender, HostEnv, StepPools, StepSettings, WrongBytes
+from kvswap.platform import detect
+from kvswap.plugins import plugin_host
+from kvswap.types import Direction
+
+KiB = 1024
+TINY_FLASH = models.ModelShape("tiny-flash", layers=3, kv_heads=4, head_dim=8)
+TINY_MLA = models.ModelShape("tiny-mla", layers=2, kv_heads=1, head_dim=24, layout="mla", dtype="float16")
+
+
+def cpu():
+    return detect(plugin_host(), "cpu")
+
+
+def kvswap_cli(*args):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSWAP_")}
+    return subprocess.run([sys.executable, "-m", "kvswap", *args], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("direction, chunk_kib, blocks, dpb, vllm", [
+    ("h2d", 4, 32, 160, "kernel@12"),   # llama-3.1-70b tp8
+    ("h2d", 16, 32, 56, "kernel@12"),   # qwen2.5-7b
+    ("h2d", 32, 32, 64, "batch"),       # llama-3.1-8b: 32 KiB chunks are not under 28 KiB
+    ("h2d", 4, 1, 8, "batch"),          # fewer than 16 descriptors
+    ("d2h", 4, 512, 160, "batch"),      # vLLM offloads on the batch route always
+])
+def test_contenders_and_vllms_route_per_case(direction, chunk_kib, blocks, dpb, vllm):
+    shape = models.ModelShape("m", layers=dpb // 2, kv_heads=1, head_dim=chunk_kib * KiB // 32)
+    cache = shape.at(1)
+    assert cache.chunk_bytes == chunk_kib * KiB and cache.descriptors_per_block == dpb
+    cs = {c.name: c for c in step.contenders_for(Direction.parse(direction), cache, blocks, "cuda.batch",
+                                                 "triton.kernel")}
+    assert list(cs) == list(step.CONTENDERS)
+    assert cs["default"].policy == Policy() and cs["low_interference"].policy == Policy(prefer="low_interference")
+    assert cs["batch"].policy == Policy(force="cuda.batch") and cs["batch"].exact_sms is None
+    k = cs["kernel@12"]
+    assert (k.policy.force, k.policy.max_sms, k.exact_sms) == ("triton.kernel", 12, 12)
+    assert cs["vllm"].same_as == vllm and cs["vllm"].key == cs[vllm].key
+
+
+def test_contenders_without_a_kernel_route_leave_it_out():
+    cs = step.contenders_for(Direction.H2D, models.get("llama-3.1-70b").at(8), 32, "host.reference", None)
+    names = [c.name for c in cs]
+    assert names == ["default", "low_interference", "batch", "vllm"]
+    assert cs[-1].same_as == "batch"  # vLLM's kernel is not here: its twin is the route it would fall back to
+
+
+def test_exact_sms_calibration_binds_the_forced_kernel_at_exactly_12():
+    """max_sms=12 alone caps the calibrated knee; the bench's kernel contender runs on 12."""
+    import kvswap
+
+    c = Contender("kernel@12", Policy(force="triton.kernel", max_sms=12), exact_sms=12)
+    fn = step.bind(c, cpu(), kvswap.resolve, "h2d", device="cpu")
+    assert fn.plan.params["triton.kernel"]["num_sms"] == 12
+    plain = kvswap.resolve("h2d", device="cpu", policy=c.policy)
+    assert plain.plan.params["triton.kernel"]["num_sms"] < 12  # the calibrated knee, capped at 12
+    # a CPU-only machine has no pinned memory for a kernel to read: the bench leaves it out
+    assert step.routes_available(Direction.H2D, "cpu") == ("host.reference", None)
+
+
+@pytest.mark.parametrize("shape", [TINY_FLASH, TINY_MLA], ids=lambda s: s.layout)
+@pytest.mark.parametrize("direction", [Direction.H2D, Direction.D2H])
+def test_pools_check_every_moved_byte_and_the_untouched_blocks(shape, direction):
+    cache = shape.at(2)
+    env = HostEnv(lambda: None)
+    pools = StepPools(env, cache, 10, seed=3)
+    pools.prepare(direction)
+    src, dst = pools.sides(direction)
+    assert not all(bool((t.view(torch.uint8) == 0).all()) for t in src)  # random, never zeros
+    sid, did = np.array([7, 2, 9]), np.array([0, 5, 3])
+    pools.poison(direction)
+    assert all(bool((t.view(torch.uint8) == step.POISON).all()) for t in dst)
+    bd = cache.block_dim
+    for s, d in zip(src, dst):
+        d.view(torch.uint8).index_copy_(bd, torch.as_tensor(did), s.view(torch.uint8).index_select(bd, torch.as_tensor(sid)))
+    assert pools.check(direction, sid, did) == 3 * cache.block_bytes
+
+    def flip(tensor, block, last):  # one byte of one block
+        b = tensor.view(torch.uint8).select(bd, block)
+        at = tuple(-1 if last else 0 for _ in range(b.dim()))
+        b[at] = b[at] ^ 0xFF
+
+    flip(dst[-1], 5, True)  # one byte of one moved block wrong
+    with pytest.raises(WrongBytes, match=f"layer {len(dst) - 1}, destination block 5 does not hold source block 2"):
+        pools.check(direction, sid, did)
+    flip(dst[-1], 5, True)
+    assert pools.check(direction, sid, did) == 3 * cache.block_bytes
+    flip(dst[0], 8, False)  # a block outside the job written
+    with pytest.raises(WrongBytes, match="layer 0, destination block 8 was not in the job"):
+        pools.check(direction, sid, did)
+
+
+def run_tiny(shapes=(TINY_FLASH, TINY_MLA), directions=(Direction.H2D, Direction.D2H), blocks=(3, 5), reps=2):
+    calls = []
+    env = HostEnv(lambda: calls.append(sum(range(2000))))
+    settings = StepSettings(blocks=blocks, step_ms=1.0, reps=reps)
+    doc = step.run_step_bench(env, cpu(), [s.at(2) for s in shapes], list(directions), settings)
+    return doc, calls
+
+
+def test_run_on_host_measures_every_contender_and_checks_every_byte():
+    doc, calls = run_tiny()
+    doc = json.loads(json.dumps(doc))  # what --json writes
+    assert doc["kind"] == "kvswap step bench" and doc["env"] == "host"
+    assert len(doc["cases"]) == 2 * 2 * 2
+    measured_per_case = set()
+    for case in doc["cases"]:
+        names = [c["name"] for c in case["contenders"]]
+        assert names == ["default", "low_interference", "batch", "vllm"]
+        cache = (TINY_FLASH if case["layout"] == "flash" else TINY_MLA).at(2)
+        assert case["chunk_bytes"] == cache.chunk_bytes
+        assert case["descriptors"] == case["blocks"] * cache.descriptors_per_block
+        assert case["bytes"] == case["blocks"] * cache.block_bytes
+        assert case["ceiling_gbps"] > 0 and case["compute_alone_ms"] > 0
+        for c in case["contenders"]:
+            assert c["error"] is None, c
+            # alone and beside, every repetition, every byte of every block
+            assert c["bytes_checked"] == 2 * case["reps"] * case["bytes"]
+            assert c["submit_us"] > 0 and c["transfer_alone_ms"] > 0 and c["transfer_beside_ms"] > 0
+            assert c["makespan_ms"] >= c["compute_beside_ms"] > 0 and c["slowdown"] > 0
+            assert math.isclose(c["gbps_beside"], case["bytes"] / (c["transfer_beside_ms"] / 1e3) / 1e9, rel_tol=1e-2)
+        by = {c["name"]: c for c in case["contenders"]}
+        assert by["vllm"]["same_as"] == "batch"
+        assert by["vllm"]["makespan_ms"] == by[by["vllm"]["same_as"]]["makespan_ms"]  # one measurement
+        assert by["batch"]["route"] == "host.reference"
+        measured_per_case.add(sum(c["same_as"] is None for c in case["contenders"]))
+    # the stand-in compute ran once alone and once per measured contender in each repetition
+    (n,) = measured_per_case
+    assert len(calls) == len(doc["cases"]) * 2 * (1 + n)
+
+
+def test_tables_bars_and_plot_from_the_json(tmp_path):
+    doc, _ = run_tiny(shapes=(TINY_FLASH,), directions=(Direction.H2D,), blocks=(4,), reps=1)
+    text = step_report.text_table(doc)
+    assert text.count("\n") == 1 + 4 and "tiny-flash" in text and "(= batch)" in text
+    md = step_report.markdown_table(doc)
+    assert md.splitlines()[0].startswith("| model | tp | dir | B |") and len(md.splitlines()) == 2 + 4
+    results = step_report.bars([doc])
+    assert [b["bar"].split()[0] for b in results] == ["default", "default", "geomean", "default", "h2d"]
+    assert results[0]["cases"] == 1 and results[-1]["ok"] is None  # no 4 KiB x 10,000 case here
+    path = tmp_path / "f.json"
+    path.write_text(json.dumps(doc))
+    out = kvswap_cli("bench", "--render", str(path), "--plot", str(tmp_path / "p.png"), "--command", "kvswap bench X")
+    assert out.returncode == 0, out.stderr
+    assert "`kvswap bench X`" in out.stdout and "| tiny-flash | 2 | h2d | 4 |" in out.stdout
+    assert "| bar | cases | passed |" in out.stdout and "![step benchmark" in out.stdout
+    assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def case(direction="h2d", chunk=4 * KiB, descriptors=5120, **contenders):
+    def c(name, makespan, beside, submit=50.0, same_as=None, alone_gbps=None):
+        return {"name": name, "route": "r", "same_as": same_as, "submit_us": submit, "transfer_alone_ms": 1.0,
+                "transfer_beside_ms": beside, "compute_beside_ms": 20.0, "slowdown": 1.0, "makespan_ms": makespan,
+                "gbps_alone": alone_gbps, "gbps_beside": 1.0, "bytes_checked": 1, "error": None}
+    return {"model": "m", "layout": "flash", "tp": 1, "direction": direction, "blocks": 32, "chunk_bytes": chunk,
+            "descriptors": descriptors, "bytes": 1, "compute_alone_ms": 20.0, "ceiling_gbps": 50.0, "reps": 3,
+            "contenders": [c(n, *v) for n, v in contenders.items()]}
+
+
+def test_bars_pass_and_fail_where_they_should():
+    ok = case(default=(20.5, 2.0, 100.0), batch=(21.0, 6.0), vllm=(20.0, 3.0, 50.0, "batch"))
+    slow = case(chunk=64 * KiB, default=(22.0, 4.0, 400.0), batch=(20.0, 3.0), vllm=(20.0, 3.0, 50.0, "batch"))
+    ceiling = case(descriptors=10_000, default=(20.0, 1.0, 150.0, None, 46.0), vllm=(20.0, 2.0))
+    by = [b for b in step_report.bars([{"cases": [ok, slow, ceiling]}])]
+    makespan, vs_vllm, geo, submit, ceil = by
+    assert (makespan["passed"], makespan["cases"], makespan["ok"]) == (2, 3, False)
+    assert makespan["worst"] == pytest.approx(1.1) and makespan["worst_case"].startswith("m tp1 h2d")
+    assert (vs_vllm["passed"], vs_vllm["ok"]) == (2, False) and vs_vllm["worst"] == pytest.approx(0.75)
+    assert geo["cases"] == 2 and geo["worst"] == pytest.approx(math.sqrt(1.5 * 2.0), abs=1e-4) and geo["ok"] is True
+    # budgets: 100 + 0.01 x 5120 = 151.2 us; 100 + 100 = 200 us
+    assert (submit["passed"], submit["ok"]) == (2, False) and submit["worst"] == pytest.approx(400 / 151.2, abs=1e-4)
+    assert (ceil["cases"], ceil["ok"]) == (1, True) and ceil["worst"] == pytest.approx(0.92, abs=1e-4)
+    assert "FAIL" in step_report.bars_table(by) and "PASS" in step_report.bars_table(by)
+
+
+def test_bench_model_on_a_cpu_fails_saying_it_needs_a_gpu():
+    out = kvswap_cli("bench", "--model", "llama-3.1-8b", "--blocks", "2")
+    assert out.returncode == 1 and "needs a GPU" in out.stderr and "Traceback" not in out.stderr
+    out = kvswap_cli("bench", "--model", "deepseek-v3", "--tp", "8")
+    assert out.returncode == 2 and "does not split over 8 ranks" in out.stderr
+    out = kvswap_cli("bench", "--model", "nope")
+    assert out.returncode == 2 and "not built in" in out.stderr
+
+
+def test_custom_shape_flags_and_tp_list_pick_the_caches():
+    from kvswap.calibration import cli_bench, cli_step
+    from kvswap.cli import Parser
+
+    p = Parser()
+    cli_bench.add_arguments(p)
+    args = p.parse_args(["--model", "all", "--tp", "1,8"])
+    caches, notes = cli_step.caches_from_args(args)
+    assert [c.label for c in caches] == ["llama-3.1-8b tp1", "llama-3.1-8b tp8", "llama-3.1-70b tp1",
+                                         "llama-3.1-70b tp8", "qwen2.5-7b tp1", "deepseek-v3 tp1",
+                                         "gpt-oss-120b tp1", "gpt-oss-120b tp8"]
+    assert len(notes) == 2 and cli_step.wanted(args)
+    args = p.parse_args(["--layers", "1", "--kv-heads", "1", "--head-dim", "128", "--blocks", "5000"])
+    (c,), _ = cli_step.caches_from_args(args)
+    assert (c.chunk_bytes, c.descriptors_per_block * 5000) == (4096, 10_000) and cli_step.wanted(args)
+    assert not cli_step.wanted(p.parse_args([]))

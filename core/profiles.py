@@ -137,6 +137,7 @@ def to_calibration(doc: Any, source: str) -> Calibration:
             min_batch_by_size=table("min_batch_by_size"),
             kernel_sms_by_batch=table("kernel_sms_by_batch"),
             slowdown=doc.get("slowdown", {}),
+            slowdown_by_sms=doc.get("slowdown_by_sms", {}),
             ceiling_gbps=doc.get("ceiling_gbps", {}),
             identity=identity,
             host_reference=doc.get("host_reference") is True,

@@ -134,7 +134,7 @@ def rank(
         g = predicted(impl, cal, direction, size, num_sms, own)
         score = g
         if score is not None and policy.prefer == "low_interference":
-            score *= 1.0 - cal.slowdown_of(impl.name, impl.kind)
+            score *= 1.0 - cal.slowdown_at(impl.name, impl.kind, direction, num_sms if impl.uses_sms else None)
         rows.append((rank_key(score, impl.uses_sms, impl.name, kernel_margin=m, builtin=own), impl, g))
     rows.sort(key=lambda r: r[0])
     return [(impl, g) for _, impl, g in rows]

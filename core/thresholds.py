@@ -92,6 +92,12 @@ class Calibration:
         nearest (over log sizes). Without tiers: ``kernel_sms`` for all.
     :param slowdown: fraction of compute throughput lost while a route runs, keyed by impl
         name or by kind (``"batch"``, ``"kernel"``); used by ``prefer="low_interference"``.
+    :param slowdown_by_sms: per direction, the same fraction measured the way an engine sees
+        it (compute launched, the transfer submitted right after, beside it):
+        ``((route, num_sms, fraction), ...)`` with ``route`` an impl name or a kind and
+        ``num_sms`` 0 for routes that take no SMs. Where it has rows for a route, it is
+        what :meth:`slowdown_at` answers (over SM counts: linear between measured ones,
+        the nearest end beyond); otherwise ``slowdown`` is.
     :param ceiling_gbps: per direction, the contiguous copy ceiling when measured.
     :param calibrated: False for guesses; ``explain()`` then says how to calibrate.
     :param host_reference: measured host memory copies (the host reference, on a machine
@@ -107,6 +113,7 @@ class Calibration:
     min_batch_by_size: Mapping[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
     kernel_sms_by_batch: Mapping[str, tuple[tuple[int, tuple[tuple[int, int], ...]], ...]] = field(default_factory=dict)
     slowdown: Mapping[str, float] = field(default_factory=dict)
+    slowdown_by_sms: Mapping[str, tuple[tuple[str, int, float], ...]] = field(default_factory=dict)
     ceiling_gbps: Mapping[str, float] = field(default_factory=dict)
     calibrated: bool = True
     identity: Optional[str] = None
@@ -144,6 +151,16 @@ class Calibration:
             object.__setattr__(self, name, table)
         if any(not 0 <= v < 1 for v in self.slowdown.values()):
             raise bad("slowdown values are fractions in [0, 1)")
+        by_sms = {}
+        for k, rows in dict(self.slowdown_by_sms).items():
+            try:
+                checked = tuple(sorted((str(r), int(n), float(v)) for r, n, v in rows))
+            except (TypeError, ValueError):
+                raise bad("slowdown_by_sms values must be (route, num_sms, fraction) rows") from None
+            if any(n < 0 or not 0 <= v < 1 for _, n, v in checked):
+                raise bad("slowdown_by_sms rows need num_sms >= 0 and a fraction in [0, 1)")
+            by_sms[str(Direction.parse(k))] = checked
+        object.__setattr__(self, "slowdown_by_sms", by_sms)
 
     def curve_for(self, impl: str, kind: str, direction: Direction, num_sms: Optional[int]) -> tuple[Optional[Curve], float]:
         """The curve that predicts ``impl``, and the factor to scale it by for ``num_sms``.
@@ -190,6 +207,25 @@ class Calibration:
 
     def slowdown_of(self, impl: str, kind: str) -> float:
         return float(self.slowdown.get(impl, self.slowdown.get(kind, 0.0)))
+
+    def slowdown_at(self, impl: str, kind: str, direction: Direction, num_sms: Optional[int] = None) -> float:
+        """The compute slowdown of ``impl`` copying in ``direction`` on ``num_sms`` SMs:
+        from :attr:`slowdown_by_sms` where it has rows for the impl (else its kind), else
+        :meth:`slowdown_of`."""
+        rows = self.slowdown_by_sms.get(str(Direction.parse(direction)), ())
+        for key in (impl, kind):
+            pts = [(n, v) for r, n, v in rows if r == key]
+            if not pts:
+                continue
+            if num_sms is None or len(pts) == 1:
+                return pts[0][1]
+            if num_sms <= pts[0][0]:
+                return pts[0][1]
+            for (n0, v0), (n1, v1) in zip(pts, pts[1:]):
+                if num_sms <= n1:
+                    return v0 + (v1 - v0) * (num_sms - n0) / (n1 - n0)
+            return pts[-1][1]
+        return self.slowdown_of(impl, kind)
 
     def summary(self) -> dict[str, Any]:
         return {

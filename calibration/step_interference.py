@@ -1,0 +1,169 @@
+"""Compute slowdown as an engine sees it: per direction, route and SM count.
+
+The step benchmark's procedure (:mod:`kvswap.calibration.step`) on one model-shaped
+workload: bf16 GEMMs launched on the compute stream, a BlockMover job submitted right
+after from the same thread, the two started together. The slowdown is the fraction of
+compute throughput lost, ``1 - (compute alone) / (compute beside the job)``, the median
+over repetitions that alternate with the compute alone; each job is sized to outlast the
+compute (``covered`` says whether it did), every byte checked.
+
+:func:`profile_rows` turns the records into a profile's ``slowdown_by_sms`` (read into
+:attr:`kvswap.Calibration.slowdown_by_sms`, which ``Policy(prefer="low_interference")``
+ranks by). Run it alone with ``python -m kvswap.calibration.step_interference``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from kvswap.models import KVCache, get
+from kvswap.types import DeviceInfo, Direction, Policy
+
+from .progress import Progress
+from .step import Contender, StepPools, _alone, _compute_alone, _one_step, make_mover, routes_available
+from .timing import median
+
+SM_COUNTS = (4, 8, 12, 16, 32)
+# 16 KiB chunks, 56 a block: the block size the earlier GEMM-beside-copy numbers used.
+WORKLOAD = ("qwen2.5-7b", 1)
+POOL_BLOCKS = 3000
+COVER = 1.3  # a job sized for this many times the compute alone
+
+
+def workload() -> KVCache:
+    name, tp = WORKLOAD
+    return get(name).at(tp)
+
+
+def measure(env: Any, dev: DeviceInfo, directions: Sequence[Direction], sm_counts: Sequence[int] = SM_COUNTS,
+            reps: int = 5, *, host: Any = None, cache: Optional[KVCache] = None, num_blocks: int = POOL_BLOCKS,
+            progress: Optional[Progress] = None, seed: int = 0) -> list[dict[str, Any]]:
+    """One record per direction x route (the batch route, the kernel at each SM count)."""
+    cache = cache or workload()
+    rng = np.random.default_rng(seed)
+    pools = StepPools(env, cache, num_blocks, seed)
+    records = []
+    for d in directions:
+        pools.prepare(d)
+        src, dst = pools.sides(d)
+        batch, kernel = routes_available(d, dev.torch_device, host)
+        routes: list[tuple[str, str, int, Contender]] = []
+        if batch:
+            routes.append((batch, "batch", 0, Contender("batch", Policy(force=batch))))
+        if kernel:
+            cap = dev.compute_units or max(sm_counts)
+            routes += [(kernel, "kernel", k, Contender(f"kernel@{k}", Policy(force=kernel, max_sms=k), exact_sms=k))
+                       for k in sm_counts if k <= cap]
+        if progress is not None:
+            progress.add(len(routes))
+        for impl, kind, sms, c in routes:
+            rec: dict[str, Any] = {"direction": str(d), "route": impl, "kind": kind, "num_sms": sms,
+                                   "chunk_bytes": cache.chunk_bytes, "workload": cache.label}
+            try:
+                with env.context():
+                    mover = make_mover(src, dst, d, cache.block_dim, c, dev)
+                try:
+                    rec.update(_measure_route(env, pools, mover, d, reps, rng))
+                finally:
+                    mover.close()
+            except Exception as e:
+                rec["error"] = f"{type(e).__name__}: {e}"
+            records.append(rec)
+            if progress is not None:
+                progress.step(f"{d} {c.name}")
+    return records
+
+
+def _measure_route(env: Any, pools: StepPools, mover: Any, d: Direction, reps: int,
+                   rng: np.random.Generator) -> dict[str, Any]:
+    probe = min(64, pools.num_blocks // 2)
+    sid, did = pools.draw(rng, probe)
+    _alone(env, pools, mover, d, sid, did)  # warm-up
+    t_probe = _alone(env, pools, mover, d, sid, did)
+    compute = _compute_alone(env)
+    blocks = max(probe, min(pools.num_blocks // 2, math.ceil(probe * COVER * compute / max(t_probe, 1e-9))))
+    ratios, beside, comp = [], [], []
+    checked = 0
+    for _ in range(reps):
+        sid, did = pools.draw(rng, blocks)
+        alone_c = _compute_alone(env)
+        _, t, c, _ = _one_step(env, pools, mover, d, sid, did)
+        checked += pools.check(d, sid, did)
+        ratios.append(c / alone_c if alone_c > 0 else 1.0)
+        beside.append(t)
+        comp.append(c)
+    ratio = median(ratios)
+    return {"blocks": blocks, "slowdown": round(min(max(1.0 - 1.0 / ratio, 0.0), 0.99), 4),
+            "compute_ratio": round(ratio, 4), "transfer_beside_ms": round(median(beside) * 1e3, 4),
+            "compute_beside_ms": round(median(comp) * 1e3, 4), "covered": median(beside) >= median(comp),
+            "bytes_checked": checked}
+
+
+def profile_rows(records: Sequence[dict[str, Any]]) -> dict[str, list[list[Any]]]:
+    """A profile's ``slowdown_by_sms``: per direction, ``[route, num_sms, fraction]`` rows
+    for each impl and, the same numbers, for its kind (what a route of that kind without
+    its own rows is judged by)."""
+    out: dict[str, dict[tuple[str, int], float]] = {}
+    for r in records:
+        if r.get("error") or "slowdown" not in r:
+            continue
+        rows = out.setdefault(r["direction"], {})
+        for key in (r["route"], r["kind"]):
+            rows[(key, r["num_sms"])] = max(r["slowdown"], rows.get((key, r["num_sms"]), 0.0))
+    return {d: [[k, n, v] for (k, n), v in sorted(rows.items())] for d, rows in out.items()}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from kvswap.cli import directions as parse_directions
+    from kvswap.platform import detect
+    from kvswap.plugins import plugin_host
+
+    from .step import DeviceEnv
+    from .timing import on_host
+
+    p = argparse.ArgumentParser(prog="python -m kvswap.calibration.step_interference",
+                                description="Compute slowdown per direction, route and SM count, measured "
+                                "beside bf16 GEMMs the way an engine sees it.")
+    p.add_argument("--device", default=None)
+    p.add_argument("--directions", type=parse_directions, default=[Direction.H2D, Direction.D2H])
+    p.add_argument("--sms", default=",".join(map(str, SM_COUNTS)), help="kernel SM counts")
+    p.add_argument("--step-ms", type=float, default=20.0)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    host = plugin_host()
+    dev = detect(host, args.device)
+    if on_host(dev):
+        print("step_interference: needs a GPU", file=sys.stderr)
+        return 1
+    progress = Progress.on_stderr("route")
+    try:
+        records = measure(DeviceEnv(dev, args.step_ms), dev, args.directions,
+                          [int(x) for x in args.sms.split(",") if x.strip()], args.reps, host=host, progress=progress)
+    finally:
+        progress.close()
+    print(f"compute slowdown beside a BlockMover job ({records[0]['workload'] if records else '-'}), {dev.name}:")
+    print("| dir | route | SMs | blocks | slowdown | transfer ms | compute ms | covered |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in records:
+        if r.get("error"):
+            print(f"| {r['direction']} | {r['route']} | {r['num_sms']} | failed: {r['error']} |||||")
+            continue
+        print(f"| {r['direction']} | {r['route']} | {r['num_sms']} | {r['blocks']} | {r['slowdown']:.1%} | "
+              f"{r['transfer_beside_ms']:.2f} | {r['compute_beside_ms']:.2f} | {r['covered']} |")
+    doc = {"kind": "kvswap step interference", "device": dev.name, "records": records,
+           "slowdown_by_sms": profile_rows(records)}
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

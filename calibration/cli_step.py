@@ -64,20 +64,30 @@ def caches_from_args(args: argparse.Namespace) -> tuple[list[Any], list[str]]:
 
 
 def render(args: argparse.Namespace) -> int:
-    from .step_report import merge, plot, render_markdown
+    from .step_report import interference_markdown, merge, plot, render_markdown
 
-    docs = []
+    steps, slowdowns = [], []
     for f in args.render:
         try:
-            docs.append(json.loads(Path(f).read_text()))
+            doc = json.loads(Path(f).read_text())
         except (OSError, ValueError) as e:
             raise ConfigurationError(f"--render {str(f)!r}: {e}") from None
-        if docs[-1].get("kind") != "kvswap step bench":
-            raise ConfigurationError(f"--render {str(f)!r} is not the JSON of kvswap bench --model")
-    doc = merge(docs)
-    print(render_markdown(doc, args.render_command, args.plot.name if args.plot else None), end="")
-    if args.plot:
-        print(f"\nplot written to {plot(doc, args.plot)}", file=sys.stderr)
+        kind = doc.get("kind") if isinstance(doc, dict) else None
+        if kind == "kvswap step bench":
+            steps.append(doc)
+        elif kind == "kvswap step interference":
+            slowdowns.append(doc)
+        else:
+            raise ConfigurationError(f"--render {str(f)!r} is not the JSON of kvswap bench --model or of "
+                                     f"kvswap.calibration.step_interference")
+    if steps:
+        doc = merge(steps)
+        print(render_markdown(doc, args.render_command, args.plot.name if args.plot else None), end="")
+        if args.plot:
+            print(f"\nplot written to {plot(doc, args.plot)}", file=sys.stderr)
+    for doc in slowdowns:
+        print()
+        print(interference_markdown(doc), end="")
     return 0
 
 
@@ -110,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         progress.close()
     doc["notes"] = notes + doc["notes"]
-    doc["command"] = "kvswap " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("kvswap") else ""
+    doc["command"] = " ".join(["kvswap", *sys.argv[1:]])
     print(f"kvswap bench --model: {header(doc)}")
     print()
     print(text_table(doc))

@@ -170,7 +170,7 @@ def case(direction="h2d", chunk=4 * KiB, descriptors=5120, **contenders):
         return {"name": name, "route": "r", "same_as": same_as, "submit_us": submit, "transfer_alone_ms": 1.0,
                 "transfer_beside_ms": beside, "compute_beside_ms": 20.0, "slowdown": 1.0, "makespan_ms": makespan,
                 "gbps_alone": alone_gbps, "gbps_beside": 1.0, "bytes_checked": 1, "error": None}
-    return {"model": "m", "layout": "flash", "tp": 1, "direction": direction, "blocks": 32, "chunk_bytes": chunk,
+    return {"model": "qwen2.5-7b", "layout": "flash", "tp": 1, "direction": direction, "blocks": 32, "chunk_bytes": chunk,
             "descriptors": descriptors, "bytes": 1, "compute_alone_ms": 20.0, "ceiling_gbps": 50.0, "reps": 3,
             "contenders": [c(n, *v) for n, v in contenders.items()]}
 
@@ -182,7 +182,7 @@ def test_bars_pass_and_fail_where_they_should():
     by = [b for b in step_report.bars([{"cases": [ok, slow, ceiling]}])]
     makespan, vs_vllm, geo, submit, ceil = by
     assert (makespan["passed"], makespan["cases"], makespan["ok"]) == (2, 3, False)
-    assert makespan["worst"] == pytest.approx(1.1) and makespan["worst_case"].startswith("m tp1 h2d")
+    assert makespan["worst"] == pytest.approx(1.1) and makespan["worst_case"].startswith("qwen2.5-7b tp1 h2d")
     assert (vs_vllm["passed"], vs_vllm["ok"]) == (2, False) and vs_vllm["worst"] == pytest.approx(0.75)
     assert geo["cases"] == 2 and geo["worst"] == pytest.approx(math.sqrt(1.5 * 2.0), abs=1e-4) and geo["ok"] is True
     # budgets: 100 + 0.01 x 5120 = 151.2 us; 100 + 100 = 200 us

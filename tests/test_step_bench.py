@@ -158,9 +158,9 @@ def test_tables_bars_and_plot_from_the_json(tmp_path):
     assert results[0]["cases"] == 1 and results[-1]["ok"] is None  # no 4 KiB x 10,000 case here
     path = tmp_path / "f.json"
     path.write_text(json.dumps(doc))
-    out = kvswap_cli("bench", "--render", str(path), "--plot", str(tmp_path / "p.png"), "--command", "kvswap bench X")
+    out = kvswap_cli("bench", "--render", str(path), "--plot", str(tmp_path / "p.png"), "--command", "kvswap bench --model all")
     assert out.returncode == 0, out.stderr
-    assert "`kvswap bench X`" in out.stdout and "| tiny-flash | 2 | h2d | 4 |" in out.stdout
+    assert "`kvswap bench --model all`" in out.stdout and "| tiny-flash | 2 | h2d | 4 |" in out.stdout
     assert "| bar | cases | passed |" in out.stdout and "![step benchmark" in out.stdout
     assert (tmp_path / "p.png").stat().st_size > 10_000
 

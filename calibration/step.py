@@ -29,7 +29,6 @@ the tests exercise. ``kvswap bench --model`` refuses that (its numbers would mea
 from __future__ import annotations
 
 import inspect
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
@@ -44,24 +43,18 @@ from kvswap.types import DeviceInfo, Direction, Policy
 
 from .bench import PEER_KERNEL, PEER_MAX_BLOCK, PEER_MIN_BATCH, PEER_SMS, label, peer_route
 from .progress import Progress
+from .step_workload import DeviceEnv, HostEnv, StepPools, WrongBytes
 from .timing import median
 
-KiB, MiB = 1024, 1 << 20
+KiB = 1024
 KERNEL_SMS = PEER_SMS  # "kernel only": the SMs vLLM's Triton path runs its copy on
-POISON = 0xA5
-GEMM_N = 4096  # bf16 4096^3: ~0.2 ms on an H100/H200, fine-grained enough to fill a step
-CEILING_MAX = 256 * MiB  # the contiguous copy timed for each case's ceiling, at most
 VLLM_POLICY = (f"vLLM's Triton path: h2d chunks under {PEER_MAX_BLOCK // KiB} KiB in jobs of at least "
                f"{PEER_MIN_BATCH} descriptors on the kernel at {PEER_SMS} SMs, else the batch route; "
                f"d2h always the batch route")
+__all__ = ["CONTENDERS", "CaseResult", "Contender", "ContenderResult", "DeviceEnv", "HostEnv", "StepPools",
+           "StepSettings", "WrongBytes", "bind", "compute_alone", "contenders_for", "make_mover", "one_step",
+           "run_case", "run_step_bench", "transfer_alone"]
 CONTENDERS = ("default", "low_interference", "batch", f"kernel@{KERNEL_SMS}", "vllm")
-# Whether BlockMover.submit says what a job waits for (``after=``); looked up once, not
-# inside the submit host time the bench measures.
-_SUBMIT_TAKES_AFTER = "after" in inspect.signature(BlockMover.submit).parameters
-
-
-class WrongBytes(KvSwapError):
-    """A job finished without the bytes it was given in its destination blocks."""
 
 
 # -- contenders ---------------------------------------------------------------------------
@@ -153,263 +146,6 @@ def route_label(mover: BlockMover, sid: np.ndarray, did: np.ndarray) -> str:
         return "+".join(mover.swap_fn.impls)
 
 
-# -- where it runs: a GPU, or host memory with a stand-in compute --------------------------
-
-class HostEnv:
-    """Host tensors, the host reference copy, and ``compute`` (a callable) for the GEMMs:
-    everything runs synchronously, so "beside" is "after" and only the code is tested."""
-
-    name = "host"
-
-    def __init__(self, compute: Callable[[], Any], device: str = "cpu") -> None:
-        import torch
-
-        self.torch, self.device, self.compute_fn = torch, device, compute
-        self.side = None
-        self.gemms = 1
-        self.gemm_seconds = 0.0
-
-    def alloc(self, nbytes: int, host: bool) -> Any:
-        return self.torch.empty(nbytes, dtype=self.torch.uint8)
-
-    def random_(self, t: Any, gen_seed: int) -> None:
-        g = self.torch.Generator().manual_seed(gen_seed)
-        t.copy_(self.torch.randint(0, 256, t.shape, dtype=self.torch.uint8, generator=g))
-
-    def mirror_of(self, host_flat: Any) -> Any:
-        return host_flat.clone()
-
-    def launch_compute(self) -> None:
-        self.compute_fn()
-
-    def mark(self, stream: Any = None) -> float:
-        return time.perf_counter()
-
-    def elapsed(self, a: float, b: float) -> float:
-        return max(b - a, 0.0)
-
-    def sync(self) -> None:
-        pass
-
-    def submit(self, mover: BlockMover, sid: np.ndarray, did: np.ndarray, after: Any) -> int:
-        return mover.submit(sid, did)
-
-    def context(self) -> Any:
-        import contextlib
-
-        return contextlib.nullcontext()
-
-
-class DeviceEnv:
-    """A CUDA (or ROCm) device through torch: a compute stream running bf16 GEMMs, and
-    CUDA events on it and on each mover's transfer stream."""
-
-    name = "device"
-
-    def __init__(self, dev: DeviceInfo, step_ms: float) -> None:
-        import torch
-
-        self.torch, self.dev = torch, dev
-        self.device = torch.device(dev.torch_device)
-        self.index = self.device.index or 0
-        with torch.cuda.device(self.index):
-            self.compute = torch.cuda.Stream(device=self.index)
-            self.side = torch.cuda.Stream(device=self.index)  # an idle stream: "after nothing"
-        gen = torch.Generator(device=self.device).manual_seed(0)
-        self.a = torch.randn(GEMM_N, GEMM_N, device=self.device, dtype=torch.bfloat16, generator=gen)
-        self.b = torch.randn(GEMM_N, GEMM_N, device=self.device, dtype=torch.bfloat16, generator=gen)
-        self.out = torch.empty_like(self.a)
-        self.gemms = 1
-        self.gemm_seconds = self._one_gemm()
-        self.gemms = max(1, round(step_ms / 1e3 / self.gemm_seconds))
-
-    def _one_gemm(self) -> float:
-        with self.context():
-            for _ in range(5):
-                self.launch_compute()
-            times = []
-            for _ in range(5):
-                s = self.mark()
-                for _ in range(10):
-                    self.launch_compute()
-                e = self.mark()
-                e.synchronize()
-                times.append(self.elapsed(s, e) / 10)
-        return median(times)
-
-    def alloc(self, nbytes: int, host: bool) -> Any:
-        t = self.torch
-        if host:
-            return t.empty(nbytes, dtype=t.uint8, pin_memory=True)
-        return t.empty(nbytes, dtype=t.uint8, device=self.device)
-
-    def random_(self, flat: Any, gen_seed: int) -> None:
-        t = self.torch
-        g = t.Generator(device=self.device).manual_seed(gen_seed)
-        step = 256 * MiB
-        for i in range(0, flat.numel(), step):
-            part = flat[i:i + step]
-            part.copy_(t.randint(0, 256, part.shape, dtype=t.uint8, device=self.device, generator=g))
-        t.cuda.synchronize(self.device)
-
-    def mirror_of(self, host_flat: Any) -> Any:
-        return host_flat.to(self.device)
-
-    def launch_compute(self) -> None:
-        mm = self.torch.matmul
-        for _ in range(self.gemms):
-            mm(self.a, self.b, out=self.out)
-
-    def mark(self, stream: Any = None) -> Any:
-        e = self.torch.cuda.Event(enable_timing=True)
-        e.record(self.compute if stream is None else stream)
-        return e
-
-    def elapsed(self, a: Any, b: Any) -> float:
-        return max(a.elapsed_time(b) / 1e3, 0.0)
-
-    def sync(self) -> None:
-        self.torch.cuda.synchronize(self.device)
-
-    def submit(self, mover: BlockMover, sid: np.ndarray, did: np.ndarray, after: Any) -> int:
-        """``after``: None (wait for nothing) or an event to wait for."""
-        if _SUBMIT_TAKES_AFTER:
-            return mover.submit(sid, did, after=after)
-        # Before submit took ``after``: it orders after the current stream, so make that
-        # an idle stream which waits for ``after`` alone.
-        if after is not None:
-            self.side.wait_event(after)
-        with self.torch.cuda.stream(self.side):
-            return mover.submit(sid, did)
-
-    def context(self) -> Any:
-        import contextlib
-
-        stack = contextlib.ExitStack()
-        stack.enter_context(self.torch.cuda.device(self.index))
-        stack.enter_context(self.torch.cuda.stream(self.compute))
-        return stack
-
-
-# -- the tensors of one rank, and the byte checks ------------------------------------------
-
-class StepPools:
-    """One rank's per-layer KV tensors on both sides, ``num_blocks`` blocks each, and a
-    mirror of the host side next to the device (where checks run)."""
-
-    def __init__(self, env: Any, cache: KVCache, num_blocks: int, seed: int = 0) -> None:
-        import torch
-
-        self.env, self.cache, self.num_blocks, self.seed = env, cache, num_blocks, seed
-        self.torch = torch
-        shape = cache.tensor_shape(num_blocks)
-        self.nbytes = math.prod(shape) * cache.element_bytes
-        self.dtype = getattr(torch, cache.model.dtype)
-        self.bytes_shape = shape[:-1] + (shape[-1] * cache.element_bytes,)
-        layers = cache.model.layers
-        self.dev_flat = [env.alloc(self.nbytes, host=False) for _ in range(layers)]
-        self.host_flat = [env.alloc(self.nbytes, host=True) for _ in range(layers)]
-        self.mirror = [env.mirror_of(f) for f in self.host_flat]
-        self.device_tensors = [self._typed(f) for f in self.dev_flat]
-        self.host_tensors = [self._typed(f) for f in self.host_flat]
-        self._fills = 0
-        self.prepared: Optional[Direction] = None
-
-    def _typed(self, flat: Any) -> Any:
-        return flat.view(self.dtype).view(self.cache.tensor_shape(self.num_blocks))
-
-    def _bytes(self, flat: Any) -> Any:
-        return flat.view(self.bytes_shape)
-
-    def sides(self, direction: Direction) -> tuple[list, list]:
-        if direction.src_is_host:
-            return self.host_tensors, self.device_tensors
-        return self.device_tensors, self.host_tensors
-
-    def prepare(self, direction: Direction) -> None:
-        """Fresh random bytes in ``direction``'s source (the other direction's runs left
-        poison and copies in it), mirrored next to the device for the checks."""
-        for f in (self.host_flat if direction.src_is_host else self.dev_flat):
-            self._fills += 1
-            self.env.random_(f, self.seed * 1_000_003 + self._fills)
-        if direction.src_is_host:
-            for m, h in zip(self.mirror, self.host_flat):
-                m.copy_(h)
-        self.env.sync()
-        self.prepared = direction
-
-    def poison(self, direction: Direction) -> None:
-        """Every destination byte set to :data:`POISON` before a job."""
-        if direction.src_is_host:
-            for f in self.dev_flat:
-                f.fill_(POISON)
-        else:  # on the device, then one contiguous copy per layer to the host
-            for m, h in zip(self.mirror, self.host_flat):
-                m.fill_(POISON)
-                h.copy_(m)
-        self.env.sync()
-
-    def check(self, direction: Direction, sid: np.ndarray, did: np.ndarray) -> int:
-        """Bytes verified: every destination block ``did[i]`` of every layer equals source
-        block ``sid[i]``, and every other destination block is still poison.
-
-        :raises WrongBytes: naming the first layer and block that differ.
-        """
-        t = self.torch
-        if direction.src_is_host:
-            dst, src = self.dev_flat, self.mirror
-        else:
-            for m, h in zip(self.mirror, self.host_flat):
-                m.copy_(h)
-            dst, src = self.mirror, self.dev_flat
-        bd = self.cache.block_dim
-        where = dst[0].device
-        s_idx = t.as_tensor(sid, dtype=t.int64).to(where)
-        d_idx = t.as_tensor(did, dtype=t.int64).to(where)
-        keep = np.ones(self.num_blocks, dtype=bool)
-        keep[did] = False
-        rest = t.as_tensor(np.flatnonzero(keep), dtype=t.int64).to(where)
-        for layer, (d, s) in enumerate(zip(dst, src)):
-            got = self._bytes(d).index_select(bd, d_idx)
-            want = self._bytes(s).index_select(bd, s_idx)
-            if not t.equal(got, want):
-                bad = (got != want).movedim(bd, 0).reshape(len(did), -1).any(dim=1)
-                i = int(t.nonzero(bad)[0, 0])
-                raise WrongBytes(f"{direction}: layer {layer}, destination block {int(did[i])} does not hold "
-                                 f"source block {int(sid[i])} (job position {i})")
-            if len(rest):
-                left = self._bytes(d).index_select(bd, rest)
-                if not bool((left == POISON).all()):
-                    bad = (left != POISON).movedim(bd, 0).reshape(len(rest), -1).any(dim=1)
-                    j = int(rest[int(t.nonzero(bad)[0, 0])])
-                    raise WrongBytes(f"{direction}: layer {layer}, destination block {j} was not in the job "
-                                     f"but was written")
-        return len(did) * self.cache.block_bytes
-
-    def draw(self, rng: np.random.Generator, blocks: int) -> tuple[np.ndarray, np.ndarray]:
-        return (rng.choice(self.num_blocks, blocks, replace=False).astype(np.int64),
-                rng.choice(self.num_blocks, blocks, replace=False).astype(np.int64))
-
-    def ceiling(self, direction: Direction, nbytes: int, reps: int = 5) -> float:
-        """GB/s of one contiguous copy of ``nbytes`` (at most :data:`CEILING_MAX`) across
-        the link in ``direction``, from an idle device (median of ``reps``)."""
-        env = self.env
-        n = max(1, min(nbytes, CEILING_MAX))
-        host, dev = env.alloc(n, host=True), env.alloc(n, host=False)
-        src, dst = (host, dev) if direction.src_is_host else (dev, host)
-        times = []
-        with env.context():
-            for i in range(reps + 1):
-                env.sync()
-                a = env.mark()
-                dst.copy_(src, non_blocking=True)
-                b = env.mark()
-                env.sync()
-                if i:
-                    times.append(env.elapsed(a, b))
-        return n / max(median(times), 1e-9) / 1e9
-
-
 # -- one case -------------------------------------------------------------------------------
 
 @dataclass
@@ -465,11 +201,16 @@ class CaseResult:
         return {c.name: c for c in self.contenders}
 
 
+def _sig(x: float) -> float:
+    """``x`` to 5 significant digits: a JSON that stays readable at any scale."""
+    return float(f"{x:.5g}")
+
+
 def _ms(values: Sequence[float]) -> Optional[float]:
-    return round(median(values) * 1e3, 4) if values else None
+    return _sig(median(values) * 1e3) if values else None
 
 
-def _one_step(env: Any, pools: StepPools, mover: BlockMover, direction: Direction, sid: np.ndarray,
+def one_step(env: Any, pools: StepPools, mover: BlockMover, direction: Direction, sid: np.ndarray,
               did: np.ndarray) -> tuple[float, float, float, float]:
     """Launch the compute, then submit: ``(submit s, transfer s, compute s, makespan s)``."""
     pools.poison(direction)
@@ -489,7 +230,7 @@ def _one_step(env: Any, pools: StepPools, mover: BlockMover, direction: Directio
     return h1 - h0, result.seconds, compute, max(compute, env.elapsed(c0, t1))
 
 
-def _alone(env: Any, pools: StepPools, mover: BlockMover, direction: Direction, sid: np.ndarray,
+def transfer_alone(env: Any, pools: StepPools, mover: BlockMover, direction: Direction, sid: np.ndarray,
            did: np.ndarray) -> float:
     pools.poison(direction)
     with env.context():
@@ -499,7 +240,7 @@ def _alone(env: Any, pools: StepPools, mover: BlockMover, direction: Direction, 
     return _result(mover, job).seconds
 
 
-def _compute_alone(env: Any) -> float:
+def compute_alone(env: Any) -> float:
     with env.context():
         env.sync()
         a = env.mark()
@@ -537,23 +278,23 @@ def run_case(env: Any, pools: StepPools, dev: DeviceInfo, direction: Direction, 
                 with env.context():
                     movers[c.name] = make_mover(src, dst, direction, cache.block_dim, c, dev)
                 routes[c.name] = route_label(movers[c.name], sid, did)
-                _alone(env, pools, movers[c.name], direction, sid, did)  # warm-up (and kernel compile)
+                transfer_alone(env, pools, movers[c.name], direction, sid, did)  # warm-up (and kernel compile)
                 pools.check(direction, sid, did)
             except Exception as e:
                 errors[c.name] = f"{type(e).__name__}: {e}"
-        compute_alone: list[float] = []
+        computes: list[float] = []
         for r in range(reps):
             sid, did = pools.draw(rng, blocks)
-            alone_c = _compute_alone(env)
-            compute_alone.append(alone_c)
+            alone_c = compute_alone(env)
+            computes.append(alone_c)
             live = [c for c in measured if c.name in movers and c.name not in errors]
             order = live[r % len(live):] + live[:r % len(live)] if live else []
             for c in order:
                 m, got = movers[c.name], runs[c.name]
                 try:
-                    got.alone.append(_alone(env, pools, m, direction, sid, did))
+                    got.alone.append(transfer_alone(env, pools, m, direction, sid, did))
                     got.bytes_checked += pools.check(direction, sid, did)
-                    s, t, comp, span = _one_step(env, pools, m, direction, sid, did)
+                    s, t, comp, span = one_step(env, pools, m, direction, sid, did)
                     got.bytes_checked += pools.check(direction, sid, did)
                 except Exception as e:
                     errors[c.name] = f"{type(e).__name__}: {e}"
@@ -580,15 +321,15 @@ def run_case(env: Any, pools: StepPools, dev: DeviceInfo, direction: Direction, 
             res.transfer_alone_ms, res.transfer_beside_ms = _ms(got.alone), _ms(got.beside)
             res.compute_beside_ms, res.makespan_ms = _ms(got.compute), _ms(got.makespan)
             res.slowdown = round(median(got.slowdown), 4)
-            res.gbps_alone = round(nbytes / alone / 1e9, 3) if alone > 0 else None
-            res.gbps_beside = round(nbytes / beside / 1e9, 3) if beside > 0 else None
+            res.gbps_alone = _sig(nbytes / alone / 1e9) if alone > 0 else None
+            res.gbps_beside = _sig(nbytes / beside / 1e9) if beside > 0 else None
             res.bytes_checked = got.bytes_checked
         results.append(res)
     return CaseResult(
         model=cache.model.name, layout=cache.model.layout, tp=cache.tp, direction=str(direction), blocks=blocks,
         chunk_bytes=cache.chunk_bytes, descriptors=blocks * cache.descriptors_per_block, bytes=nbytes,
-        compute_alone_ms=_ms(compute_alone) or 0.0,
-        ceiling_gbps=round(pools.ceiling(direction, nbytes), 3) if ceiling else None,
+        compute_alone_ms=_ms(computes) or 0.0,
+        ceiling_gbps=_sig(pools.ceiling(direction, nbytes)) if ceiling else None,
         reps=reps, contenders=results,
     )
 
@@ -621,7 +362,7 @@ def run_step_bench(env: Any, dev: DeviceInfo, caches: Iterable[KVCache], directi
                    "compute_units": dev.compute_units, "driver": dev.driver_version, "link": dev.link},
         "env": env.name,
         "settings": asdict(settings),
-        "compute": {"gemm": f"bf16 {GEMM_N}x{GEMM_N}x{GEMM_N}", "gemms": env.gemms,
+        "compute": {"gemm": env.gemm_label, "gemms": env.gemms,
                     "gemm_ms": round(env.gemm_seconds * 1e3, 4)},
         "contenders": list(CONTENDERS),
         "vllm_policy": VLLM_POLICY,

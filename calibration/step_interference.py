@@ -26,7 +26,7 @@ from kvswap.models import KVCache, get
 from kvswap.types import DeviceInfo, Direction, Policy
 
 from .progress import Progress
-from .step import Contender, StepPools, _alone, _compute_alone, _one_step, make_mover, routes_available
+from .step import Contender, StepPools, compute_alone, make_mover, one_step, routes_available, transfer_alone
 from .timing import median
 
 SM_COUNTS = (4, 8, 12, 16, 32)
@@ -84,16 +84,16 @@ def _measure_route(env: Any, pools: StepPools, mover: Any, d: Direction, reps: i
                    rng: np.random.Generator) -> dict[str, Any]:
     probe = min(64, pools.num_blocks // 2)
     sid, did = pools.draw(rng, probe)
-    _alone(env, pools, mover, d, sid, did)  # warm-up
-    t_probe = _alone(env, pools, mover, d, sid, did)
-    compute = _compute_alone(env)
+    transfer_alone(env, pools, mover, d, sid, did)  # warm-up
+    t_probe = transfer_alone(env, pools, mover, d, sid, did)
+    compute = compute_alone(env)
     blocks = max(probe, min(pools.num_blocks // 2, math.ceil(probe * COVER * compute / max(t_probe, 1e-9))))
     ratios, beside, comp = [], [], []
     checked = 0
     for _ in range(reps):
         sid, did = pools.draw(rng, blocks)
-        alone_c = _compute_alone(env)
-        _, t, c, _ = _one_step(env, pools, mover, d, sid, did)
+        alone_c = compute_alone(env)
+        _, t, c, _ = one_step(env, pools, mover, d, sid, did)
         checked += pools.check(d, sid, did)
         ratios.append(c / alone_c if alone_c > 0 else 1.0)
         beside.append(t)

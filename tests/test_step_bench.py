@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvswap import Policy, models
-from kvswap.calibration import step, step_report
+from kvswap.calibration import step, step_report, step_workload
 from kvswap.calibration.step import Contender, HostEnv, StepPools, StepSettings, WrongBytes
 from kvswap.platform import detect
 from kvswap.plugins import plugin_host
@@ -87,7 +87,7 @@ def test_pools_check_every_moved_byte_and_the_untouched_blocks(shape, direction)
     assert not all(bool((t.view(torch.uint8) == 0).all()) for t in src)  # random, never zeros
     sid, did = np.array([7, 2, 9]), np.array([0, 5, 3])
     pools.poison(direction)
-    assert all(bool((t.view(torch.uint8) == step.POISON).all()) for t in dst)
+    assert all(bool((t.view(torch.uint8) == step_workload.POISON).all()) for t in dst)
     bd = cache.block_dim
     for s, d in zip(src, dst):
         d.view(torch.uint8).index_copy_(bd, torch.as_tensor(did), s.view(torch.uint8).index_select(bd, torch.as_tensor(sid)))

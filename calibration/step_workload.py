@@ -1,0 +1,290 @@
+"""Where a step benchmark runs, and the tensors it moves.
+
+:class:`DeviceEnv` drives a CUDA (or ROCm) device through torch: bf16 GEMMs on a compute
+stream and CUDA events on it and on each mover's transfer stream. :class:`HostEnv` runs
+the same procedure on host tensors with a callable standing in for the GEMMs, synchronously
+(so "beside" is "after"): what the tests exercise on a machine without an accelerator.
+:class:`StepPools` holds one rank's per-layer KV tensors on both sides, fills them with
+random bytes, poisons destinations and checks every moved byte.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import time
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from kvswap.errors import KvSwapError
+from kvswap.models import KVCache
+from kvswap.mover import BlockMover
+from kvswap.types import DeviceInfo, Direction
+
+from .timing import median
+
+MiB = 1 << 20
+POISON = 0xA5
+GEMM_N = 4096  # bf16 4096^3: ~0.2 ms on an H100/H200, fine-grained enough to fill a step
+CEILING_MAX = 256 * MiB  # the contiguous copy timed for each case's ceiling, at most
+# Whether BlockMover.submit says what a job waits for (``after=``); looked up once, not
+# inside the submit host time the bench measures.
+SUBMIT_TAKES_AFTER = "after" in inspect.signature(BlockMover.submit).parameters
+
+
+class WrongBytes(KvSwapError):
+    """A job finished without the bytes it was given in its destination blocks."""
+
+
+class HostEnv:
+    """Host tensors, the host reference copy, and ``compute`` (a callable) for the GEMMs:
+    everything runs synchronously, so "beside" is "after" and only the code is tested."""
+
+    name = "host"
+
+    def __init__(self, compute: Callable[[], Any], device: str = "cpu") -> None:
+        import torch
+
+        self.torch, self.device, self.compute_fn = torch, device, compute
+        self.side = None
+        self.gemms = 1
+        self.gemm_seconds = 0.0
+        self.gemm_label = "a host callable"
+
+    def alloc(self, nbytes: int, host: bool) -> Any:
+        return self.torch.empty(nbytes, dtype=self.torch.uint8)
+
+    def random_(self, t: Any, gen_seed: int) -> None:
+        g = self.torch.Generator().manual_seed(gen_seed)
+        t.copy_(self.torch.randint(0, 256, t.shape, dtype=self.torch.uint8, generator=g))
+
+    def mirror_of(self, host_flat: Any) -> Any:
+        return host_flat.clone()
+
+    def launch_compute(self) -> None:
+        self.compute_fn()
+
+    def mark(self, stream: Any = None) -> float:
+        return time.perf_counter()
+
+    def elapsed(self, a: float, b: float) -> float:
+        return max(b - a, 0.0)
+
+    def sync(self) -> None:
+        pass
+
+    def submit(self, mover: BlockMover, sid: np.ndarray, did: np.ndarray, after: Any) -> int:
+        return mover.submit(sid, did)
+
+    def context(self) -> Any:
+        return contextlib.nullcontext()
+
+
+class DeviceEnv:
+    """A CUDA (or ROCm) device through torch: a compute stream running bf16 GEMMs, and
+    CUDA events on it and on each mover's transfer stream."""
+
+    name = "device"
+
+    def __init__(self, dev: DeviceInfo, step_ms: float) -> None:
+        import torch
+
+        self.torch, self.dev = torch, dev
+        self.device = torch.device(dev.torch_device)
+        self.index = self.device.index or 0
+        with torch.cuda.device(self.index):
+            self.compute = torch.cuda.Stream(device=self.index)
+            self.side = torch.cuda.Stream(device=self.index)  # an idle stream: "after nothing"
+        gen = torch.Generator(device=self.device).manual_seed(0)
+        self.a = torch.randn(GEMM_N, GEMM_N, device=self.device, dtype=torch.bfloat16, generator=gen)
+        self.b = torch.randn(GEMM_N, GEMM_N, device=self.device, dtype=torch.bfloat16, generator=gen)
+        self.out = torch.empty_like(self.a)
+        self.gemms = 1
+        self.gemm_label = f"bf16 {GEMM_N}x{GEMM_N}x{GEMM_N}"
+        self.gemm_seconds = self._one_gemm()
+        self.gemms = max(1, round(step_ms / 1e3 / self.gemm_seconds))
+
+    def _one_gemm(self) -> float:
+        with self.context():
+            for _ in range(5):
+                self.launch_compute()
+            times = []
+            for _ in range(5):
+                s = self.mark()
+                for _ in range(10):
+                    self.launch_compute()
+                e = self.mark()
+                e.synchronize()
+                times.append(self.elapsed(s, e) / 10)
+        return median(times)
+
+    def alloc(self, nbytes: int, host: bool) -> Any:
+        t = self.torch
+        if host:
+            return t.empty(nbytes, dtype=t.uint8, pin_memory=True)
+        return t.empty(nbytes, dtype=t.uint8, device=self.device)
+
+    def random_(self, flat: Any, gen_seed: int) -> None:
+        t = self.torch
+        g = t.Generator(device=self.device).manual_seed(gen_seed)
+        step = 256 * MiB
+        for i in range(0, flat.numel(), step):
+            part = flat[i:i + step]
+            part.copy_(t.randint(0, 256, part.shape, dtype=t.uint8, device=self.device, generator=g))
+        t.cuda.synchronize(self.device)
+
+    def mirror_of(self, host_flat: Any) -> Any:
+        return host_flat.to(self.device)
+
+    def launch_compute(self) -> None:
+        mm = self.torch.matmul
+        for _ in range(self.gemms):
+            mm(self.a, self.b, out=self.out)
+
+    def mark(self, stream: Any = None) -> Any:
+        e = self.torch.cuda.Event(enable_timing=True)
+        e.record(self.compute if stream is None else stream)
+        return e
+
+    def elapsed(self, a: Any, b: Any) -> float:
+        return max(a.elapsed_time(b) / 1e3, 0.0)
+
+    def sync(self) -> None:
+        self.torch.cuda.synchronize(self.device)
+
+    def submit(self, mover: BlockMover, sid: np.ndarray, did: np.ndarray, after: Any) -> int:
+        """``after``: None (wait for nothing) or an event to wait for."""
+        if SUBMIT_TAKES_AFTER:
+            return mover.submit(sid, did, after=after)
+        # Before submit took ``after``: it orders after the current stream, so make that
+        # an idle stream which waits for ``after`` alone.
+        if after is not None:
+            self.side.wait_event(after)
+        with self.torch.cuda.stream(self.side):
+            return mover.submit(sid, did)
+
+    def context(self) -> Any:
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.torch.cuda.device(self.index))
+        stack.enter_context(self.torch.cuda.stream(self.compute))
+        return stack
+
+
+# -- the tensors of one rank, and the byte checks ------------------------------------------
+
+class StepPools:
+    """One rank's per-layer KV tensors on both sides, ``num_blocks`` blocks each, and a
+    mirror of the host side next to the device (where checks run)."""
+
+    def __init__(self, env: Any, cache: KVCache, num_blocks: int, seed: int = 0) -> None:
+        import torch
+
+        self.env, self.cache, self.num_blocks, self.seed = env, cache, num_blocks, seed
+        self.torch = torch
+        shape = cache.tensor_shape(num_blocks)
+        self.nbytes = math.prod(shape) * cache.element_bytes
+        self.dtype = getattr(torch, cache.model.dtype)
+        self.bytes_shape = shape[:-1] + (shape[-1] * cache.element_bytes,)
+        layers = cache.model.layers
+        self.dev_flat = [env.alloc(self.nbytes, host=False) for _ in range(layers)]
+        self.host_flat = [env.alloc(self.nbytes, host=True) for _ in range(layers)]
+        self.mirror = [env.mirror_of(f) for f in self.host_flat]
+        self.device_tensors = [self._typed(f) for f in self.dev_flat]
+        self.host_tensors = [self._typed(f) for f in self.host_flat]
+        self._fills = 0
+        self.prepared: Optional[Direction] = None
+
+    def _typed(self, flat: Any) -> Any:
+        return flat.view(self.dtype).view(self.cache.tensor_shape(self.num_blocks))
+
+    def _bytes(self, flat: Any) -> Any:
+        return flat.view(self.bytes_shape)
+
+    def sides(self, direction: Direction) -> tuple[list, list]:
+        if direction.src_is_host:
+            return self.host_tensors, self.device_tensors
+        return self.device_tensors, self.host_tensors
+
+    def prepare(self, direction: Direction) -> None:
+        """Fresh random bytes in ``direction``'s source (the other direction's runs left
+        poison and copies in it), mirrored next to the device for the checks."""
+        for f in (self.host_flat if direction.src_is_host else self.dev_flat):
+            self._fills += 1
+            self.env.random_(f, self.seed * 1_000_003 + self._fills)
+        if direction.src_is_host:
+            for m, h in zip(self.mirror, self.host_flat):
+                m.copy_(h)
+        self.env.sync()
+        self.prepared = direction
+
+    def poison(self, direction: Direction) -> None:
+        """Every destination byte set to :data:`POISON` before a job."""
+        if direction.src_is_host:
+            for f in self.dev_flat:
+                f.fill_(POISON)
+        else:  # on the device, then one contiguous copy per layer to the host
+            for m, h in zip(self.mirror, self.host_flat):
+                m.fill_(POISON)
+                h.copy_(m)
+        self.env.sync()
+
+    def check(self, direction: Direction, sid: np.ndarray, did: np.ndarray) -> int:
+        """Bytes verified: every destination block ``did[i]`` of every layer equals source
+        block ``sid[i]``, and every other destination block is still poison.
+
+        :raises WrongBytes: naming the first layer and block that differ.
+        """
+        t = self.torch
+        if direction.src_is_host:
+            dst, src = self.dev_flat, self.mirror
+        else:
+            for m, h in zip(self.mirror, self.host_flat):
+                m.copy_(h)
+            dst, src = self.mirror, self.dev_flat
+        bd = self.cache.block_dim
+        where = dst[0].device
+        s_idx = t.as_tensor(sid, dtype=t.int64).to(where)
+        d_idx = t.as_tensor(did, dtype=t.int64).to(where)
+        keep = np.ones(self.num_blocks, dtype=bool)
+        keep[did] = False
+        rest = t.as_tensor(np.flatnonzero(keep), dtype=t.int64).to(where)
+        for layer, (d, s) in enumerate(zip(dst, src)):
+            got = self._bytes(d).index_select(bd, d_idx)
+            want = self._bytes(s).index_select(bd, s_idx)
+            if not t.equal(got, want):
+                bad = (got != want).movedim(bd, 0).reshape(len(did), -1).any(dim=1)
+                i = int(t.nonzero(bad)[0, 0])
+                raise WrongBytes(f"{direction}: layer {layer}, destination block {int(did[i])} does not hold "
+                                 f"source block {int(sid[i])} (job position {i})")
+            if len(rest):
+                left = self._bytes(d).index_select(bd, rest)
+                if not bool((left == POISON).all()):
+                    bad = (left != POISON).movedim(bd, 0).reshape(len(rest), -1).any(dim=1)
+                    j = int(rest[int(t.nonzero(bad)[0, 0])])
+                    raise WrongBytes(f"{direction}: layer {layer}, destination block {j} was not in the job "
+                                     f"but was written")
+        return len(did) * self.cache.block_bytes
+
+    def draw(self, rng: np.random.Generator, blocks: int) -> tuple[np.ndarray, np.ndarray]:
+        return (rng.choice(self.num_blocks, blocks, replace=False).astype(np.int64),
+                rng.choice(self.num_blocks, blocks, replace=False).astype(np.int64))
+
+    def ceiling(self, direction: Direction, nbytes: int, reps: int = 5) -> float:
+        """GB/s of one contiguous copy of ``nbytes`` (at most :data:`CEILING_MAX`) across
+        the link in ``direction``, from an idle device (median of ``reps``)."""
+        env = self.env
+        n = max(1, min(nbytes, CEILING_MAX))
+        host, dev = env.alloc(n, host=True), env.alloc(n, host=False)
+        src, dst = (host, dev) if direction.src_is_host else (dev, host)
+        times = []
+        with env.context():
+            for i in range(reps + 1):
+                env.sync()
+                a = env.mark()
+                dst.copy_(src, non_blocking=True)
+                b = env.mark()
+                env.sync()
+                if i:
+                    times.append(env.elapsed(a, b))
+        return n / max(median(times), 1e-9) / 1e9

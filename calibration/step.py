@@ -28,7 +28,6 @@ the tests exercise. ``kvswap bench --model`` refuses that (its numbers would mea
 """
 from __future__ import annotations
 
-import inspect
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
@@ -120,15 +119,9 @@ def exact_sms_calibration(dev: DeviceInfo, num_sms: int) -> Calibration:
 def bind(contender: Contender, dev: DeviceInfo, target: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``target(*args, policy=contender.policy, **kwargs)`` (BlockMover, resolve), with the
     kernel bound at exactly ``contender.exact_sms`` SMs where it asks for that."""
-    if contender.exact_sms is None:
-        return target(*args, policy=contender.policy, **kwargs)
-    cal = exact_sms_calibration(dev, contender.exact_sms)
-    if "calibration" in inspect.signature(target).parameters:
-        return target(*args, policy=contender.policy, calibration=cal, **kwargs)
-    from . import store  # before BlockMover and resolve took a calibration: the store's override
-
-    with store.override(cal):
-        return target(*args, policy=contender.policy, **kwargs)
+    if contender.exact_sms is not None:
+        kwargs["calibration"] = exact_sms_calibration(dev, contender.exact_sms)
+    return target(*args, policy=contender.policy, **kwargs)
 
 
 def make_mover(src: list, dst: list, direction: Direction, block_dim: int, contender: Contender,

@@ -10,7 +10,6 @@ random bytes, poisons destinations and checks every moved byte.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
 import time
 from typing import Any, Callable, Optional
@@ -28,9 +27,6 @@ MiB = 1 << 20
 POISON = 0xA5
 GEMM_N = 4096  # bf16 4096^3: ~0.2 ms on an H100/H200, fine-grained enough to fill a step
 CEILING_MAX = 256 * MiB  # the contiguous copy timed for each case's ceiling, at most
-# Whether BlockMover.submit says what a job waits for (``after=``); looked up once, not
-# inside the submit host time the bench measures.
-SUBMIT_TAKES_AFTER = "after" in inspect.signature(BlockMover.submit).parameters
 
 
 class WrongBytes(KvSwapError):
@@ -47,7 +43,6 @@ class HostEnv:
         import torch
 
         self.torch, self.device, self.compute_fn = torch, device, compute
-        self.side = None
         self.gemms = 1
         self.gemm_seconds = 0.0
         self.gemm_label = "a host callable"
@@ -95,7 +90,6 @@ class DeviceEnv:
         self.index = self.device.index or 0
         with torch.cuda.device(self.index):
             self.compute = torch.cuda.Stream(device=self.index)
-            self.side = torch.cuda.Stream(device=self.index)  # an idle stream: "after nothing"
         gen = torch.Generator(device=self.device).manual_seed(0)
         self.a = torch.randn(GEMM_N, GEMM_N, device=self.device, dtype=torch.bfloat16, generator=gen)
         self.b = torch.randn(GEMM_N, GEMM_N, device=self.device, dtype=torch.bfloat16, generator=gen)
@@ -155,14 +149,7 @@ class DeviceEnv:
 
     def submit(self, mover: BlockMover, sid: np.ndarray, did: np.ndarray, after: Any) -> int:
         """``after``: None (wait for nothing) or an event to wait for."""
-        if SUBMIT_TAKES_AFTER:
-            return mover.submit(sid, did, after=after)
-        # Before submit took ``after``: it orders after the current stream, so make that
-        # an idle stream which waits for ``after`` alone.
-        if after is not None:
-            self.side.wait_event(after)
-        with self.torch.cuda.stream(self.side):
-            return mover.submit(sid, did)
+        return mover.submit(sid, did, after=after)
 
     def context(self) -> Any:
         stack = contextlib.ExitStack()

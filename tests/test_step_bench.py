@@ -216,3 +216,18 @@ def test_custom_shape_flags_and_tp_list_pick_the_caches():
     (c,), _ = cli_step.caches_from_args(args)
     assert (c.chunk_bytes, c.descriptors_per_block * 5000) == (4096, 10_000) and cli_step.wanted(args)
     assert not cli_step.wanted(p.parse_args([]))
+
+
+def test_block_mover_decides_by_the_calibration_it_is_given():
+    """The bench binds its kernel contender through BlockMover(calibration=...)."""
+    import kvswap
+
+    dev = cpu()
+    cal = step.exact_sms_calibration(dev, 12)
+    src = [torch.zeros(2, 4, 2, 1, 8, dtype=torch.bfloat16) for _ in range(2)]
+    dst = [torch.zeros(2, 4, 2, 1, 8, dtype=torch.bfloat16) for _ in range(2)]
+    c = Contender("batch", Policy(force="host.reference"), exact_sms=12)
+    with step.bind(c, dev, kvswap.BlockMover, src, dst, "h2d", block_dim=1) as mover:
+        assert mover.swap_fn.plan.calibration["source"] == cal.source
+    with kvswap.BlockMover(src, dst, "h2d", block_dim=1, profiles=False) as mover:
+        assert mover.swap_fn.plan.calibration["source"] != cal.source

@@ -73,7 +73,7 @@ def test_slowdown_at_reads_per_direction_and_sm_count_and_falls_back():
 def test_low_interference_uses_slowdown_by_sms():
     """The kernel is 20% faster than the batch route; beside compute it costs 40% of the
     GEMMs on h2d but 5% on d2h: low_interference takes the batch route h2d only."""
-    from kvswap.resolver import _rank
+    from kvswap.routing import rank
 
     class Impl:
         def __init__(self, name, kind):
@@ -87,10 +87,12 @@ def test_low_interference_uses_slowdown_by_sms():
     usable = [Impl("cuda.batch", "batch"), Impl("triton.kernel", "kernel")]
     c = cal({"h2d": [["kernel", 8, 0.4], ["batch", 0, 0.0]], "d2h": [["kernel", 8, 0.05], ["batch", 0, 0.0]]})
     low = Policy(prefer="low_interference")
-    h2d = _rank(usable, c, Direction.H2D, low, 16 * KiB, True, 8)
-    d2h = _rank(usable, c, Direction.D2H, low, 16 * KiB, True, 8)
+    h2d = rank(usable, c, Direction.H2D, low, 16 * KiB, True, 8)
+    d2h = rank(usable, c, Direction.D2H, low, 16 * KiB, True, 8)
     assert h2d[0][0].name == "cuda.batch" and d2h[0][0].name == "triton.kernel"
-    assert _rank(usable, c, Direction.H2D, Policy(), 16 * KiB, True, 8)[0][0].name == "triton.kernel"
+    assert rank(usable, c, Direction.H2D, Policy(), 16 * KiB, True, 8)[0][0].name == "triton.kernel"
+    # at 4 SMs the h2d kernel would cost nothing measured: no row there, the nearest (8) holds
+    assert rank(usable, c, Direction.H2D, low, 16 * KiB, True, 4)[0][0].name == "cuda.batch"
 
 
 def test_render_prints_the_slowdown_table(tmp_path):

@@ -264,8 +264,10 @@ class BlockMover:
         self.pool = DescriptorPool(pinned=on_device)
         self._check_across = grouped and _groups_share_destinations(sides)
         # Where the kernel route derives addresses itself (ByIdsFn), a submit sends only ids.
+        # Its templates are base + id * stride: sub-blocks (a block-size factor) take the
+        # descriptor path.
         self._ids_steps = (_by_ids_steps(self._fn, templates[0])
-                           if len(templates) == 1 and self._stager is None else None)
+                           if len(templates) == 1 and self._stager is None and templates[0].factor == 1 else None)
         self._tensors: Optional[list] = sides  # the memory the addresses point into
         self._results: deque[TransferResult] = deque()
         self._next_id = 1

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+import kvswap
 from kvswap import BlockMover
 from kvswap.errors import BlockIdError, BlockLayoutError
 from kvswap.regions import block_dims
@@ -148,3 +149,41 @@ def test_calibration_and_profiles_pass_through_to_resolve(monkeypatch):
     assert grouped.swap_fn.plan.calibration["source"] == cal.source
     BlockMover(s.tensors, d.tensors, "h2d")
     assert [(kw["calibration"], kw["profiles"]) for kw in seen] == [(cal, False), (cal, True), (None, True)]
+
+
+def test_sub_blocks_never_take_a_by_id_route():
+    """A route that derives addresses from ``base + id * stride`` on the device cannot
+    address sub-blocks: a mover with a block-size factor keeps to descriptors."""
+    from kvswap import CopyImpl, Direction, hookimpl
+    from kvswap.plugins import create_plugin_host, reset_plugin_host
+    from kvswap.reference import host_copy
+
+    asked = []
+
+    class Transfer:
+        def __call__(self, src, dst, sizes, stream=None):
+            host_copy(src, dst, sizes)
+
+        def by_ids(self, template):
+            asked.append(template.factor)
+            return None
+
+    class Plugin:
+        @hookimpl
+        def kvswap_register_copy_impls(self, platform, register):
+            if platform == "cpu":
+                register(CopyImpl(name="test.by_ids", kind="kernel", platforms=("cpu",),
+                                  directions=(Direction.H2D, Direction.D2H), factory=lambda ctx: Transfer()))
+
+    reset_plugin_host(create_plugin_host(entry_points=[], env={}, extra=[("p", Plugin())]))
+    gen, rng = torch.Generator().manual_seed(37), np.random.default_rng(37)
+    policy = kvswap.Policy(force="test.by_ids")
+    for factor in (1, 3):
+        host = Side([KINDS["flash"]], 27 // factor, factor * TOKENS, gen, pad=64 if factor > 1 else 0)
+        device = Side([KINDS["flash"]], 27, TOKENS, gen)
+        before, src_before = device.snapshot(), host.snapshot()
+        sid, did = rng.permutation(27)[:11], rng.permutation(27)[:11]
+        with BlockMover(host.tensors, device.tensors, "h2d", block_dim=1, policy=policy) as mover:
+            mover.submit(sid, did)
+        assert device.matches(expected_after(host, src_before, device, before, [(sid, did)]))
+    assert asked == [1]   # offered to the k = 1 mover only

@@ -84,7 +84,10 @@ def render(args: argparse.Namespace) -> int:
         doc = merge(steps)
         print(render_markdown(doc, args.render_command, args.plot.name if args.plot else None), end="")
         if args.plot:
-            print(f"\nplot written to {plot(doc, args.plot)}", file=sys.stderr)
+            try:
+                print(f"plot written to {plot(doc, args.plot)}", file=sys.stderr)
+            except ImportError:
+                print("note: --plot needs matplotlib (pip install kvswap[plot]); no plot drawn", file=sys.stderr)
     for doc in slowdowns:
         print()
         print(interference_markdown(doc), end="")

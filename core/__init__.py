@@ -27,8 +27,10 @@ from .errors import (  # noqa: E402
     ProfileWarning,
     ResolutionError,
     TensorPlacementError,
+    UnknownImplError,
     UnpinnedMemoryError,
 )
+from .descriptors import coalesce  # noqa: E402
 from .impl import BindContext, CopyImpl  # noqa: E402
 from .thresholds import Calibration, Curve  # noqa: E402
 from .types import DeviceInfo, Direction, Policy  # noqa: E402
@@ -70,7 +72,9 @@ __all__ = [
     "SwapFn",
     "TensorPlacementError",
     "TransferResult",
+    "UnknownImplError",
     "UnpinnedMemoryError",
+    "coalesce",
     "hookimpl",
     "host_empty",
     "resolve",

@@ -6,7 +6,7 @@ vectorised numpy: no per-descriptor Python work.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
@@ -44,12 +44,26 @@ def _int64(values: Any, what: str) -> np.ndarray:
     return as_int64(values, what)
 
 
-def normalize(src: Any, dst: Any, sizes: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Check a batch and return it as three int64 arrays.
+def _addresses(values: Any, what: str) -> np.ndarray:
+    """:func:`_int64` for an array of addresses: an array or tensor must already be 64-bit
+    (int64, or uint64 within int64), since a narrower one has lost the pointers' high bits."""
+    if type(values) is np.ndarray and values.dtype == np.int64 and values.ndim == 1 and values.flags.c_contiguous:
+        return values
+    dtype = getattr(values, "dtype", None)
+    if dtype is not None and str(dtype).removeprefix("torch.") in _NARROW:
+        raise InvalidTransferError(
+            f"{what} must be int64 (or uint64) addresses, got dtype {dtype}: a narrower integer cannot hold a pointer"
+        )
+    return as_int64(values, what)
 
-    Raises :class:`InvalidTransferError` for unequal lengths, sizes < 1 or null addresses.
-    """
-    return checked(src, dst, sizes)[:3]
+
+_NARROW = {"int8", "int16", "int32", "uint8", "uint16", "uint32"}
+INT64_MAX = int(np.iinfo(np.int64).max)
+
+
+def normalize(src: Any, dst: Any, sizes: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Check a batch (:func:`validate`) and return it as three int64 arrays."""
+    return validate(src, dst, sizes)[:3]
 
 
 # Up to this many descriptors, Python's min and max over lists beat numpy's reductions,
@@ -58,29 +72,148 @@ def normalize(src: Any, dst: Any, sizes: Any) -> tuple[np.ndarray, np.ndarray, n
 SMALL_BATCH = 16
 
 
-def checked(src: Any, dst: Any, sizes: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
-    """:func:`normalize`, plus the smallest and largest size (0, 0 for an empty batch),
-    which routing needs anyway: each reduction is done once."""
-    s, d, n = _int64(src, "src_ptrs"), _int64(dst, "dst_ptrs"), _int64(sizes, "sizes")
-    if not (len(s) == len(d) == len(n)):
+class Batch(NamedTuple):
+    """A validated batch: three int64 arrays and the smallest and largest size."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    sizes: np.ndarray
+    smallest: int
+    largest: int
+
+
+def validate(src: Any, dst: Any, sizes: Any) -> Batch:
+    """Check a whole batch once, before any implementation sees it; return it as int64 arrays.
+
+    Refused with :class:`InvalidTransferError`, naming the caller's descriptor indices:
+    arrays of unequal length, not 1-D or not integers; addresses narrower than 64 bits;
+    sizes under 1 byte; null or negative addresses; a range that ends past ``2**63 - 1``;
+    two destination ranges that overlap; a destination range that overlaps any source
+    range (the result would depend on the order of the copies). Source ranges may overlap
+    each other. Arrays already int64 are returned as they are, without a copy.
+    """
+    s, d, n = _addresses(src, "src_ptrs"), _addresses(dst, "dst_ptrs"), _int64(sizes, "sizes")
+    count = len(n)
+    if not (len(s) == len(d) == count):
         raise InvalidTransferError(
-            f"src_ptrs, dst_ptrs and sizes must have equal length, got {len(s)}, {len(d)}, {len(n)}"
+            f"src_ptrs, dst_ptrs and sizes must have equal length, got {len(s)}, {len(d)}, {count}"
         )
-    if not len(n):
-        return s, d, n, 0, 0
-    if len(n) <= SMALL_BATCH:
-        listed = n.tolist()
-        smallest, largest, lowest = min(listed), max(listed), min(min(s.tolist()), min(d.tolist()))
-    else:
-        smallest, largest, lowest = int(n.min()), int(n.max()), int(min(s.min(), d.min()))
+    if not count:
+        return Batch(s, d, n, 0, 0)
+    if count <= SMALL_BATCH:
+        return _validate_few(s, d, n)
+    smallest, largest = int(n.min()), int(n.max())
     if smallest < 1:
-        i = int(np.argmin(n))
-        raise InvalidTransferError(f"sizes[{i}]={int(n[i])}: every size must be >= 1 byte")
-    if lowest <= 0:
-        arr, what = (s, "src_ptrs") if s.min() <= 0 else (d, "dst_ptrs")
-        i = int(np.argmin(arr))
-        raise InvalidTransferError(f"{what}[{i}]={int(arr[i])} is not a valid address")
-    return s, d, n, smallest, largest
+        _bad_size(n)
+    lo_s, lo_d, hi_s, hi_d = int(s.min()), int(d.min()), int(s.max()), int(d.max())
+    if lo_s <= 0 or lo_d <= 0:
+        _bad_address(s, d)
+    if hi_s > INT64_MAX - largest or hi_d > INT64_MAX - largest:
+        limit = INT64_MAX - n  # no overflow: every size is >= 1
+        past = (s > limit) | (d > limit)
+        if past.any():
+            _past_end(s, d, n, int(np.argmax(past)))
+    # Destinations against each other: one sort. Blocks of one size (what engines send)
+    # need only the sorted starts, not the permutation; none when already ascending.
+    if smallest == largest:
+        ds = d if bool((d[1:] >= d[:-1]).all()) else np.sort(d)
+        ends = ds + smallest
+    else:
+        order = np.argsort(d)
+        ds, ends = d[order], (d + n)[order]
+    if bool((ends[:-1] > ds[1:]).any()):
+        _name_dst_clash(d, n)
+    # Destinations against sources, where the two spans meet at all (host and device memory
+    # lie apart): the destinations are sorted and disjoint, so their ends ascend too, and a
+    # source overlaps one exactly when the last destination starting before the source ends,
+    # ends after the source starts.
+    if lo_d < hi_s + largest and lo_s < hi_d + largest:
+        pos = np.searchsorted(ds, s + n, side="left") - 1
+        if bool(((pos >= 0) & (ends[np.maximum(pos, 0)] > s)).any()):
+            _name_src_clash(s, d, n)
+    return Batch(s, d, n, smallest, largest)
+
+
+def checked(src: Any, dst: Any, sizes: Any) -> Batch:
+    """:func:`validate` (the name the SwapFn's per-call check had before)."""
+    return validate(src, dst, sizes)
+
+
+def _validate_few(s: np.ndarray, d: np.ndarray, n: np.ndarray) -> Batch:
+    """:func:`validate` for a few descriptors, on Python ints (cheaper than numpy here)."""
+    sl, dl, nl = s.tolist(), d.tolist(), n.tolist()
+    smallest, largest = min(nl), max(nl)
+    if smallest < 1:
+        _bad_size(n)
+    lo_s, lo_d = min(sl), min(dl)
+    if lo_s <= 0 or lo_d <= 0:
+        _bad_address(s, d)
+    hi_s, hi_d = max(sl), max(dl)
+    if hi_s > INT64_MAX - largest or hi_d > INT64_MAX - largest:
+        for i, (a, b, k) in enumerate(zip(sl, dl, nl)):
+            if a > INT64_MAX - k or b > INT64_MAX - k:
+                _past_end(s, d, n, i)
+    if len(nl) > 1:
+        if smallest == largest:
+            ds = sorted(dl)
+            if any(b - a < smallest for a, b in zip(ds, ds[1:])):
+                _name_dst_clash(d, n)
+        else:
+            ranges = sorted(zip(dl, nl))
+            if any(a + k > b for (a, k), (b, _) in zip(ranges, ranges[1:])):
+                _name_dst_clash(d, n)
+    if lo_d < hi_s + largest and lo_s < hi_d + largest:
+        if any(b < a + k and a < b + m for a, k in zip(sl, nl) for b, m in zip(dl, nl)):
+            _name_src_clash(s, d, n)
+    return Batch(s, d, n, smallest, largest)
+
+
+def _name_dst_clash(d: np.ndarray, n: np.ndarray) -> None:
+    """Raise for two overlapping destinations (known to exist), naming their indices."""
+    order = np.argsort(d, kind="stable")
+    ends = (d + n)[order]
+    k = int(np.argmax(ends[:-1] > d[order][1:]))
+    _dst_clash(int(order[k]), int(order[k + 1]))
+
+
+def _name_src_clash(s: np.ndarray, d: np.ndarray, n: np.ndarray) -> None:
+    """Raise for a destination overlapping a source (known to exist), naming both."""
+    order = np.argsort(d, kind="stable")
+    ds, ends = d[order], (d + n)[order]
+    pos = np.searchsorted(ds, s + n, side="left") - 1
+    hit = (pos >= 0) & (ends[np.maximum(pos, 0)] > s)
+    j = int(np.argmax(hit))
+    _src_clash(int(order[int(pos[j])]), j)
+
+
+def _bad_size(n: np.ndarray) -> None:
+    i = int(np.argmin(n))
+    raise InvalidTransferError(f"sizes[{i}]={int(n[i])}: every size must be >= 1 byte")
+
+
+def _bad_address(s: np.ndarray, d: np.ndarray) -> None:
+    arr, what = (s, "src_ptrs") if s.min() <= 0 else (d, "dst_ptrs")
+    i = int(np.argmin(arr))
+    raise InvalidTransferError(f"{what}[{i}]={int(arr[i])} is not a valid address")
+
+
+def _past_end(s: np.ndarray, d: np.ndarray, n: np.ndarray, i: int) -> None:
+    arr, what = (s, "src_ptrs") if int(s[i]) > INT64_MAX - int(n[i]) else (d, "dst_ptrs")
+    raise InvalidTransferError(
+        f"descriptor {i}: {what}[{i}]=0x{int(arr[i]):x} + sizes[{i}]={int(n[i])} ends past the "
+        f"largest address (2**63 - 1)"
+    )
+
+
+def _dst_clash(i: int, j: int) -> None:
+    i, j = sorted((i, j))
+    raise InvalidTransferError(f"destination ranges of descriptors {i} and {j} overlap")
+
+
+def _src_clash(i: int, j: int) -> None:
+    raise InvalidTransferError(
+        f"the destination range of descriptor {i} overlaps the source range of descriptor {j}"
+    )
 
 
 def misaligned(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, alignment: int) -> np.ndarray:
@@ -106,8 +239,9 @@ def first_overlap(addrs: np.ndarray, sizes: np.ndarray) -> Optional[tuple[int, i
 def coalesce(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Merge neighbours that are contiguous on both sides into one descriptor.
 
-    The driver does not merge adjacent descriptors itself (FACTS.md: merged runs of
-    16 x 8 KiB went 15 -> 54 GB/s), so this is the caller's job.
+    A batch copy API copies each descriptor as its own transfer (``cuMemcpyBatchAsync``
+    does not merge neighbours), and a small transfer costs the copy engine far more per
+    byte than a large one, so merging runs of blocks is the caller's job.
     """
     if len(sizes) < 2:
         return src, dst, sizes

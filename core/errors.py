@@ -48,6 +48,11 @@ class ResolutionError(KvSwapError, RuntimeError):
     """No implementation can serve the request, or a forced one cannot be honoured."""
 
 
+class UnknownImplError(ResolutionError, ConfigurationError):
+    """A forced implementation name that no loaded plugin registers: a usage error (a
+    :class:`ConfigurationError`) as well as a :class:`ResolutionError`."""
+
+
 class DriverError(KvSwapError, RuntimeError):
     """A driver or runtime call failed.
 

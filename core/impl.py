@@ -9,7 +9,7 @@ import numpy as np
 
 from .descriptors import misaligned
 from .errors import InvalidImplError
-from .types import DeviceInfo, Direction
+from .types import DeviceInfo, Direction, as_int
 
 KINDS = ("batch", "kernel")
 _NAME = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z0-9_]+)+$")
@@ -20,6 +20,10 @@ class TransferFn(Protocol):
 
     ``src``, ``dst`` and ``sizes`` are 1-D, C-contiguous int64 numpy arrays of equal length
     (addresses and byte counts); ``stream`` is what the caller passed (None: the current one).
+    Core has validated the whole batch (:func:`kvswap.descriptors.validate`): every size is
+    at least 1, no address is null or negative, no range ends past ``2**63 - 1``, no two
+    destinations overlap and no destination overlaps a source; and every descriptor meets
+    the impl's declared constraints. An implementation need not check any of it again.
     """
 
     def __call__(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream: Any) -> None: ...
@@ -123,6 +127,10 @@ class CopyImpl:
             raise bad("factory must be callable: factory(BindContext) -> TransferFn")
         if not callable(self.availability):
             raise bad("availability must be callable: availability(DeviceInfo) -> None | reason")
+        for name in ("alignment", "min_block_bytes", "max_block_bytes"):
+            value = getattr(self, name)
+            if value is not None and as_int(value) is not None:
+                object.__setattr__(self, name, as_int(value))
         a = self.alignment
         if not isinstance(a, int) or a < 1 or a & (a - 1):
             raise bad(f"alignment={a!r} must be a power of two >= 1")

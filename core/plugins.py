@@ -9,14 +9,16 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import threading
+import types
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
+from typing import Any, Iterable, Iterator, Mapping, Optional
 
 import pluggy
 
 from . import PROJECT, hookspecs, reference
 from .errors import PluginWarning
+from .impl import CopyImpl
 
 ENTRY_POINT_GROUP = "kvswap.backends"
 ALLOW_ENV = "KVSWAP_PLUGINS"
@@ -45,57 +47,85 @@ def _names(value: Optional[str]) -> Optional[set[str]]:
     return {n.strip() for n in value.split(",") if n.strip()}
 
 
+def in_tree(obj: object) -> bool:
+    """Whether a plugin object is one of kvswap's own: the host reference, or a backend
+    module (or an object of one) under ``kvswap.backends``."""
+    module = obj.__name__ if isinstance(obj, types.ModuleType) else type(obj).__module__
+    return module == reference.__name__ or module.startswith("kvswap.backends.")
+
+
 class PluginHost:
-    """A pluggy manager plus what kvswap knows of each plugin it tried to load."""
+    """A pluggy manager plus what kvswap knows of each plugin it tried to load.
+
+    Safe to share between threads: registering, dropping and warning hold one lock, and
+    hooks are called on a snapshot of the registered implementations.
+    """
 
     def __init__(self) -> None:
         self.pm = pluggy.PluginManager(PROJECT)
         self.pm.add_hookspecs(hookspecs)
         self.records: dict[str, PluginRecord] = {}
+        self.builtin: set[str] = set()  # names of the plugins that are kvswap's own
         self._warned: set[tuple[str, str]] = set()
+        self._lock = threading.RLock()
 
     # -- loading -------------------------------------------------------------------
     def add(self, obj: object, record: PluginRecord) -> bool:
-        try:
-            self.pm.register(obj, name=record.name)
-        except Exception as e:
-            self.fail(record, f"cannot be registered: {type(e).__name__}: {e}")
-            return False
-        self.records[record.name] = record
-        return True
+        with self._lock:
+            try:
+                self.pm.register(obj, name=record.name)
+            except Exception as e:
+                self.fail(record, f"cannot be registered: {type(e).__name__}: {e}")
+                return False
+            self.records[record.name] = record
+            if in_tree(obj):
+                self.builtin.add(record.name)
+            return True
+
+    def is_builtin(self, name: str) -> bool:
+        """Whether the plugin ``name`` is one of kvswap's own (in-tree) backends."""
+        return name in self.builtin
 
     def fail(self, record: PluginRecord, cause: str) -> None:
-        self.records[record.name] = PluginRecord(
-            record.name, record.distribution, record.version, record.module, "failed", cause
-        )
-        self.warn(record.name, f"dropped: {cause}")
+        with self._lock:
+            self.records[record.name] = PluginRecord(
+                record.name, record.distribution, record.version, record.module, "failed", cause
+            )
+            self.warn(record.name, f"dropped: {cause}")
 
     def warn(self, name: str, message: str) -> None:
         """One warning per plugin and message per process, naming the plugin."""
-        if (name, message) in self._warned:
-            return
-        self._warned.add((name, message))
-        rec = self.records.get(name)
+        with self._lock:
+            if (name, message) in self._warned:
+                return
+            self._warned.add((name, message))
+            rec = self.records.get(name)
         where = f" (from {rec.distribution} {rec.version})" if rec and rec.distribution != "?" else ""
         warnings.warn(f"kvswap plugin {name!r}{where} {message}", PluginWarning, stacklevel=3)
 
     def drop(self, name: str, cause: str) -> None:
-        """Unregister a plugin that misbehaved at run time and say so once."""
-        plugin = self.pm.get_plugin(name)
-        if plugin is not None:
-            self.pm.unregister(plugin)
-        record = self.records.get(name) or PluginRecord(name, "?", "?", "?")
-        self.fail(record, cause)
+        """Unregister a plugin that misbehaved at run time and say so once (from any
+        number of threads at once: the first drops it, the others find it gone)."""
+        with self._lock:
+            plugin = self.pm.get_plugin(name)
+            if plugin is None:
+                if name in self.records and self.records[name].status == "failed":
+                    return  # another thread dropped it already
+            else:
+                self.pm.unregister(plugin)
+            record = self.records.get(name) or PluginRecord(name, "?", "?", "?")
+            self.fail(record, cause)
 
     def check_pending(self) -> None:
         """pluggy's ``check_pending``, dropping each plugin with a hook nobody specified."""
         while True:
-            try:
-                self.pm.check_pending()
-                return
-            except pluggy.PluginValidationError as e:
-                name = self.pm.get_name(e.plugin) or repr(e.plugin)
-                self.drop(name, f"implements an unknown hook: {e}")
+            with self._lock:
+                try:
+                    self.pm.check_pending()
+                    return
+                except pluggy.PluginValidationError as e:
+                    name = self.pm.get_name(e.plugin) or repr(e.plugin)
+                    self.drop(name, f"implements an unknown hook: {e}")
 
     # -- calling -------------------------------------------------------------------
     def call_each(self, hook: str, **kwargs: Any) -> Iterator[tuple[str, Any]]:
@@ -103,9 +133,7 @@ class PluginHost:
 
         A plugin whose implementation raises is dropped (with a warning) and skipped.
         """
-        caller = getattr(self.pm.hook, hook)
-        impls = sorted(caller.get_hookimpls(), key=lambda i: i.plugin_name)
-        for impl in impls:
+        for impl in self._impls_of(hook):
             try:
                 result = impl.function(**{a: kwargs[a] for a in impl.argnames})
             except Exception as e:
@@ -119,8 +147,7 @@ class PluginHost:
         A plugin that registers anything but a ``kind`` is dropped whole for this call.
         """
         out: list[tuple[str, Any]] = []
-        caller = getattr(self.pm.hook, hook)
-        for impl in sorted(caller.get_hookimpls(), key=lambda i: i.plugin_name):
+        for impl in self._impls_of(hook):
             items: list[Any] = []
             args = dict(kwargs, register=items.append)
             try:
@@ -137,6 +164,11 @@ class PluginHost:
                 continue
             out.extend((impl.plugin_name, i) for i in items)
         return out
+
+    def _impls_of(self, hook: str) -> list[Any]:
+        """The implementations of ``hook``, in plugin-name order, as registered now."""
+        with self._lock:
+            return sorted(getattr(self.pm.hook, hook).get_hookimpls(), key=lambda i: i.plugin_name)
 
     @property
     def loaded(self) -> list[PluginRecord]:
@@ -195,8 +227,12 @@ def create_plugin_host(
         host.add(obj, record)
     for name, obj in extra:
         host.add(obj, PluginRecord(name, "?", "?", getattr(obj, "__name__", repr(obj))))
-    for missing in sorted((allow or set()) - seen - {BUILTIN_NAME} - {n for n, _ in extra}):
+    extras = {n for n, _ in extra}
+    for missing in sorted((allow or set()) - seen - {BUILTIN_NAME} - extras):
         host.warn(missing, f"is named in {ALLOW_ENV} but is not installed")
+    for missing in sorted(block - seen - extras):
+        why = "is built in and cannot be disabled" if missing == BUILTIN_NAME else "is not installed"
+        host.warn(missing, f"is named in {BLOCK_ENV} but {why}")
     host.check_pending()
     return host
 
@@ -227,3 +263,29 @@ def reset_plugin_host(host: Optional[PluginHost] = None) -> None:
         _cached = host
 
 
+
+
+def collect_impls(host: PluginHost, platform: str) -> list[tuple[str, CopyImpl]]:
+    """``(plugin, impl)`` registered for ``platform``, one per name.
+
+    The names kvswap's own backends register are theirs: another plugin registering one is
+    ignored, with a warning naming that plugin. Between other plugins, the first by plugin
+    name keeps a name, and the others are warned about (never load order).
+    """
+    offered = host.collect("kvswap_register_copy_impls", CopyImpl, platform=platform)
+    owner: dict[str, str] = {}
+    for plugin, impl in offered:  # kvswap's own first: their names are reserved
+        if host.is_builtin(plugin):
+            owner.setdefault(impl.name, plugin)
+    for plugin, impl in offered:  # then the others, in plugin-name order (collect's)
+        owner.setdefault(impl.name, plugin)
+    out, taken = [], set()
+    for plugin, impl in offered:
+        mine = owner[impl.name]
+        if mine != plugin:
+            whose = "kvswap's own plugin " if host.is_builtin(mine) else ""
+            host.warn(plugin, f"registers {impl.name!r}, already registered by {whose}{mine!r}; ignored")
+        elif impl.name not in taken:
+            taken.add(impl.name)
+            out.append((plugin, impl))
+    return out

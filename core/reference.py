@@ -1,9 +1,10 @@
 """The host reference backend (``host.reference``): copies between host addresses.
 
 It is what ``resolve()`` returns on a machine without an accelerator, and the oracle the
-other backends' tests compare against, so it is deliberately plain: every destination
-range is checked against every other before the first byte moves, then each descriptor is
-one ``memmove``. It is a built-in plugin, registered by core like any other.
+other backends' tests compare against, so it is deliberately plain: each descriptor is one
+``memmove``. Like every implementation it is handed only batches that core has validated
+(:func:`kvswap.descriptors.validate`: no overlapping destinations, no null or overflowing
+ranges). It is a built-in plugin, registered by core like any other.
 """
 from __future__ import annotations
 
@@ -13,8 +14,6 @@ from typing import Any, Callable
 import numpy as np
 
 from . import hookimpl
-from .descriptors import first_overlap
-from .errors import InvalidTransferError
 from .impl import BindContext, CopyImpl
 from .thresholds import Calibration
 from .types import DeviceInfo, Direction
@@ -23,15 +22,8 @@ NAME = "host.reference"
 
 
 def host_copy(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream: Any = None) -> None:
-    """Copy ``sizes[i]`` bytes from address ``src[i]`` to ``dst[i]`` for every i.
-
-    Raises :class:`InvalidTransferError`, before copying anything, when two destination
-    ranges overlap (the result would depend on the order of the copies).
-    """
-    clash = first_overlap(dst, sizes)
-    if clash is not None:
-        i, j = clash
-        raise InvalidTransferError(f"destination ranges of descriptors {i} and {j} overlap")
+    """Copy ``sizes[i]`` bytes from address ``src[i]`` to ``dst[i]`` for every i, of a
+    batch :func:`kvswap.descriptors.validate` has accepted."""
     memmove = ctypes.memmove
     for s, d, n in zip(src.tolist(), dst.tolist(), sizes.tolist()):
         memmove(d, s, n)

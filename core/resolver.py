@@ -5,42 +5,31 @@ import os
 from dataclasses import replace
 from typing import Any, Iterable, Optional, Union
 
-from .errors import ConfigurationError, ResolutionError
+from .errors import ConfigurationError, ResolutionError, UnknownImplError
 from .impl import BindContext, CopyImpl, same_addresses
 from .lookup import find_calibration
 from .plan import Candidate, Plan, Route
 from .routing import knee_sms, routes as build_routes, tiers_at
 from .platform import detect
-from .plugins import PluginHost, plugin_host
+from .plugins import PluginHost, collect_impls, plugin_host
 from .swapfn import SwapFn
 from .thresholds import Calibration
-from .types import DeviceInfo, Direction, DirectionLike, Policy
+from .types import DeviceInfo, Direction, DirectionLike, Policy, as_int
 
 FORCE_ENV = "KVSWAP_FORCE_IMPL"
-
-
-def collect_impls(host: PluginHost, platform: str) -> list[tuple[str, CopyImpl]]:
-    """``(plugin, impl)`` registered for ``platform``; a name registered twice keeps the
-    registration of the plugin first by name, and the other plugin is warned about."""
-    seen: dict[str, str] = {}
-    out = []
-    for plugin, impl in host.collect("kvswap_register_copy_impls", CopyImpl, platform=platform):
-        if impl.name in seen:
-            if seen[impl.name] != plugin:
-                host.warn(plugin, f"registers {impl.name!r}, already registered by {seen[impl.name]!r}; ignored")
-            continue
-        seen[impl.name] = plugin
-        out.append((plugin, impl))
-    return out
 
 
 def _block_sizes(block_bytes: Union[None, int, Iterable[int]]) -> tuple[int, ...]:
     if block_bytes is None:
         return ()
-    values = (block_bytes,) if isinstance(block_bytes, int) else tuple(block_bytes)
-    if not values or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in values):
+    one = as_int(block_bytes)
+    try:
+        values = (one,) if one is not None else tuple(as_int(v) for v in block_bytes)  # type: ignore[union-attr]
+    except TypeError:
+        values = ()
+    if not values or any(v is None or v < 1 for v in values):
         raise ConfigurationError(f"block_bytes={block_bytes!r} must be a positive int or a list of them")
-    return tuple(sorted(set(values)))
+    return tuple(sorted(set(values)))  # type: ignore[arg-type]
 
 
 def _bind_tiers(
@@ -74,6 +63,33 @@ def _bind_tiers(
 
         routes = tuple(knee(r) for r in routes)
     return routes, tiered
+
+
+def _limits(impl: CopyImpl) -> str:
+    """The block sizes ``impl`` takes, in words."""
+    top = "" if impl.max_block_bytes is None else f" to {impl.max_block_bytes}"
+    step = f", multiples of {impl.alignment}" if impl.alignment > 1 else ""
+    return f"takes {impl.min_block_bytes}{top or ' or more'} bytes{step}"
+
+
+def _unmeasured_notes(routes: tuple[Route, ...], candidates: list[Candidate], builtin: frozenset[str],
+                      cal: Calibration) -> list[str]:
+    """Why another plugin's implementation took a route without a measurement: where
+    nothing predicts it, it ranks below every predicted and every built-in route, so only
+    where none of them can copy; where only guesses predict it, they said so."""
+    plugin = {c.name: c.plugin for c in candidates}
+    out = []
+    for r in routes:
+        if r.impl in builtin:
+            continue
+        span = f"{r.min_bytes}-{r.max_bytes} bytes" if r.max_bytes is not None else f"{r.min_bytes}+ bytes"
+        who = f"{r.impl} (plugin {plugin.get(r.impl)}) takes blocks of {span}"
+        if dict(r.predicted).get(r.impl) is None:
+            out.append(f"{who} unmeasured: no calibration predicts it, and no measured or built-in route "
+                       f"can copy these sizes")
+        elif not cal.calibrated:
+            out.append(f"{who} by numbers that are not measured ({cal.source})")
+    return out
 
 
 def host_translator(host: PluginHost, device: DeviceInfo) -> Any:
@@ -124,8 +140,9 @@ def resolve(
     sizes = _block_sizes(block_bytes)
     host = plugin_host() if host is None else host
     dev = detect(host, device)
+    registered = collect_impls(host, dev.platform)
     if calibration is None:
-        cal = find_calibration(host, dev, profiles=profiles)
+        cal = find_calibration(host, dev, profiles=profiles, registered=registered)
     elif isinstance(calibration, Calibration):
         cal = calibration
     else:
@@ -137,7 +154,8 @@ def resolve(
     ]
 
     candidates, usable, bound, params = [], [], {}, {}
-    for plugin, impl in collect_impls(host, dev.platform):
+    builtin = frozenset(impl.name for plugin, impl in registered if host.is_builtin(plugin))
+    for plugin, impl in registered:
         reason = impl.unavailable_reason(dev)
         if reason is None and direction not in impl.directions:
             reason = f"copies only {', '.join(map(str, impl.directions))}"
@@ -167,7 +185,7 @@ def resolve(
         where = "Policy.force" if policy.force else FORCE_ENV
         cand = next((c for c in candidates if c.name == forced), None)
         if cand is None:
-            raise ResolutionError(
+            raise UnknownImplError(
                 f"{where}={forced!r} is not registered for platform {dev.platform!r}; usable here: {names}"
             )
         if not cand.available:
@@ -183,12 +201,20 @@ def resolve(
         usable = [impl]
         notes.append(f"forced by {where}")
     else:
-        routes = build_routes(usable, cal, direction, policy, sizes, num_sms, dev)
+        routes = build_routes(usable, cal, direction, policy, sizes, num_sms, dev, builtin)
         if not routes:
             rejected = "; ".join(f"{c.name}: {c.reason}" for c in candidates) or "no backend registered any"
             raise ResolutionError(
                 f"no implementation can copy {direction} on {dev.platform} device {dev.name!r} ({rejected})"
             )
+        refused = [s for s in sizes if not any(i.accepts_size(s) for i in usable)]
+        if refused:
+            limits = "; ".join(f"{i.name} {_limits(i)}" for i in usable)
+            raise ResolutionError(
+                f"no usable implementation can copy blocks of {', '.join(map(str, refused))} bytes "
+                f"{direction} on {dev.platform} device {dev.name!r} ({limits})"
+            )
+        notes += _unmeasured_notes(routes, candidates, builtin, cal)
     routes, tiered = _bind_tiers(routes, usable, params, direction, dev, translate, notes)
     used = {n for r in routes for n in (r.impl, r.small_batch_impl, *r.fallbacks) if n}
     plan = Plan(

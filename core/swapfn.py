@@ -6,21 +6,30 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .descriptors import checked
+from .descriptors import coalesce, validate
 from .errors import InvalidTransferError
 from .impl import CopyImpl, TransferFn
 from .plan import Plan, Route
+
+
+# Batches shorter than this are not worth a look for contiguous runs: the look costs more
+# than the few driver descriptors it could save.
+COALESCE_FROM = 8
 
 
 class SwapFn:
     """``fn(src_ptrs, dst_ptrs, sizes, *, stream=None)`` copies a batch of blocks.
 
     Arguments are 1-D int64 CPU tensors, numpy arrays or sequences of addresses and byte
-    counts. Per call it does only what cannot be known at resolve time: it checks the
-    batch, routes each descriptor by size class and batch size, and sends descriptors a
-    route's constraints refuse (alignment) to the next route that accepts them. Every
-    check runs before the first byte moves. Where a stream applies, the copy is enqueued
-    on ``stream`` (default: the current stream) and the call returns without waiting.
+    counts. Per call it does only what cannot be known at resolve time: it validates the
+    whole batch (:func:`kvswap.descriptors.validate`), merges runs of descriptors that are
+    contiguous on both sides where that shortens the batch by a quarter or more
+    (``Policy.coalesce``), routes each descriptor by size class and batch size, and sends
+    descriptors a route's constraints refuse (alignment) to the next route that accepts
+    them. Every check runs before the first byte moves, so no implementation sees an
+    invalid batch and a batch split across routes gets one verdict; errors name the
+    caller's descriptor indices. Where a stream applies, the copy is enqueued on
+    ``stream`` (default: the current stream) and the call returns without waiting.
     """
 
     def __init__(self, plan: Plan, impls: dict[str, CopyImpl],
@@ -42,6 +51,10 @@ class SwapFn:
         }
         self._steps = [self._steps_of(r) for r in plan.routes]
         self._by_size: dict[int, tuple] = {}
+        # A merged run must stay within every route's largest descriptor.
+        caps = [i.max_block_bytes for i in impls.values() if i.max_block_bytes is not None]
+        self._merge_cap = min(caps) if caps else None
+        self._coalesce = plan.policy.coalesce
 
     def _steps_of(self, route: Route) -> tuple[tuple[int, ...], tuple[TransferFn, ...], tuple[bool, ...],
                                               tuple[tuple[str, Optional[int]], ...]]:
@@ -78,10 +91,16 @@ class SwapFn:
         return f"<kvswap.SwapFn {self.plan.direction} on {self.plan.device.platform}: {routes}>"
 
     def __call__(self, src_ptrs: Any, dst_ptrs: Any, sizes: Any, *, stream: Any = None) -> None:
-        src, dst, n, smallest, largest = checked(src_ptrs, dst_ptrs, sizes)
+        src, dst, n, smallest, largest = validate(src_ptrs, dst_ptrs, sizes)
         count = len(n)
         if not count:
             return
+        given = None
+        if self._coalesce and count >= COALESCE_FROM:
+            merged = self._merged(src, dst, n)
+            if merged is not None:
+                given, (src, dst, n) = (src, dst, n), merged
+                count, smallest, largest = len(n), int(n.min()), int(n.max())
         # Every SwapFn, forced or resolved, one route or many, takes this same path, so
         # two functions on the same route cost the same per call.
         if smallest == largest:  # one block size, as engines send: a dict hit after the first
@@ -97,12 +116,35 @@ class SwapFn:
             if steps[2][i]:
                 steps[1][i](src, dst, n, stream)
                 return
-        for name, sms, sel in self.assign(src, dst, n):
+        try:
+            parts = self.assign(src, dst, n)
+        except InvalidTransferError:
+            if given is None:
+                raise
+            # A route refused a merged descriptor: decide on the batch as given, so that
+            # a refusal names the caller's own descriptor.
+            src, dst, n = given
+            parts = self.assign(src, dst, n)
+        for name, sms, sel in parts:
             fn = self._fns[(name, sms)]
             if sel is None:
                 fn(src, dst, n, stream)
             else:
                 fn(src[sel], dst[sel], n[sel], stream)
+
+    def _merged(self, src: np.ndarray, dst: np.ndarray, n: np.ndarray) -> Optional[tuple[np.ndarray, ...]]:
+        """The batch with contiguous runs merged, or None where that does not pay: fewer
+        than a quarter of the descriptors would go, or a run would outgrow a route."""
+        quarter = len(n) // 4
+        follows = src[:-1] + n[:-1] == src[1:]  # the sources alone rule most batches out
+        if np.count_nonzero(follows) < quarter:
+            return None
+        if np.count_nonzero(follows & (dst[:-1] + n[:-1] == dst[1:])) < quarter:
+            return None
+        merged = coalesce(src, dst, n)
+        if self._merge_cap is not None and int(merged[2].max()) > self._merge_cap:
+            return None
+        return merged
 
     def _steps_at(self, size: int) -> tuple:
         """The steps of the route for blocks of ``size`` bytes, remembered (up to 4096 sizes)."""

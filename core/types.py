@@ -4,7 +4,9 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any, Union
+from typing import Any, Optional, Union
+
+import numpy as np
 
 from .errors import ConfigurationError
 
@@ -50,6 +52,16 @@ class Direction(str, enum.Enum):
 
 DirectionLike = Union[Direction, str]
 
+
+def as_int(value: Any) -> Optional[int]:
+    """``value`` as a Python int when it is an integer (a numpy integer scalar too, never a
+    bool), else None."""
+    if isinstance(value, bool) or isinstance(value, np.bool_):
+        return None
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    return None
+
 _IDENTITY = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
 
@@ -87,10 +99,17 @@ class DeviceInfo:
             raise ConfigurationError(
                 f"DeviceInfo.identity={self.identity!r} must match {_IDENTITY.pattern}"
             )
-        if not isinstance(self.compute_units, int) or self.compute_units < 0:
+        units = as_int(self.compute_units)
+        if units is None or units < 0:
             raise ConfigurationError(
                 f"DeviceInfo.compute_units={self.compute_units!r} must be a non-negative int"
             )
+        object.__setattr__(self, "compute_units", units)
+        if self.index is not None:
+            index = as_int(self.index)
+            if index is None or index < 0:
+                raise ConfigurationError(f"DeviceInfo.index={self.index!r} must be None or a non-negative int")
+            object.__setattr__(self, "index", index)
 
     @property
     def torch_device(self) -> str:
@@ -121,18 +140,24 @@ class Policy:
     :param require_pinned: a BlockMover refuses pageable host tensors
         (:class:`~kvswap.UnpinnedMemoryError`) instead of staging them through pinned
         buffers, the slower route it takes by default.
+    :param coalesce: merge descriptors that are contiguous on both sides into one where
+        that shortens a batch by a quarter or more (a batch copy pays per descriptor).
     """
 
     max_sms: int | None = None
     prefer: str = "throughput"
     force: str | None = None
     require_pinned: bool = False
+    coalesce: bool = True
 
     def __post_init__(self) -> None:
-        if self.max_sms is not None and (
-            not isinstance(self.max_sms, int) or isinstance(self.max_sms, bool) or self.max_sms < 0
-        ):
-            raise ConfigurationError(f"Policy.max_sms={self.max_sms!r} must be None or an int >= 0")
+        if self.max_sms is not None:
+            n = as_int(self.max_sms)
+            if n is None or n < 0:
+                raise ConfigurationError(f"Policy.max_sms={self.max_sms!r} must be None or an int >= 0")
+            object.__setattr__(self, "max_sms", n)
+        if not isinstance(self.coalesce, bool):
+            raise ConfigurationError(f"Policy.coalesce={self.coalesce!r} must be True or False")
         if self.prefer not in PREFERENCES:
             raise ConfigurationError(
                 f"Policy.prefer={self.prefer!r} is not valid; choose one of {', '.join(map(repr, PREFERENCES))}"

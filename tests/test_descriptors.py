@@ -58,7 +58,7 @@ def test_coalesce_merges_a_contiguous_run_into_one_descriptor():
 def test_first_overlap_and_normalize():
     assert first_overlap(np.array([0, 10, 20]), np.array([10, 10, 10])) is None
     assert first_overlap(np.array([20, 0, 15]), np.array([10, 10, 10])) in {(2, 0), (0, 2)}
-    s, d, n = normalize([1], [2], [3])
+    s, d, n = normalize([1], [100], [3])
     assert s.dtype == d.dtype == n.dtype == np.int64
 
 

@@ -152,9 +152,11 @@ KERNEL = [(4096, 45.0), (32768, 48.0), (262144, 48.0)]
 
 
 def two_route_host(order, **cal):
+    """Each route from its own plugin, each plugin describing only its own route (the
+    first plugin's thresholds decide)."""
     impls = {"acme.dma": recording_impl("acme.dma"), "acme.kern": recording_impl("acme.kern", kind="kernel")}
-    cal = cpu_cal([("acme.dma", DMA, None), ("acme.kern", KERNEL, 8)], **cal)
-    plugins = [(f"p{i}", Offer([impls[n]], cal if i == 0 else None)) for i, n in enumerate(order)]
+    points = {"acme.dma": ("acme.dma", DMA, None), "acme.kern": ("acme.kern", KERNEL, 8)}
+    plugins = [(f"p{i}", Offer([impls[n]], cpu_cal([points[n]], **cal))) for i, n in enumerate(order)]
     return create_plugin_host(entry_points=[], env={}, extra=plugins)
 
 
@@ -306,10 +308,12 @@ def test_a_factory_that_raises_rejects_only_its_impl():
 
 
 def test_uncalibrated_impls_rank_after_predicted_ones_by_name():
+    # Nothing predicts any of them: kvswap's own route first, then another plugin's by name.
     impls = [recording_impl("acme.zeta"), recording_impl("acme.alpha")]
     host = create_plugin_host(entry_points=[], env={}, extra=[("acme", Offer(impls))])
     fn = kvswap.resolve("h2d", device="cpu", host=host)
-    assert fn.plan.routes[0].impl == "acme.alpha"
+    assert fn.plan.routes[0].impl == "host.reference"
+    assert fn.plan.routes[0].fallbacks == ("acme.alpha", "acme.zeta")
 
 
 # ---- SM tiers by batch size --------------------------------------------------------

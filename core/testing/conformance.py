@@ -180,6 +180,17 @@ def test_copies_mixed_sizes_in_one_call(kit, bound, rng, seed, direction):
     t.check(f"{kit.impl.name} {direction}, mixed sizes")
 
 
+def test_copies_many_odd_sizes_at_odd_addresses(kit, bound, rng, seed, direction):
+    """Over a thousand descriptors of odd sizes (odd multiples of the alignment), each at
+    its own offset: tiling, tails and per-descriptor bookkeeping at once."""
+    if not kit.impl.mixed_sizes:
+        pytest.skip(f"{kit.impl.name} declares mixed_sizes=False (test_swapfn_copies_many_odd_sizes covers it)")
+    sizes = kit.odd_sizes(rng)
+    t = _transfer(kit, rng, seed, direction, sizes)
+    _direct(bound, t)
+    t.check(f"{kit.impl.name} {direction}, {len(sizes)} blocks of odd sizes")
+
+
 def test_copies_adjacent_runs(kit, bound, rng, seed, direction):
     size, a = kit.small_size(), kit.impl.alignment
     src, dst = (adjacent_runs(rng, size, runs=9, run_len=7, alignment=a) for _ in range(2))
@@ -230,6 +241,13 @@ def test_swapfn_copies_mixed_sizes(kit, swap, rng, seed, direction):
     t = _transfer(kit, rng, seed, direction, _mixed_sizes(kit, rng))
     swap(*t.descriptors)
     t.check(f"SwapFn forcing {kit.impl.name} {direction}, mixed sizes")
+
+
+def test_swapfn_copies_many_odd_sizes(kit, swap, rng, seed, direction):
+    sizes = kit.odd_sizes(rng)
+    t = _transfer(kit, rng, seed, direction, sizes)
+    swap(*t.descriptors)
+    t.check(f"SwapFn forcing {kit.impl.name} {direction}, {len(sizes)} blocks of odd sizes")
 
 
 def test_swapfn_resolved_for_declared_block_sizes(kit, rng, seed, direction):

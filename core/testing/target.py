@@ -3,7 +3,9 @@ cases (block sizes, constraint violations) its declaration implies."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
+
+import numpy as np
 
 from ..errors import ConfigurationError
 from ..impl import CopyImpl
@@ -26,6 +28,9 @@ BUDGET = {"host": 512 * KiB, "accelerator": 16 * MiB}
 REFUSAL_CAP = 16 * MiB
 THOUSANDS = 3000  # not a power of two: grid and tile tails must be handled
 THOUSANDS_BUDGET = 64 * MiB  # fewer blocks when the smallest accepted one is large
+# The odd-size case: this many descriptors of odd sizes at odd addresses, up to this size.
+ODD_COUNT = 1200
+ODD_SPAN = 3 * KiB
 
 
 class KitUsageError(Exception):
@@ -85,6 +90,16 @@ class Target:
         picked = {int(round_up(v, a)) for v in wanted}
         picked.add(top // a * a)
         return sorted(v for v in picked if 0 < v <= top and impl.accepts_size(v))
+
+    def odd_sizes(self, rng: Any) -> list[int]:
+        """:data:`ODD_COUNT` block sizes that are odd multiples of the alignment (odd byte
+        counts where none is declared), spread over the accepted range up to a few KiB."""
+        a, impl = self.impl.alignment, self.impl
+        lo = int(round_up(impl.min_block_bytes, a)) // a
+        hi = max(lo, min(ODD_SPAN // a, (impl.max_block_bytes or ODD_SPAN) // a))
+        units = rng.integers(lo, hi + 1, ODD_COUNT) | 1
+        units = np.where(units > hi, units - 2, units).clip(lo, None)
+        return [int(u) * a for u in units]
 
     def count(self, size: int) -> int:
         return max(2, min(33, BUDGET[self.memory] // size))

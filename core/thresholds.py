@@ -69,7 +69,7 @@ class Calibration:
     """Tuned numbers for one device (or a family, or a whole platform).
 
     :param source: where the numbers come from, in words a person can check
-        (``"profile /path/x.json"``, ``"cuda defaults: H200 measured 2026-11 (FACTS.md)"``).
+        (``"profile /path/x.json"``, ``"cuda defaults: published H100 thresholds"``).
     :param platform: the platform it applies to.
     :param scope: ``"device"`` (one identity), ``"family"`` or ``"platform"``; the most
         specific registered calibration wins.
@@ -272,10 +272,10 @@ def _kind_curves(batch: list[tuple[int, float]], kernel: list[tuple[int, float]]
 
 KiB = 1024
 
-# Conservative guesses for an uncalibrated accelerator: the copy engine's batch API
-# collapses below ~32 KiB on every NVIDIA part we know of (FACTS.md, H200: 4-6 GB/s at
-# 4-24 KiB), while a kernel on 8 SMs is assumed to reach only ~60% of a PCIe Gen5 link.
-# Slowdowns are the lower ends measured beside a bf16 GEMM on the H200 (FACTS.md).
+# Conservative guesses for an uncalibrated accelerator: the batch copy pays per descriptor
+# and falls far below the link under ~32 KiB blocks (docs/design.md, "Two ways to copy"),
+# while a kernel on 8 SMs is assumed to reach only ~60% of a PCIe Gen5 link. The slowdowns
+# are guesses on the low side of what a copy beside compute costs (docs/benchmarks.md).
 FALLBACK = Calibration(
     source="built-in conservative fallback (no profile, no backend defaults)",
     platform="*",

@@ -1,0 +1,36 @@
+"""The fuzz on a GPU: random transfers through every route and both paths (SwapFn,
+BlockMover with 256 jobs in flight), every byte and canary checked. The full count runs as
+``python tests/bench/fuzz.py --device cuda:0 --transfers 100000 --json fuzz.json``."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+SCRIPT = Path(__file__).resolve().parent / "bench" / "fuzz.py"
+
+
+def test_fuzz_every_route_on_the_gpu():
+    import torch
+
+    import kvswap
+
+    spec = importlib.util.spec_from_file_location("kvswap_fuzz", SCRIPT)
+    fuzz = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = fuzz  # dataclasses look their module up
+    spec.loader.exec_module(fuzz)
+    report = fuzz.run(fuzz.Config(device=f"cuda:{torch.cuda.current_device()}", transfers=20_000,
+                                  pool_bytes=64 << 20, inflight=256, seed=21))
+    for r in report.rows:
+        assert r.transfers > 0 and r.first_error is None, r
+    routes = {(r.direction, r.route) for r in report.rows}
+    for d in kvswap.Direction:
+        assert (str(d), "resolved") in routes
+    totals = report.totals()
+    assert totals["wrong"] == 0 and totals["canaries"] == 0
+    assert totals["transfers"] >= 20_000 and totals["max_inflight"] >= 256
+    print(report.to_dict()["totals"])

@@ -265,12 +265,18 @@ def run(cfg: Config) -> Report:
     rng = np.random.default_rng(cfg.seed)
     names = cfg.directions or tuple(str(d) for d in kvswap.Direction)
     plan: list[tuple[str, str, str, Any, dict[str, Any]]] = []
+    report = Report(asdict(cfg), cfg.device)
     for d in names:
-        for label, policy, c in routes(kvswap, d, cfg.device):
+        try:
+            found = routes(kvswap, d, cfg.device)
+        except kvswap.ResolutionError as e:  # a direction this device has no route for
+            report.rows.append(Tally("-", d, "-", skipped=str(e)))
+            print(f"{d}: skipped: {e}", flush=True)
+            continue
+        for label, policy, c in found:
             for path in ("swapfn", "mover"):
                 plan.append((path, d, label, policy, c))
-    share = -(-cfg.transfers // len(plan))
-    report = Report(asdict(cfg), cfg.device)
+    share = -(-cfg.transfers // max(len(plan), 1))
     t0 = time.perf_counter()
     for path, d, label, policy, c in plan:
         tally = Tally(path, d, label)

@@ -48,9 +48,9 @@ class ResolutionError(KvSwapError, RuntimeError):
     """No implementation can serve the request, or a forced one cannot be honoured."""
 
 
-class UnknownImplError(ResolutionError, ConfigurationError):
-    """A forced implementation name that no loaded plugin registers: a usage error (a
-    :class:`ConfigurationError`) as well as a :class:`ResolutionError`."""
+class UnknownImplError(ResolutionError):
+    """A forced implementation name that no loaded plugin registers (a mistake in the
+    caller's ``Policy.force`` or ``KVSWAP_FORCE_IMPL``; the CLI exits 2 for it)."""
 
 
 class DriverError(KvSwapError, RuntimeError):

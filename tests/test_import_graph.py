@@ -119,7 +119,6 @@ def cycles(within: str) -> list[list[str]]:
 
 # Cycles their owners are untangling; strict: once one is gone, its marker must go too.
 UNTANGLING = {
-    "kvswap.calibration": "calibration.sweep and calibration.interference import each other",
     "kvswap.backends.triton_generic": "triton_generic.launch and triton_generic.by_ids import each other",
 }
 PACKAGES = [pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=UNTANGLING[p])) if p in UNTANGLING else p

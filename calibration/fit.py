@@ -40,7 +40,7 @@ from typing import Iterable, Optional
 from kvswap import BindContext, Calibration, CopyImpl, Curve, DeviceInfo, Direction, Policy
 
 from kvswap import routing
-from .decisions import ClassRoute, Decision, Fitted, SizeRoute, Tiers
+from .decisions import ClassRoute, Decision, Fitted, SizeRoute
 from .records import BATCH, CEILING, SIZE, Interference, Measurement
 from .timing import standard_error
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from kvswap import DeviceInfo, Direction, KvSwapError, resolve
 from kvswap.platform import detect

@@ -359,7 +359,6 @@ def test_routes_timed_side_by_side_are_compared_round_by_round():
     route's median, taken apart, lands in either mode; recorded, the routes keep the ratios
     of their modelled costs (to 1%: the calls' own jitter), on the batch route's footing."""
     from calibration_fakes import ModeTimer
-    from kvswap.calibration import sweep as sweep_module
 
     ledger = Ledger()
     host = create_plugin_host(entry_points=[], extra=[("model", ModelPlatform(ledger))])
@@ -423,7 +422,6 @@ def test_batch_sweep_passes_outvote_a_slow_spell_and_draw_fresh_slots():
     it hits when the grid runs once, and none of them when it runs three times over, each
     point a fresh draw of slots every pass."""
     from calibration_fakes import SpellTimer
-    from kvswap.calibration import sweep as sweep_module
 
     def batch_sweep(passes, spell):
         ledger = Ledger()
@@ -468,7 +466,6 @@ def test_size_sweep_passes_outvote_a_spell_that_caught_one_route_and_keep_the_kn
     fitted from the sweep moves from 8 SMs to 16; run three times over, each size a fresh
     draw every pass, the sweep records what it records with no spell and the knee stays."""
     from calibration_fakes import SpellTimer
-    from kvswap.calibration import sweep as sweep_module
 
     def size_sweep(passes, spell):
         ledger = Ledger()

@@ -11,7 +11,9 @@ version and the symbols it exports:
   for the kernels that wrote the blocks).
 
 Batches are cut into chunks of at most 8 192 descriptors (larger batches have faulted),
-overridable with ``KVSWAP_ROCM_BATCH_CHUNK`` or the bind parameter ``batch_chunk``.
+overridable with ``KVSWAP_ROCM_BATCH_CHUNK`` or the bind parameter ``batch_chunk``. The
+bound function sees only batches core has validated and, where that pays, merged into
+contiguous runs (``SwapFn``): it hands them to the runtime as they are.
 """
 from __future__ import annotations
 
@@ -21,9 +23,8 @@ from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
-from kvswap.descriptors import coalesce, first_overlap
 from kvswap.backends import chunking
-from kvswap.errors import DriverError, InvalidTransferError
+from kvswap.errors import DriverError
 from kvswap.impl import BindContext, CopyImpl
 from kvswap.streams import raw_handle
 from kvswap.types import DeviceInfo, Direction
@@ -89,12 +90,6 @@ def chunk_size(params: Mapping[str, Any], default: int = DEFAULT_CHUNK, env: Opt
     return chunking.chunk_size(params, default, CHUNK_ENV, env)
 
 
-def _original_index(dst: np.ndarray, merged_dst: np.ndarray, k: int) -> int:
-    """Index in the caller's batch of merged descriptor ``k`` (destinations are distinct)."""
-    hits = np.flatnonzero(dst == merged_dst[k])
-    return int(hits[0]) if len(hits) else k
-
-
 def make_transfer(
     hip: HipApi,
     path: BatchPath,
@@ -117,20 +112,16 @@ def make_transfer(
         copy_fn = hip.fn("hipMemcpyAsync")
 
     def transfer(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream: Any) -> None:
+        # A validated batch (SwapFn), already coalesced where that pays: handed over as is.
         if not len(sizes):
             return
-        clash = first_overlap(dst, sizes)
-        if clash is not None:
-            raise InvalidTransferError(f"destination ranges of descriptors {clash[0]} and {clash[1]} overlap")
         handle = stream_handle(stream, device_index)
-        s, d, n = (np.ascontiguousarray(a, dtype=np.int64) for a in coalesce(src, dst, sizes))
-        merged = len(n) != len(sizes)
         if path.kind == "batch":
-            _batch(s, d, n, handle, dst if merged else None)
+            _batch(src, dst, sizes, handle)
         else:
-            _per_copy(s, d, n, handle, dst if merged else None)
+            _per_copy(src, dst, sizes, handle)
 
-    def _batch(s: np.ndarray, d: np.ndarray, n: np.ndarray, handle: int, orig_dst: Optional[np.ndarray]) -> None:
+    def _batch(s: np.ndarray, d: np.ndarray, n: np.ndarray, handle: int) -> None:
         fail = ctypes.c_size_t(SIZE_MAX)
         base_s, base_d, base_n = s.ctypes.data, d.ctypes.data, n.ctypes.data
         for lo, count in chunking.pieces(len(n), chunk):
@@ -139,18 +130,15 @@ def make_transfer(
             code = batch_fn(base_d + off, base_s + off, base_n + off, count,
                             attrs_ptr, idxs_ptr, path.num_attrs, ctypes.byref(fail), handle)
             if code:
-                k = lo + fail.value if fail.value < count else None
-                if k is not None and orig_dst is not None:
-                    k = _original_index(orig_dst, d, k)
-                raise hip.error("hipMemcpyBatchAsync", code, k)
+                raise hip.error("hipMemcpyBatchAsync", code, lo + fail.value if fail.value < count else None)
 
-    def _per_copy(s: np.ndarray, d: np.ndarray, n: np.ndarray, handle: int, orig_dst: Optional[np.ndarray]) -> None:
+    def _per_copy(s: np.ndarray, d: np.ndarray, n: np.ndarray, handle: int) -> None:
         # One runtime call per descriptor is the point of this path (runtimes without the
         # batch call); the Python loop only feeds it.
         for i, (a, b, c) in enumerate(zip(d.tolist(), s.tolist(), n.tolist())):
             code = copy_fn(a, b, c, kind, handle)
             if code:
-                raise hip.error("hipMemcpyAsync", code, i if orig_dst is None else _original_index(orig_dst, d, i))
+                raise hip.error("hipMemcpyAsync", code, i)
 
     if path.kind == "batch":
         # The call reads the attribute array through a raw address: the ctypes objects

@@ -3,8 +3,10 @@
 For code that has already decided to use the kernel (a benchmark, an engine with its own
 routing) and wants one launch over a batch of descriptors, with an explicit SM budget.
 It takes the same arguments as a :class:`~kvswap.SwapFn` plus ``num_sms`` and ``device``,
-validates the batch with kvswap's own checks before any byte moves, and reuses one bound
-launcher per ``(num_sms, device)``.
+validates the whole batch with the same check a ``SwapFn`` makes
+(:func:`kvswap.descriptors.validate`) before any byte moves, and reuses one bound
+launcher per ``(num_sms, device)``. It does not merge contiguous runs: it launches what
+it is given.
 
 ``resolve()`` is the way to get the kernel chosen, capped and translated for you; this is
 the way to call it directly.
@@ -13,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from kvswap.descriptors import first_overlap, normalize
-from kvswap.errors import ConfigurationError, InvalidTransferError
+from kvswap.descriptors import validate
+from kvswap.errors import ConfigurationError
 
 from . import launch
 from .launch import KernelCopy, Launch, interpreting
@@ -50,7 +52,8 @@ def copy(src_ptrs: Any, dst_ptrs: Any, sizes: Any, *, num_sms: int,
     """Copy ``sizes[i]`` bytes from ``src_ptrs[i]`` to ``dst_ptrs[i]`` with one kernel launch.
 
     :param src_ptrs: source addresses (1-D int64 CPU tensor, numpy array or sequence).
-    :param dst_ptrs: destination addresses, same length; the ranges must not overlap.
+    :param dst_ptrs: destination addresses, same length; the ranges must not overlap each
+        other or any source range.
     :param sizes: byte counts (>= 1 each; any size, any alignment).
     :param num_sms: the SM budget: the grid never has more programs than this.
     :param device: the GPU (``"cuda:N"``, an index, a torch.device; default the current one).
@@ -59,7 +62,8 @@ def copy(src_ptrs: Any, dst_ptrs: Any, sizes: Any, *, num_sms: int,
     :param stream: where to enqueue (None: the current stream; a torch stream; a raw handle).
     :return: what was launched (:class:`~kvswap.backends.triton_generic.launch.Launch`:
         grid size and tile shape).
-    :raises InvalidTransferError: bad descriptors or overlapping destinations, before any byte moves.
+    :raises InvalidTransferError: a batch :func:`kvswap.descriptors.validate` refuses (the
+        check every ``SwapFn`` makes), before any byte moves.
     :raises ConfigurationError: no Triton, no device to run on, or a bad ``num_sms``.
 
     Addresses are used as given: on ROCm, pass device pointers for ``hipHostRegister``
@@ -71,10 +75,8 @@ def copy(src_ptrs: Any, dst_ptrs: Any, sizes: Any, *, num_sms: int,
         raise ConfigurationError("Triton is not installed (pip install 'kvswap[triton]')")
     if not isinstance(num_sms, int) or isinstance(num_sms, bool) or num_sms < 1:
         raise ConfigurationError(f"num_sms={num_sms!r} must be an int >= 1")
-    src, dst, n = normalize(src_ptrs, dst_ptrs, sizes)
-    clash = first_overlap(dst, n)
-    if clash is not None:
-        raise InvalidTransferError(f"destination ranges of descriptors {clash[0]} and {clash[1]} overlap")
+    # The SwapFn's own check: nothing reaches the kernel that resolve() would refuse.
+    src, dst, n = validate(src_ptrs, dst_ptrs, sizes)[:3]
     index = _launch_device(device)
     key = (num_sms, index)
     launcher = _LAUNCHERS.get(key)

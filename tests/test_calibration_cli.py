@@ -82,6 +82,7 @@ def test_calibrate_a_device_with_a_kernel_route_then_explain(capsys, monkeypatch
     """A modelled device (real host copies, modelled costs; see calibration_fakes): the table,
     the decisions and the plot include the kernel per SM count, and the resolver binds the knee."""
     ledger = Ledger()
+    monkeypatch.delenv("KVSWAP_DISABLE_PLUGINS")  # a host of the model platform alone: nothing to disable
     plugins.reset_plugin_host(plugins.create_plugin_host(entry_points=[], extra=[("model", ModelPlatform(ledger))]))
     monkeypatch.setattr(sweep_module, "make_timer", lambda device: LedgerTimer(ledger))
     assert main(["calibrate", "--quick", "--device", "modelplat:0"]) == 0

@@ -337,8 +337,6 @@ def test_readme_docs_and_setup_speak_only_of_the_product():
     assert not report, "development history in the product:\n" + "\n".join(report)
 
 
-@pytest.mark.xfail(reason="other parts of the product still cite the team's notes; this passes once they are "
-                          "cleaned, and then the marker goes", strict=False)
 def test_no_product_file_speaks_of_development_history():
     report = _history_report(product_text_files())
     assert not report, "development history in the product:\n" + "\n".join(report)

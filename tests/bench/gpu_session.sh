@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # Everything a maintainer runs on a GPU machine, one step after another, each step's output
 # under $OUT (default /tmp/kvswap-out). Run from the repository root:
-#   bash tests/bench/gpu_session.sh tests calibrate bench benches overhead
+#   bash tests/bench/gpu_session.sh tests calibrate bench benches overhead step fuzz
 # Steps:
 #   tests      the gpu-marked tests
 #   calibrate  kvswap calibrate (CAL_ARGS: unset means --quick; set it empty for the full grid)
 #   bench      kvswap explain and kvswap bench, with the profile just calibrated if there is one
 #              (BENCH_ARGS, e.g. "--passes 3")
 #   benches    the backends' benchmarks against the contiguous ceiling
-#   overhead   the host cost of a SwapFn call and of BlockMover.submit (PROFILE names a profile)
+#   overhead   the host cost of a SwapFn call and of BlockMover.submit (PROFILE names a profile),
+#              and how long each route holds the calling thread
+#   step       the step benchmark over every built-in model (tests/bench/step_all.sh)
+#   fuzz       random transfers through every route, every byte checked (FUZZ_ARGS)
 # STEP_TIMEOUT (seconds per step, default 280) bounds each step.
 # On a machine without a package index whose Python lacks kvswap's small dependencies
 # (pluggy, platformdirs, tqdm, pytest), put their wheels in .whl/: they are installed first.
@@ -48,8 +51,17 @@ for step in "$@"; do
       echo "benches exit $?"; tail -n 80 "$OUT/benches.log" ;;
     overhead)
       { KVSWAP_PROFILE=${PROFILE:-} timeout "$T" python3 tests/bench/bench_swapfn_overhead.py
-        OUT=$OUT/overhead timeout "$T" python3 tests/bench/bench_mover_submit.py; } >"$OUT/overhead.log" 2>&1
+        OUT=$OUT/overhead timeout "$T" python3 tests/bench/bench_mover_submit.py
+        timeout "$T" python3 tests/bench/bench_thread_held.py --json "$OUT/thread_held.json"; } >"$OUT/overhead.log" 2>&1
       echo "overhead exit $?"; tail -n 60 "$OUT/overhead.log" ;;
+    step)
+      OUT=$OUT/step PYTHON=python3 timeout 900 bash tests/bench/step_all.sh >"$OUT/step.log" 2>&1
+      echo "step exit $?"; tail -n 60 "$OUT/step.log" ;;
+    fuzz)
+      # shellcheck disable=SC2086
+      timeout "$T" python3 tests/bench/fuzz.py --device cuda:0 ${FUZZ_ARGS---transfers 100000} \
+        --json "$OUT/fuzz.json" >"$OUT/fuzz.log" 2>&1
+      echo "fuzz exit $?"; tail -n 30 "$OUT/fuzz.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done

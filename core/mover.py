@@ -111,6 +111,10 @@ class BlockMover:
     :param policy: passed to :func:`kvswap.resolve` (SM budget, forced route, whether
         pageable host memory is refused).
     :param stream: the transfer stream on a GPU (default: a new one).
+    :param device_descriptors: where the kernel route can derive addresses on the device
+        from the block ids (Triton's ``by_ids``), send only the ids per submit: the host
+        work no longer grows with layers x blocks, but the by-id kernel copies more slowly
+        than the descriptor kernel on per-layer layouts, so it is off unless asked for.
     :param calibration: passed to :func:`kvswap.resolve`: decide by this calibration
         instead of looking one up.
     :param profiles: passed to :func:`kvswap.resolve`: False skips measured profiles.
@@ -151,7 +155,9 @@ class BlockMover:
         stream: Any = None,
         calibration: Optional[Calibration] = None,
         profiles: bool = True,
+        device_descriptors: bool = False,
     ) -> None:
+        self._device_descriptors = bool(device_descriptors)
         self._setup([KVGroup(src_tensors, dst_tensors, block_dim)], False, direction, policy, stream,
                     dict(calibration=calibration, profiles=profiles))
 
@@ -199,6 +205,7 @@ class BlockMover:
                     f"[, block_dim])"
                 )
         mover = cls.__new__(cls)
+        mover._device_descriptors = False
         mover._setup(specs, True, direction, policy, stream, dict(calibration=calibration, profiles=profiles))
         return mover
 
@@ -263,11 +270,13 @@ class BlockMover:
             self._completion = CudaCompletion(device.index or 0, stream)
         self.pool = DescriptorPool(pinned=on_device)
         self._check_across = grouped and _groups_share_destinations(sides)
-        # Where the kernel route derives addresses itself (ByIdsFn), a submit sends only ids.
-        # Its templates are base + id * stride: sub-blocks (a block-size factor) take the
-        # descriptor path.
-        self._ids_steps = (_by_ids_steps(self._fn, templates[0])
-                           if len(templates) == 1 and self._stager is None and templates[0].factor == 1 else None)
+        # With device_descriptors, where the kernel route derives addresses itself (ByIdsFn), a
+        # submit sends only ids. Opt-in: on per-layer layouts the by-id kernel moved fewer GB/s
+        # than the descriptor kernel (docs/benchmarks.md). Its templates are base + id * stride:
+        # sub-blocks (a block-size factor) take the descriptor path.
+        by_ids_ok = (self._device_descriptors and len(templates) == 1 and self._stager is None
+                     and templates[0].factor == 1)
+        self._ids_steps = _by_ids_steps(self._fn, templates[0]) if by_ids_ok else None
         self._tensors: Optional[list] = sides  # the memory the addresses point into
         self._results: deque[TransferResult] = deque()
         self._next_id = 1

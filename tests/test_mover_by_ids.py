@@ -82,7 +82,7 @@ def test_submits_send_ids_and_every_byte_lands(name, direction):
     before, src_before = dst.snapshot(), src.snapshot()
     jobs = []
     with BlockMover(src.tensors, dst.tensors, direction, block_dim=src.layout.block_dim,
-                    policy=Policy(force="test.kernel")) as mover:
+                    policy=Policy(force="test.kernel"), device_descriptors=True) as mover:
         assert len(t.templates) == 1  # bound once, at construction
         for n in (1, 9, 30, 0, 17):
             sid = rng.integers(0, src.num_blocks, n).astype(np.int64)
@@ -103,7 +103,7 @@ def test_a_transfer_that_declines_the_template_keeps_the_descriptor_path():
     rng = np.random.default_rng(6)
     src, dst = _pools("mla", 2)
     before, src_before = dst.snapshot(), src.snapshot()
-    with BlockMover(src.tensors, dst.tensors, "h2d", policy=Policy(force="test.kernel")) as mover:
+    with BlockMover(src.tensors, dst.tensors, "h2d", policy=Policy(force="test.kernel"), device_descriptors=True) as mover:
         assert mover._ids_steps is None
         sid, did = rng.integers(0, 40, 12).astype(np.int64), rng.permutation(56)[:12].astype(np.int64)
         mover.submit(sid, did)
@@ -115,7 +115,7 @@ def test_constrained_transfers_are_not_asked():
     t = Recording()
     _install(t, alignment=16)  # checked per call by the SwapFn: the mover keeps descriptors
     src, dst = _pools("flash", 3)
-    with BlockMover(src.tensors, dst.tensors, "h2d", block_dim=1, policy=Policy(force="test.kernel")) as mover:
+    with BlockMover(src.tensors, dst.tensors, "h2d", block_dim=1, policy=Policy(force="test.kernel"), device_descriptors=True) as mover:
         mover.submit([1, 2], [3, 4])
     assert t.templates == [] and t.descriptor_calls == 1
 
@@ -135,7 +135,7 @@ def test_a_failure_reported_after_submit_fails_its_job():
 
     _install(transfer)
     src, dst = _pools("mla", 4)
-    mover = BlockMover(src.tensors, dst.tensors, "h2d", policy=Policy(force="test.kernel"))
+    mover = BlockMover(src.tensors, dst.tensors, "h2d", policy=Policy(force="test.kernel"), device_descriptors=True)
     first = mover.submit([1], [2])  # no exception: the failure comes later
     second = mover.submit([3], [4])
     results = {r.job_id: r for r in mover.poll()}
@@ -151,6 +151,26 @@ def test_arrays_are_promised_stable_inside_submit():
     seen = []
     _install(lambda src, dst, sizes, stream: seen.append((deferred.arrays_stable(), threading.get_ident())))
     src, dst = _pools("mla", 5)
-    with BlockMover(src.tensors, dst.tensors, "h2d", policy=Policy(force="test.kernel")) as mover:
+    with BlockMover(src.tensors, dst.tensors, "h2d", policy=Policy(force="test.kernel"), device_descriptors=True) as mover:
         mover.submit([1], [2])
     assert seen == [(True, threading.get_ident())] and deferred.arrays_stable() is False
+
+
+def test_without_device_descriptors_the_mover_builds_and_coalesces_descriptors():
+    """The by-id path is opt-in: by default a route that offers it still gets coalesced
+    descriptors (a run of consecutive ids becomes fewer, longer copies)."""
+    t = Recording()
+    _install(t)
+    src, dst = _pools("flash", 3)
+    before, src_before = dst.snapshot(), src.snapshot()
+    jobs = [(np.arange(4, 20, dtype=np.int64), np.arange(30, 46, dtype=np.int64))]
+    with BlockMover(src.tensors, dst.tensors, "h2d", block_dim=src.layout.block_dim,
+                    policy=Policy(force="test.kernel")) as mover:
+        assert mover._ids_steps is None
+        mover.submit(*jobs[0])
+        mover.wait()
+        (result,) = mover.poll()
+    assert t.templates == [] and t.id_calls == [] and t.descriptor_calls == 1
+    assert result.ok and result.descriptors < len(jobs[0][0]) * mover.chunks_per_block
+    assert dst.matches(expected_after(dst, before, src_before, src, jobs))
+    assert src.matches(src_before)

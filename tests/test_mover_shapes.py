@@ -183,7 +183,8 @@ def test_sub_blocks_never_take_a_by_id_route():
         device = Side([KINDS["flash"]], 27, TOKENS, gen)
         before, src_before = device.snapshot(), host.snapshot()
         sid, did = rng.permutation(27)[:11], rng.permutation(27)[:11]
-        with BlockMover(host.tensors, device.tensors, "h2d", block_dim=1, policy=policy) as mover:
+        with BlockMover(host.tensors, device.tensors, "h2d", block_dim=1, policy=policy,
+                        device_descriptors=True) as mover:
             mover.submit(sid, did)
         assert device.matches(expected_after(host, src_before, device, before, [(sid, did)]))
     assert asked == [1]   # offered to the k = 1 mover only

@@ -128,7 +128,7 @@ def main() -> None:
     for name in args.layouts:
         host, gpu, bd, blocks = built[name]
         mover = kvswap.BlockMover(host, gpu, "h2d", block_dim=bd,
-                                  policy=Policy(force="triton.kernel", max_sms=args.max_sms))
+                                  policy=Policy(force="triton.kernel", max_sms=args.max_sms), device_descriptors=True)
         nbytes = blocks * mover.block_bytes
         ceil = ceiling(nbytes, args.reps)
         n_src, n_dst = mover.num_src_blocks, mover.num_dst_blocks

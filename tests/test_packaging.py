@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import configparser
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -23,11 +24,29 @@ def source_packages() -> set[str]:
     return found
 
 
+def source_files() -> list[Path]:
+    """The repository's files as a clone has them: no build output (setuptools packs whatever
+    a stale ``build/lib`` still holds, deleted modules included)."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
+                             capture_output=True, timeout=60, check=True)
+        return [ROOT / n for n in out.stdout.decode().split("\0") if n and (ROOT / n).is_file()]
+    except (OSError, subprocess.SubprocessError):
+        skip = {".git", ".venv", "build", "dist", "__pycache__"}
+        return [f for f in ROOT.rglob("*") if f.is_file() and not skip & set(f.relative_to(ROOT).parts)
+                and not any(p.endswith(".egg-info") for p in f.relative_to(ROOT).parts)]
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> zipfile.ZipFile:
+    src = tmp_path_factory.mktemp("source")
+    for f in source_files():
+        dest = src / f.relative_to(ROOT)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(f, dest)
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(src)],
         check=True, capture_output=True, timeout=300,
     )
     (path,) = out.glob("kvswap-*.whl")
@@ -99,3 +118,16 @@ def test_wheel_metadata_carries_the_readme_and_the_extras(wheel):
     assert "Provides-Extra: triton" in text and "Provides-Extra: plot" in text and "Provides-Extra: test" in text
     assert "Requires-Python: >=3.10" in text
     assert "bash .ci/setup" in text  # the README is the long description
+
+
+def test_wheel_holds_no_module_the_source_tree_lacks(wheel):
+    expected = set()
+    for folder, name in MAPPING.items():
+        for f in (ROOT / folder).rglob("*.py"):
+            if "__pycache__" not in f.parts:
+                expected.add("/".join(name.split(".") + list(f.relative_to(ROOT / folder).parts)))
+    for f in (ROOT / "calibration" / "profiles").glob("*.json"):
+        expected.add(f"kvswap/calibration/profiles/{f.name}")
+    shipped = {n for n in wheel.namelist() if n.startswith("kvswap/") and n.endswith((".py", ".json"))}
+    assert len(shipped) > 50
+    assert shipped <= expected, f"the wheel holds files the source tree lacks: {sorted(shipped - expected)}"

@@ -19,7 +19,6 @@ Both cost a host memcpy of every byte on top of the device copy, hence the warni
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -40,10 +39,12 @@ class PageableMemoryWarning(KvSwapWarning):
 ALIGN = 256
 
 
-# A staged job this large is copied by several threads (one thread's memcpy of pageable
-# memory does not fill the memory bus); ctypes releases the GIL during each memmove.
+# A staged job this large may be copied by several threads (ctypes releases the GIL during
+# each memmove). One thread by default: with 8, the Python loop between memmoves contends
+# for the GIL and pageable jobs ran about twice as slow (docs/benchmarks.md, pageable host
+# memory).
 PARALLEL_BYTES = 8 << 20
-COPY_THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))
+COPY_THREADS = 1
 _copiers: Optional[ThreadPoolExecutor] = None
 _copiers_lock = threading.Lock()
 
@@ -69,7 +70,7 @@ def host_memmove(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, threads: O
         return
     with _copiers_lock:
         if _copiers is None:
-            _copiers = ThreadPoolExecutor(max_workers=COPY_THREADS, thread_name_prefix="kvswap-memmove")
+            _copiers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvswap-memmove")
     # equal bytes per part: cut the running total into ``parts`` ranges
     cuts = np.searchsorted(np.cumsum(sizes), np.arange(1, parts) * (total / parts)).tolist()
     bounds = [0, *cuts, len(n)]

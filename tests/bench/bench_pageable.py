@@ -133,7 +133,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--pool-blocks", type=int, default=1024, help="blocks in each side's tensors")
     ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--copy-threads", default=f"1,{staging.COPY_THREADS}",
+    ap.add_argument("--copy-threads", default="1,8",
                     help="host copy threads of the staging route to compare (default: 1 and kvswap's default)")
     ap.add_argument("--json", help="write results here (default: $OUT/bench_pageable.json when OUT is set)")
     args = ap.parse_args()

@@ -117,12 +117,7 @@ def cycles(within: str) -> list[list[str]]:
     return out
 
 
-# Cycles their owners are untangling; strict: once one is gone, its marker must go too.
-UNTANGLING = {
-    "kvswap.backends.triton_generic": "triton_generic.launch and triton_generic.by_ids import each other",
-}
-PACKAGES = [pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=UNTANGLING[p])) if p in UNTANGLING else p
-            for p in sorted({package_of(m) for m in MODULES})]
+PACKAGES = sorted({package_of(m) for m in MODULES})
 
 
 @pytest.mark.parametrize("package", PACKAGES)

@@ -22,7 +22,8 @@ from kvswap.plugins import create_plugin_host, reset_plugin_host
 from mover_layouts import Pool, expected_after, layouts
 
 pytest.importorskip("triton")
-from kvswap.backends.triton_generic.launch import KernelCopy, interpreting  # noqa: E402
+from kvswap.backends.triton_generic.by_ids import KernelCopyByIds  # noqa: E402
+from kvswap.backends.triton_generic.launch import interpreting  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not interpreting(), reason="runs the kernel in Triton's CPU interpreter")
 LAYOUTS = layouts()
@@ -32,7 +33,7 @@ class Recording:
     """A kernel transfer that records how the mover used it."""
 
     def __init__(self, offer: bool = True) -> None:
-        self.kernel = KernelCopy(num_sms=3, device_index=None)
+        self.kernel = KernelCopyByIds(num_sms=3, device_index=None)
         self.offer = offer
         self.templates: list = []
         self.descriptor_calls = 0

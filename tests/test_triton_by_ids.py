@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-from kvswap.backends.triton_generic.by_ids import FIELDS, CopyByIds, bind_by_ids, pack_template  # noqa: E402
+from kvswap.backends.triton_generic.by_ids import FIELDS, CopyByIds, KernelCopyByIds, bind_by_ids, pack_template  # noqa: E402
 from kvswap.backends.triton_generic.launch import KernelCopy, TilePlan, interpreting  # noqa: E402
 from kvswap.regions import pair_regions  # noqa: E402
 
@@ -37,7 +37,7 @@ def test_blocks_by_id_match_torch_indexing(name):
     rng = np.random.default_rng(11)
     src, dst = pools(name, 1)
     template = pair_regions(src.tensors, dst.tensors, src.layout.block_dim)
-    fn = KernelCopy(num_sms=3, device_index=None).by_ids(template)  # the capability, as a mover asks
+    fn = KernelCopyByIds(num_sms=3, device_index=None).by_ids(template)  # the capability, as a mover asks
     assert isinstance(fn, CopyByIds) and fn.pieces == template.count
     before, src_before = dst.snapshot(), src.snapshot()
     jobs = []

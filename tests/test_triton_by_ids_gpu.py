@@ -30,9 +30,10 @@ def _pair(name, direction, seed, src_blocks=300, dst_blocks=400):
 
 
 def _bound(src, dst, direction, num_sms=8):
-    from kvswap.backends.triton_generic.launch import DEFAULT_PLANS, KernelCopy
+    from kvswap.backends.triton_generic.by_ids import KernelCopyByIds
+    from kvswap.backends.triton_generic.launch import DEFAULT_PLANS
 
-    copy = KernelCopy(num_sms, torch.cuda.current_device(), tiles=DEFAULT_PLANS[direction])
+    copy = KernelCopyByIds(num_sms, torch.cuda.current_device(), tiles=DEFAULT_PLANS[direction])
     fn = copy.by_ids(pair_regions(src.tensors, dst.tensors, src.layout.block_dim))
     assert fn is not None
     return fn

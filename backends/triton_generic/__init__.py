@@ -11,7 +11,7 @@ Its one hook registers ``triton.kernel``; where each part lives:
   descriptor buffers and directly launched compiled variants;
 * :mod:`.jit` — the Triton kernel itself (it and :mod:`.by_ids_jit` are the modules that
   import Triton at the top);
-* :mod:`.by_ids` — ``KernelCopy.by_ids``: blocks copied by id, addresses derived on the
+* :mod:`.by_ids` — ``KernelCopyByIds.by_ids``: blocks copied by id, addresses derived on the
   device from a BlockMover's template (kernel in :mod:`.by_ids_jit`).
 
 Importing this package is cheap: Triton and torch.cuda load inside functions.

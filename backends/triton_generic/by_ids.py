@@ -17,7 +17,8 @@ the descriptor path. On platforms where the device reads host memory at other ad
 (ROCm ``hipHostRegister``), the host side's bases are translated once; an allocation is
 mapped whole, so ``base + id * stride`` stays inside the mapping.
 
-Imported lazily (from :meth:`KernelCopy.by_ids`); Triton and torch load in the methods.
+``triton.kernel`` binds :class:`KernelCopyByIds`, a :class:`KernelCopy` that offers the
+capability; Triton and torch load in the methods.
 """
 from __future__ import annotations
 
@@ -234,3 +235,13 @@ def _compile(device_index: int, tile: Tile) -> Variant:
             parts = direct_parts(compiled) if compiled is not None else None
         v = _COMPILED[key] = Variant(compiled, *parts) if parts else Variant(compiled)
     return v
+
+
+class KernelCopyByIds(KernelCopy):
+    """The bound ``triton.kernel`` transfer: a :class:`KernelCopy` that also offers the
+    optional ``by_ids`` capability (:class:`kvswap.impl.ByIdsFn`)."""
+
+    def by_ids(self, template: Any) -> Optional[CopyByIds]:
+        """Copy blocks by id with the addresses derived on the device from ``template``,
+        or None where the template does not suit the kernel."""
+        return bind_by_ids(self, template)

@@ -19,7 +19,8 @@ from kvswap.impl import BindContext, CopyImpl, same_addresses
 from kvswap.types import DeviceInfo, Direction
 
 from . import launch
-from .launch import DEFAULT_PLANS, KernelCopy, TilePlan, interpreting
+from .by_ids import KernelCopyByIds
+from .launch import DEFAULT_PLANS, TilePlan, interpreting
 
 NAME = "triton.kernel"
 GPU_PLATFORMS = ("cuda", "rocm")
@@ -64,7 +65,7 @@ def _device_index(device: DeviceInfo) -> Optional[int]:
     return torch.cuda.current_device()
 
 
-def bind(ctx: BindContext) -> KernelCopy:
+def bind(ctx: BindContext) -> KernelCopyByIds:
     """The factory: bind the SM budget and launch shapes once, at resolve time, and on a
     GPU compile the kernel variants for ``PRECOMPILE_BLOCKS``.
 
@@ -77,7 +78,7 @@ def bind(ctx: BindContext) -> KernelCopy:
     # are used as they are.
     translate = None if ctx.translate_host is same_addresses else ctx.translate_host
     direction = ctx.direction
-    fn = KernelCopy(
+    fn = KernelCopyByIds(
         num_sms=int(num_sms),
         device_index=_device_index(ctx.device),
         tiles=TilePlan.from_params(ctx.params, DEFAULT_PLANS[str(direction)]),

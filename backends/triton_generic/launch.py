@@ -231,13 +231,6 @@ class KernelCopy:
                 self.variants.get(tile)
         return tiles
 
-    def by_ids(self, template: Any) -> Any:
-        """The optional ``by_ids`` capability (kvswap.impl): copy blocks by id with the
-        addresses derived on the device from ``template``, or None (by_ids.py)."""
-        from .by_ids import bind_by_ids
-
-        return bind_by_ids(self, template)
-
     def __call__(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream: Any = None) -> Launch:
         """Copy validated int64 descriptor arrays; enqueued on ``stream`` (GPU) or done
         on return (interpreter)."""

@@ -245,10 +245,15 @@ def coalesce(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> tuple[np.nd
     """
     if len(sizes) < 2:
         return src, dst, sizes
-    ends_s, ends_d = src[:-1] + sizes[:-1], dst[:-1] + sizes[:-1]
-    starts = np.ones(len(sizes), dtype=bool)
-    starts[1:] = (ends_s != src[1:]) | (ends_d != dst[1:])
-    if starts.all():
+    idx = run_starts(src, dst, sizes)
+    if len(idx) == len(sizes):
         return src, dst, sizes
-    idx = np.flatnonzero(starts)
     return src[idx], dst[idx], np.add.reduceat(sizes, idx)
+
+
+def run_starts(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """Indices of the descriptors that begin a run :func:`coalesce` merges: merged
+    descriptor ``k`` starts at the caller's descriptor ``run_starts(...)[k]``."""
+    starts = np.ones(len(sizes), dtype=bool)
+    starts[1:] = (src[:-1] + sizes[:-1] != src[1:]) | (dst[:-1] + sizes[:-1] != dst[1:])
+    return np.flatnonzero(starts)

@@ -19,10 +19,14 @@ import numpy as np
 
 from . import deferred
 from .completion import CURRENT_STREAM, CudaCompletion, HostCompletion
-from .descriptors import as_int64, coalesce, first_overlap
+from .descriptors import coalesce, first_overlap
 from .errors import ConfigurationError, InvalidTransferError
-from .errors import BlockIdError, BlockLayoutError, MoverClosedError, TensorPlacementError, UnpinnedMemoryError
+from .errors import BlockIdError, BlockLayoutError, MoverClosedError
 from .pinned_pool import DescriptorBuffer, DescriptorPool
+from .mover_inputs import (
+    Tensors, checked_pair, device_side, groups_share_destinations, pinned_routes, refuse_pageable,
+    tensor_list,
+)
 from .regions import BlockDim, DescriptorTemplate, pair_regions
 from .resolver import resolve
 from .staging import PageableMemoryWarning, Staged, Stager, storage_spans
@@ -30,7 +34,6 @@ from .swapfn import SwapFn
 from .thresholds import Calibration
 from .types import Direction, DirectionLike, Policy
 
-Tensors = Union[Any, Sequence[Any]]
 
 
 @dataclass(frozen=True)
@@ -218,8 +221,8 @@ class BlockMover:
         sides = []
         for g, spec in enumerate(specs):
             where = f"groups[{g}]: " if grouped else ""
-            src = _tensor_list(spec.src_tensors, "src_tensors", where)
-            dst = _tensor_list(spec.dst_tensors, "dst_tensors", where)
+            src = tensor_list(spec.src_tensors, "src_tensors", where)
+            dst = tensor_list(spec.dst_tensors, "dst_tensors", where)
             if len(src) != len(dst):
                 raise BlockLayoutError(
                     f"{where}src_tensors has {len(src)} tensor(s) but dst_tensors has {len(dst)}; "
@@ -228,7 +231,7 @@ class BlockMover:
             sides.append((src, dst))
         all_src = [t for s, _ in sides for t in s]
         all_dst = [t for _, d in sides for t in d]
-        device = _device_side(all_src, all_dst, self.direction)
+        device = device_side(all_src, all_dst, self.direction)
         templates = []
         for g, ((src, dst), spec) in enumerate(zip(sides, specs)):
             try:
@@ -251,10 +254,10 @@ class BlockMover:
         self._stager: Optional[Stager] = None
         host = [] if self.direction is Direction.D2D else (all_src if self.direction.src_is_host else all_dst)
         pageable = [i for i, t in enumerate(host) if not t.is_pinned()]
-        pinned_for = _pinned_routes(self._fn, on_device=on_device)
+        pinned_for = pinned_routes(self._fn, on_device=on_device)
         if pageable and (on_device or pinned_for):
             if policy.require_pinned:
-                _refuse_pageable(host, pageable, self.direction, pinned_for, grouped)
+                refuse_pageable(host, pageable, self.direction, pinned_for, grouped)
             self._stager = Stager(storage_spans([host[i] for i in pageable]),
                                   0 if self.direction.src_is_host else 1, pinned=on_device)
             warnings.warn(PageableMemoryWarning(
@@ -269,7 +272,7 @@ class BlockMover:
         else:
             self._completion = CudaCompletion(device.index or 0, stream)
         self.pool = DescriptorPool(pinned=on_device)
-        self._check_across = grouped and _groups_share_destinations(sides)
+        self._check_across = grouped and groups_share_destinations(sides)
         # With device_descriptors, where the kernel route derives addresses itself (ByIdsFn), a
         # submit sends only ids. Opt-in: on per-layer layouts the by-id kernel moved fewer GB/s
         # than the descriptor kernel (docs/benchmarks.md). Its templates are base + id * stride:
@@ -490,7 +493,7 @@ class BlockMover:
     # -- internals -----------------------------------------------------------------------
     def _checked_ids(self, src_block_ids: Any, dst_block_ids: Any) -> list[tuple[np.ndarray, np.ndarray]]:
         if not self._grouped:
-            return [_checked_pair(self._templates[0], src_block_ids, dst_block_ids, "")]
+            return [checked_pair(self._templates[0], src_block_ids, dst_block_ids, "")]
         n = len(self._templates)
         for what, ids in (("src_block_ids", src_block_ids), ("dst_block_ids", dst_block_ids)):
             if isinstance(ids, (np.ndarray, str, bytes)) or not isinstance(ids, Sequence) or len(ids) != n:
@@ -504,7 +507,7 @@ class BlockMover:
                         f"{what}[{g}] is {x!r}, not a list of ids: a mover built by groups() takes one id "
                         f"list per KV group"
                     )
-        return [_checked_pair(t, s, d, f"[{g}]")
+        return [checked_pair(t, s, d, f"[{g}]")
                 for g, (t, s, d) in enumerate(zip(self._templates, src_block_ids, dst_block_ids))]
 
     def _build(self, ids: list[tuple[np.ndarray, np.ndarray]]) -> tuple[DescriptorBuffer, int]:
@@ -592,126 +595,6 @@ def _by_ids_steps(fn: SwapFn, template: DescriptorTemplate) -> Optional[tuple[tu
     return (steps[0], out) if any(b is not None for b in out) else None
 
 
-def _tensor_list(tensors: Tensors, what: str, where: str = "") -> list:
-    import torch
-
-    items = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-    if not items:
-        raise BlockLayoutError(f"{where}{what} is empty; pass at least one tensor")
-    for i, t in enumerate(items):
-        if not isinstance(t, torch.Tensor):
-            raise BlockLayoutError(f"{where}{what}[{i}] is a {type(t).__name__}, not a torch.Tensor")
-    return items
-
-
-def _device_side(src: list, dst: list, direction: Direction) -> Any:
-    """The device of the non-host side(s); checks that the host side is on the host."""
-    if direction is Direction.D2D:
-        host, dev, host_name, dev_name, role = [], src + dst, "", "src_tensors and dst", ""
-    else:
-        host, dev = (src, dst) if direction.src_is_host else (dst, src)
-        host_name, dev_name = ("src", "dst") if direction.src_is_host else ("dst", "src")
-        role = "sources" if direction.src_is_host else "destinations"
-    for i, t in enumerate(host):
-        if t.device.type != "cpu":
-            raise TensorPlacementError(
-                f"{host_name}_tensors[{i}] is on {t.device}, but for direction {direction!s} the {role} "
-                f"must be host (CPU) tensors"
-            )
-    devices = {t.device for t in dev}
-    if len(devices) > 1:
-        raise TensorPlacementError(
-            f"{dev_name}_tensors are on {sorted(map(str, devices))}; a mover serves one device"
-        )
-    device = devices.pop()
-    if device.type == "meta":
-        raise TensorPlacementError(f"{dev_name}_tensors are meta tensors, which hold no memory")
-    if device.type not in ("cpu", "cuda"):
-        raise TensorPlacementError(
-            f"{dev_name}_tensors are on {device}; BlockMover drives streams through torch.cuda (CUDA or ROCm)"
-        )
-    return device
-
-
-def _pinned_routes(fn: SwapFn, on_device: bool) -> list[str]:
-    """The routes that may copy and need page-locked host memory.
-
-    Every route's implementation and small-batch implementation count; so do the
-    fallbacks (they take the descriptors a route's constraints refuse) when a device
-    reads the host memory, since a kernel on pageable memory faults the device. A mover
-    between host tensors has no device access, and on a CPU no memory can be pinned: there
-    a fallback that declares the need (Triton's interpreter) does not impose it.
-    """
-    names = set()
-    for r in fn.plan.routes:
-        names.update(n for n in (r.impl, r.small_batch_impl) if n)
-        if on_device:
-            names.update(r.fallbacks)
-    need = {c.name for c in fn.plan.candidates if c.constraints.get("requires_pinned")}
-    return sorted(names & need)
-
-
 def _wait_from_worker(c: Any, marker: Any) -> None:
     with c.device_guard():  # the worker thread's current device is the mover's
         c.wait(marker)
-
-
-def _refuse_pageable(host: list, pageable: list[int], direction: Direction, routes: list[str], grouped: bool) -> None:
-    name = "src" if direction.src_is_host else "dst"
-    which = f"host tensor {pageable[0]} (over all groups)" if grouped else f"{name}_tensors[{pageable[0]}]"
-    need = f"the route(s) {', '.join(routes)} need" if routes else "a device reads it asynchronously only when it is"
-    raise UnpinnedMemoryError(
-        f"{which} is pageable host memory, but {need} pinned (page-locked) memory and the policy sets "
-        f"require_pinned=True; allocate it with pin_memory=True, or drop require_pinned to stage it (slower)"
-    )
-
-
-def _groups_share_destinations(sides: list[tuple[list, list]]) -> bool:
-    """Whether two groups' destination tensors share storage (then a job's destinations
-    are checked across groups)."""
-    seen: dict[int, int] = {}
-    for g, (_, dst) in enumerate(sides):
-        for t in dst:
-            key = t.untyped_storage().data_ptr() if t.device.type != "meta" else id(t)
-            if seen.setdefault(key, g) != g:
-                return True
-    return False
-
-
-def _checked_pair(t: DescriptorTemplate, src_block_ids: Any, dst_block_ids: Any,
-                  at: str) -> tuple[np.ndarray, np.ndarray]:
-    sid = _ids(src_block_ids, f"src_block_ids{at}")
-    did = _ids(dst_block_ids, f"dst_block_ids{at}")
-    if len(sid) != len(did):
-        raise BlockIdError(
-            f"src_block_ids{at} has {len(sid)} ids but dst_block_ids{at} has {len(did)}; they pair up one to one"
-        )
-    if len(sid):
-        _in_range(sid, f"src_block_ids{at}", t.src_blocks, "source")
-        _in_range(did, f"dst_block_ids{at}", t.dst_blocks, "destination")
-        if len(did) > 1:
-            s = np.sort(did)
-            rep = s[1:] == s[:-1]
-            if rep.any():
-                v = s[1:][rep][0]
-                i, j = np.flatnonzero(did == v)[:2]
-                raise BlockIdError(
-                    f"dst_block_ids{at}[{i}] and dst_block_ids{at}[{j}] are both {int(v)}: a destination block "
-                    f"may be written once per job"
-                )
-    return sid, did
-
-
-def _ids(ids: Any, what: str) -> np.ndarray:
-    try:
-        return as_int64(ids, what)
-    except InvalidTransferError as e:
-        raise BlockIdError(str(e)) from None
-
-
-def _in_range(ids: np.ndarray, what: str, limit: int, side: str) -> None:
-    if ids.min() < 0 or ids.max() >= limit:
-        i = int(np.flatnonzero((ids < 0) | (ids >= limit))[0])
-        raise BlockIdError(
-            f"{what}[{i}]={int(ids[i])} is out of range: the {side} tensors hold {limit} blocks (0..{limit - 1})"
-        )

@@ -6,8 +6,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .descriptors import coalesce, validate
-from .errors import InvalidTransferError
+from .descriptors import coalesce, run_starts, validate
+from .errors import DriverError, InvalidTransferError
 from .impl import CopyImpl, TransferFn
 from .plan import Plan, Route
 
@@ -114,7 +114,10 @@ class SwapFn:
         if steps is not None:  # one size class: the common case, no per-descriptor work here
             i = bisect_right(steps[0], count) - 1
             if steps[2][i]:
-                steps[1][i](src, dst, n, stream)
+                try:
+                    steps[1][i](src, dst, n, stream)
+                except DriverError as e:
+                    raise _callers_index(e, None, given) from e
                 return
         try:
             parts = self.assign(src, dst, n)
@@ -124,13 +127,17 @@ class SwapFn:
             # A route refused a merged descriptor: decide on the batch as given, so that
             # a refusal names the caller's own descriptor.
             src, dst, n = given
+            given = None
             parts = self.assign(src, dst, n)
         for name, sms, sel in parts:
             fn = self._fns[(name, sms)]
-            if sel is None:
-                fn(src, dst, n, stream)
-            else:
-                fn(src[sel], dst[sel], n[sel], stream)
+            try:
+                if sel is None:
+                    fn(src, dst, n, stream)
+                else:
+                    fn(src[sel], dst[sel], n[sel], stream)
+            except DriverError as e:
+                raise _callers_index(e, sel, given) from e
 
     def _merged(self, src: np.ndarray, dst: np.ndarray, n: np.ndarray) -> Optional[tuple[np.ndarray, ...]]:
         """The batch with contiguous runs merged, or None where that does not pay: fewer
@@ -232,3 +239,18 @@ class SwapFn:
         idx = np.arange(len(sizes)) if sel is None else sel
         for size in np.unique(sizes):
             out.append((impl.name, sms, idx[sizes == size]))
+
+
+def _callers_index(e: DriverError, sel: Optional[np.ndarray], given: Optional[tuple]) -> DriverError:
+    """``e`` with its descriptor index turned into the caller's: through the route's
+    selection ``sel`` (indices into the batch), then through the merge of runs
+    (``given``: the batch as the caller passed it)."""
+    if e.index is None or (sel is None and given is None):
+        return e
+    i = int(e.index) if sel is None else int(sel[e.index])
+    if given is not None:
+        i = int(run_starts(*given)[i])
+    out = type(e).__new__(type(e))  # keeps a subclass (a failure reported from another thread)
+    out.__dict__.update(e.__dict__)
+    DriverError.__init__(out, e.call, e.code, e.name, e.text, index=i)
+    return out

@@ -465,3 +465,32 @@ def test_a_driver_error_leaves_the_swapfn_usable():
     for i in range(5):
         assert np.array_equal(pools.dst[i * 8192:i * 8192 + 1000], pools.src[i * 4096:i * 4096 + 1000])
     assert calls == [5, 5]
+
+
+def test_a_driver_error_names_the_callers_descriptor_through_a_split():
+    """A route reports a failing descriptor by its index in the slice it was handed; the
+    SwapFn's error names the caller's index instead."""
+    def failing(ctx):
+        def fn(src, dst, sizes, stream):
+            raise DriverError("acmeBatchCopy", 7, "ACME_ERROR_BUSY", index=1)
+        return fn
+
+    small = CopyImpl("acme.small", "batch", ("cpu",), ("h2d",), lambda ctx: host_copy)
+    large = CopyImpl("acme.large", "batch", ("cpu",), ("h2d",), failing)
+    curves = (Curve("acme.small", "h2d", ((4 * KiB, 90.0), (32 * KiB, 90.0), (64 * KiB, 1.0))),
+              Curve("acme.large", "h2d", ((4 * KiB, 1.0), (32 * KiB, 1.0), (64 * KiB, 90.0))))
+    cal = Calibration(source="acme split", platform="cpu", scope="device", curves=curves)
+    host = create_plugin_host(entry_points=[], env={}, extra=[("acme", Offer([small, large], cal))])
+    fn = kvswap.resolve("h2d", device="cpu", host=host, policy=Policy(force=None))
+    rng = np.random.default_rng(13)
+    pools = Pools(rng, 1 << 23)
+    sizes = np.full(8, 4 * KiB, dtype=np.int64)
+    sizes[[2, 5, 7]] = 256 * KiB  # the large slice is the caller's descriptors 2, 5 and 7
+    slot = 256 * KiB + 64
+    src = address(pools.src) + rng.permutation(len(pools.src) // slot)[:8] * slot
+    dst = address(pools.dst) + rng.permutation(len(pools.dst) // slot)[:8] * slot
+    assert {name for name, _, _ in fn.assign(src, dst, sizes)} == {"acme.small", "acme.large"}
+    with pytest.raises(DriverError) as e:
+        fn(src, dst, sizes)
+    assert (e.value.name, e.value.index) == ("ACME_ERROR_BUSY", 5)
+    assert str(e.value).endswith("[descriptor 5]")

@@ -283,8 +283,6 @@ def test_batch_error_names_the_hip_error_and_the_descriptor():
     assert isinstance(err, RuntimeError) and len(standin.of("hipMemcpyBatchAsync")) == 2  # stops there
 
 
-@pytest.mark.xfail(reason="the SwapFn merges contiguous runs but does not yet map a driver error's "
-                          "descriptor index back to the caller's batch", strict=False)
 def test_error_index_refers_to_the_callers_descriptor_after_merging():
     standin = RecordingHipStandIn(version=(7, 2, 0), fail_batch=(0, 1, 1))  # merged copy 1 fails
     fn = resolve("h2d", host=host_with(standin))

@@ -23,6 +23,13 @@ from kvswap.errors import ConfigurationError
 from cuda_standin import HostPools, fresh_driver  # noqa: F401 (fixture)
 from issuer_standin import StandInStreams
 
+
+@pytest.fixture(autouse=True)
+def issuer_on(monkeypatch):
+    """The issuer thread is opt-in (KVSWAP_CUDA_ISSUER); these tests turn it on."""
+    monkeypatch.setenv("KVSWAP_CUDA_ISSUER", "on")
+
+
 CALLER, OTHER = 0x777000, 0x888000  # caller streams (any non-legacy handle)
 
 
@@ -57,7 +64,7 @@ def snapshot_of(p):
 # Small pieces
 # ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("env, want", [("", issuer.ASYNC_MIN["batch"]), ("off", None), ("0", None),
+@pytest.mark.parametrize("env, want", [("on", issuer.ASYNC_MIN["batch"]), ("", None), ("off", None), ("0", None),
                                        (" 512 ", 512), ("OFF", None)])
 def test_threshold_from_environment(env, want):
     assert issuer.async_min("batch", env) == want

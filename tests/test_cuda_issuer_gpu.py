@@ -18,6 +18,13 @@ import pytest
 from kvswap import Direction
 from test_cuda_gpu import ALL, BOTH, KiB, Pools
 
+
+@pytest.fixture(autouse=True)
+def issuer_on(monkeypatch):
+    """The issuer thread is opt-in (KVSWAP_CUDA_ISSUER); these tests turn it on."""
+    monkeypatch.setenv("KVSWAP_CUDA_ISSUER", "on")
+
+
 pytestmark = pytest.mark.gpu
 SPIN = 200_000_000  # torch.cuda._sleep cycles: ~0.1-0.2 s, longer than queueing what follows
 

@@ -39,9 +39,10 @@ call reads them during the call and the caller may reuse its arrays as soon as i
 returns; a caller that keeps them until its stream passed the job (BlockMover, through
 ``kvswap.deferred.collect(stable=True)``) saves the copy. Events go back to their pool only after ``cuStreamWaitEvent`` captured them.
 
-Small batches, whose synchronous call fits the budget, stay on the caller's thread
-(:data:`ASYNC_MIN`); ``KVSWAP_CUDA_ISSUER`` sets the threshold (descriptors) or turns
-the issuer off (``off``). The thread needs the GIL only to take a job from the queue and
+The issuer is opt-in: ``KVSWAP_CUDA_ISSUER=on`` sends batches from the thresholds of
+:data:`ASYNC_MIN` (smaller ones, whose synchronous call fits the budget, stay on the
+caller's thread), a number sets the threshold in descriptors, and unset or ``off`` keeps
+every call on the caller's thread. The thread needs the GIL only to take a job from the queue and
 to enter the driver call (ctypes releases it during the call). Threads stop at exit
 after issuing every queued job; a closed issuer makes callers copy synchronously again.
 """
@@ -100,14 +101,16 @@ PROTOS = {
 def async_min(path: str, env: Optional[str] = None) -> Optional[int]:
     """The smallest batch issued off the caller's thread on ``path``, or None (issuer off).
 
-    ``env`` is ``KVSWAP_CUDA_ISSUER``'s value: unset or empty for the default, ``off`` /
-    ``0`` to copy every batch on the caller's thread, or a descriptor count.
+    ``env`` is ``KVSWAP_CUDA_ISSUER``'s value: ``on`` for the thresholds of
+    :data:`ASYNC_MIN`, a descriptor count, or unset / empty / ``off`` / ``0`` to copy every
+    batch on the caller's thread. Off by default until a known crash is fixed: a
+    segmentation fault in the issuer thread's driver call of a 200,000-descriptor batch.
     """
     env = os.environ.get(ENV, "") if env is None else env
     text = env.strip().lower()
-    if not text:
+    if text == "on":
         return ASYNC_MIN[path]
-    if text in ("off", "0", "no", "false"):
+    if text in ("", "off", "0", "no", "false"):
         return None
     try:
         value = int(text)

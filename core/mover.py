@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
-from . import deferred
+from . import deferred, numa
 from .completion import CURRENT_STREAM, CudaCompletion, HostCompletion
 from .descriptors import coalesce, first_overlap
 from .errors import ConfigurationError, InvalidTransferError
@@ -265,6 +265,10 @@ class BlockMover:
                 f"their blocks are staged through pinned buffers, a host memcpy of every byte on top of the "
                 f"device copy; allocate host KV with pin_memory=True (or kvswap.host_empty) to avoid it"
             ), stacklevel=3)
+        # Host memory on another NUMA node than the device's crosses the inter-socket link.
+        self._numa_note = numa.host_memory_note(host, self._fn.plan.device) if host else None
+        if self._numa_note:
+            warnings.warn(numa.NumaWarning(self._numa_note), stacklevel=3)
         if not on_device:
             if stream is not None:
                 raise ConfigurationError(f"stream={stream!r}: a mover between host tensors has no stream")
@@ -292,8 +296,10 @@ class BlockMover:
         return self._fn
 
     def explain(self) -> str:
-        """Why this route was chosen (the resolver's decision trace)."""
-        return self._fn.explain()
+        """Why this route was chosen (the resolver's decision trace), and where the host
+        memory sits when it is on another NUMA node than the device."""
+        text = self._fn.explain()
+        return f"{text}\n  note: {self._numa_note}" if self._numa_note else text
 
     @property
     def stream(self) -> Any:

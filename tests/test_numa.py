@@ -375,3 +375,43 @@ def test_host_empty_memory_lives_as_long_as_any_view():
 def test_host_empty_is_exported():
     assert kvswap.host_empty is host_memory.host_empty and "host_empty" in kvswap.__all__
     assert issubclass(NumaWarning, kvswap.KvSwapWarning)
+
+
+def test_a_mover_warns_and_explains_host_memory_on_a_remote_node(monkeypatch):
+    """BlockMover asks kvswap.numa where its host tensors sit; a remote placement is one
+    NumaWarning at construction and a note at the end of explain()."""
+    import torch
+
+    import kvswap
+    from kvswap import numa
+
+    asked = []
+
+    def note(tensors, device_info, topo=None):
+        asked.append((len(tensors), device_info.platform))
+        return "2 of 2 host tensor(s) have pages on NUMA node(s) 1"
+
+    monkeypatch.setattr(numa, "host_memory_note", note)
+    host = [torch.randn(4, 8, 16) for _ in range(2)]
+    dev = [torch.zeros(4, 8, 16) for _ in range(2)]
+    with pytest.warns(numa.NumaWarning, match="NUMA node"):
+        mover = kvswap.BlockMover(host, dev, "h2d")
+    assert asked == [(2, "cpu")]
+    assert mover.explain().endswith("\n  note: 2 of 2 host tensor(s) have pages on NUMA node(s) 1")
+    mover.close()
+
+
+def test_a_mover_with_local_host_memory_says_nothing(monkeypatch):
+    import warnings
+
+    import torch
+
+    import kvswap
+    from kvswap import numa
+
+    monkeypatch.setattr(numa, "host_memory_note", lambda tensors, device_info, topo=None: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", numa.NumaWarning)
+        mover = kvswap.BlockMover([torch.randn(4, 8)], [torch.zeros(4, 8)], "d2h")
+    assert "NUMA" not in mover.explain()
+    mover.close()

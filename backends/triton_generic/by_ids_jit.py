@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .jit import _copy_step
+from .jit import _copy_words
 
 
 @triton.jit(do_not_specialize=["n", "pieces", "splits"])
@@ -48,15 +48,4 @@ def copy_by_ids_kernel(tmpl, ids, n, pieces, splits, JOBS: tl.constexpr, WORDS: 
         # Rows past the end read as size 0 and copy nothing.
         nw = tl.load(tmpl + 4 * pieces + p, mask=live, other=0) >> 3
         top = tl.max(nw, 0)
-        if ALIGN == 16:
-            sp = tl.multiple_of(s, 16).to(tl.pointer_type(tl.int64))
-            dp = tl.multiple_of(d, 16).to(tl.pointer_type(tl.int64))
-            for c in range(part * WORDS, top, splits * WORDS):
-                rem = tl.multiple_of(tl.minimum(nw - c, WORDS).to(tl.int32), 2)
-                _copy_step(tl.multiple_of(sp + c, 16), tl.multiple_of(dp + c, 16), rem, col, CACHE)
-        else:
-            sp = s.to(tl.pointer_type(tl.int64))
-            dp = d.to(tl.pointer_type(tl.int64))
-            for c in range(part * WORDS, top, splits * WORDS):
-                rem = tl.minimum(nw - c, WORDS).to(tl.int32)
-                _copy_step(sp + c, dp + c, rem, col, CACHE)
+        _copy_words(s, d, nw, top, part, splits, col, WORDS, ALIGN, CACHE)

@@ -32,6 +32,27 @@ def _copy_step(sp, dp, rem, col, CACHE: tl.constexpr):
 
 
 @triton.jit
+def _copy_words(s, d, nw, top, part, splits, col, WORDS: tl.constexpr, ALIGN: tl.constexpr,
+                CACHE: tl.constexpr):
+    """Copy ``nw`` 8-byte words from each row's ``s`` to its ``d``, this program's share
+    (``part`` of ``splits``) of every ``WORDS``-wide step; 16-byte vectors where ``ALIGN`` is 16."""
+    if ALIGN == 16:
+        sp = tl.multiple_of(s, 16).to(tl.pointer_type(tl.int64))
+        dp = tl.multiple_of(d, 16).to(tl.pointer_type(tl.int64))
+        for c in range(part * WORDS, top, splits * WORDS):
+            # Even counts from 16-byte aligned starts: the mask is constant over
+            # pairs, which is what lets the accesses become 16-byte vectors.
+            rem = tl.multiple_of(tl.minimum(nw - c, WORDS).to(tl.int32), 2)
+            _copy_step(tl.multiple_of(sp + c, 16), tl.multiple_of(dp + c, 16), rem, col, CACHE)
+    else:
+        sp = s.to(tl.pointer_type(tl.int64))
+        dp = d.to(tl.pointer_type(tl.int64))
+        for c in range(part * WORDS, top, splits * WORDS):
+            rem = tl.minimum(nw - c, WORDS).to(tl.int32)
+            _copy_step(sp + c, dp + c, rem, col, CACHE)
+
+
+@triton.jit
 def _load_descriptors(desc, n, tile, JOBS: tl.constexpr):
     j = tile.to(tl.int64) * JOBS + tl.arange(0, JOBS)
     live = j < n
@@ -79,20 +100,7 @@ def copy_kernel(desc, n, splits, JOBS: tl.constexpr, WORDS: tl.constexpr, ALIGN:
         else:
             nw = z >> 3
         top = tl.max(nw, 0)
-        if ALIGN == 16:
-            sp = tl.multiple_of(s, 16).to(tl.pointer_type(tl.int64))
-            dp = tl.multiple_of(d, 16).to(tl.pointer_type(tl.int64))
-            for c in range(part * WORDS, top, splits * WORDS):
-                # Even counts from 16-byte aligned starts: the mask is constant over
-                # pairs, which is what lets the accesses become 16-byte vectors.
-                rem = tl.multiple_of(tl.minimum(nw - c, WORDS).to(tl.int32), 2)
-                _copy_step(tl.multiple_of(sp + c, 16), tl.multiple_of(dp + c, 16), rem, col, CACHE)
-        else:
-            sp = s.to(tl.pointer_type(tl.int64))
-            dp = d.to(tl.pointer_type(tl.int64))
-            for c in range(part * WORDS, top, splits * WORDS):
-                rem = tl.minimum(nw - c, WORDS).to(tl.int32)
-                _copy_step(sp + c, dp + c, rem, col, CACHE)
+        _copy_words(s, d, nw, top, part, splits, col, WORDS, ALIGN, CACHE)
         if ALIGN == 1:
             # Bytes: the tail of word-copied rows (< 8) and all of an unaligned row.
             b0 = nw * 8

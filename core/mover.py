@@ -405,7 +405,9 @@ class BlockMover:
                         n = len(ids[0][0])
                         by_ids(arr[0, :n], arr[1, :n], c.stream)
                     elif m:
-                        self._fn(arr[0, :m], arr[1, :m], arr[2, :m], stream=c.stream)
+                        # Ids and template were checked (_checked_ids, pair_regions): the
+                        # batch is validated once, here, not again by the SwapFn.
+                        self._fn.call_validated(arr[0, :m], arr[1, :m], arr[2, :m], stream=c.stream)
             except BaseException as e:
                 # Part of the batch may be enqueued: the buffers stay with a failed job
                 # until the end marker shows the stream is past it.

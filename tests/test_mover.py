@@ -415,3 +415,20 @@ def test_a_failing_route_reports_a_failed_job_and_keeps_its_buffer():
     (r,) = mover.poll()
     assert isinstance(r, TransferResult) and not r.ok and r.bytes == 0 and "CUDA_ERROR_ILLEGAL_ADDRESS" in r.error
     assert mover.pool.in_use == 0
+
+
+def test_a_submit_validates_its_batch_once(monkeypatch):
+    """BlockMover checks ids against a checked template; the SwapFn does not check the
+    descriptors it built a second time (the whole-batch check is O(n log n))."""
+    import kvswap.swapfn
+
+    calls = []
+    real = kvswap.swapfn.validate
+    monkeypatch.setattr(kvswap.swapfn, "validate", lambda *a: calls.append(1) or real(*a))
+    src = torch.randn(16, 4, 32)
+    dst = torch.zeros(16, 4, 32)
+    with BlockMover(src, dst, "h2d") as mover:
+        mover.submit([3, 1, 7], [0, 9, 4])
+    assert calls == []
+    assert torch.equal(dst[[0, 9, 4]], src[[3, 1, 7]])
+    assert not dst[[i for i in range(16) if i not in (0, 9, 4)]].any()

@@ -116,8 +116,9 @@ class BlockMover:
     :param stream: the transfer stream on a GPU (default: a new one).
     :param device_descriptors: where the kernel route can derive addresses on the device
         from the block ids (Triton's ``by_ids``), send only the ids per submit: the host
-        work no longer grows with layers x blocks, but the by-id kernel copies more slowly
-        than the descriptor kernel on per-layer layouts, so it is off unless asked for.
+        work no longer grows with layers x blocks. Against the descriptor kernel it copied
+        faster on an H200 and more slowly on an H100 on per-layer layouts
+        (``tests/bench/bench_by_ids.py``), so it is off unless asked for.
     :param calibration: passed to :func:`kvswap.resolve`: decide by this calibration
         instead of looking one up.
     :param profiles: passed to :func:`kvswap.resolve`: False skips measured profiles.
@@ -278,8 +279,8 @@ class BlockMover:
         self.pool = DescriptorPool(pinned=on_device)
         self._check_across = grouped and groups_share_destinations(sides)
         # With device_descriptors, where the kernel route derives addresses itself (ByIdsFn), a
-        # submit sends only ids. Opt-in: on per-layer layouts the by-id kernel moved fewer GB/s
-        # than the descriptor kernel (docs/benchmarks.md). Its templates are base + id * stride:
+        # submit sends only ids. Opt-in (its gain over coalesced descriptors differs between
+        # GPUs: bench_by_ids.py). Its templates are base + id * stride:
         # sub-blocks (a block-size factor) take the descriptor path.
         by_ids_ok = (self._device_descriptors and len(templates) == 1 and self._stager is None
                      and templates[0].factor == 1)

@@ -35,6 +35,13 @@ class Route:
         ``n`` descriptors runs on the SMs of the last tier with ``from_batch <= n`` (the
         first below all), and a tier of 0 SMs on ``small_batch_impl``; empty: the SMs
         ``impl`` was bound with (``Plan.params``).
+    :ivar host_us: ``(impl, microseconds or None)`` for the same candidates: how long one
+        call holds the calling thread for ``host_at`` descriptors, from the calibration's
+        host cost (None: not measured).
+    :ivar excluded: ``(impl, host_us, other_us, other_impl)`` for each candidate left out
+        because its call holds the thread longer (``host_us``) than the whole transfer takes
+        on ``other_impl`` (``other_us``), both at ``host_at`` descriptors
+        (:func:`kvswap.routing.thread_bound`).
     """
 
     min_bytes: int
@@ -46,6 +53,9 @@ class Route:
     small_batch_impl: Optional[str] = None
     fallbacks: tuple[str, ...] = ()
     sms_by_batch: tuple[tuple[int, int], ...] = ()
+    host_us: tuple[tuple[str, Optional[float]], ...] = ()
+    host_at: int = 0
+    excluded: tuple[tuple[str, float, float, str], ...] = ()
 
     def runs(self, batch: int) -> tuple[str, Optional[int]]:
         """What a batch of ``batch`` descriptors runs on: ``(impl, num_sms)``, the SMs of
@@ -100,6 +110,11 @@ def human_bytes(n: Optional[int]) -> str:
     return f"{n} B"
 
 
+def _us(us: float) -> str:
+    """Microseconds as a person reads them: 85 us, 1.2 ms."""
+    return f"{us:.0f} µs" if us < 1000 else f"{us / 1000:.3g} ms"
+
+
 def _constrained(p: Plan, impl: str) -> bool:
     """Whether ``impl`` can refuse a descriptor (so its fallbacks are worth a line)."""
     c = next((c.constraints for c in p.candidates if c.name == impl), {})
@@ -121,6 +136,9 @@ def _explain_lines(p: Plan) -> list[str]:
     if cal.get("calibrated") and cal.get("host_reference"):
         state = "host reference: host memory copies timed on a machine without an accelerator, not a device calibration"
     lines.append(f"  calibration: {cal.get('source')} ({state})")
+    if not p.forced and not cal.get("host_cost"):
+        lines.append("  host thread time per call: unmeasured, so no route is excluded by it "
+                     "(`kvswap calibrate --only host-cost --update PROFILE` measures it)")
     if p.forced:
         lines.append(f"  forced: {p.forced}")
     lines.append("  candidates:")
@@ -154,6 +172,13 @@ def _explain_lines(p: Plan) -> list[str]:
             which = f"{lo}+" if end is None else f"{lo}-{end - 1}"
             to = f"{r.impl} on {sms} SMs" if sms else r.small_batch_impl
             lines.append(f"    {'':<28}    batches of {which} descriptors -> {to}")
+        if any(us is not None for _, us in r.host_us):
+            each = ", ".join(f"{n} ~{_us(us)}" for n, us in r.host_us if us is not None)
+            lines.append(f"    {'':<28}    holds the calling thread for {r.host_at} descriptors: {each}"
+                         + "".join(f", {n} unmeasured" for n, us in r.host_us if us is None))
+        for name, host, other_us, other in r.excluded:
+            lines.append(f"    {'':<28}    {name} excluded: holds the thread {_us(host)} > {_us(other_us)} "
+                         f"for the whole transfer on {other} ({r.host_at} descriptors)")
         if r.fallbacks and _constrained(p, r.impl):
             lines.append(f"    {'':<28}    descriptors {r.impl} refuses -> {', '.join(r.fallbacks)}")
     for note in p.notes:

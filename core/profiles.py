@@ -11,8 +11,13 @@ A profile document (schema ``kvswap.profile/1``) holds ``schema``, ``kvswap_vers
 ``identity``, ``device`` (the full DeviceInfo), ``created``, ``measured``, ``settings``,
 ``ceiling_gbps``, ``measurements``, ``failures``, ``curves``, ``decisions`` (per direction:
 ``routes``, ``kernel_sms``, ``kernel_min_batch``, ``min_batch_by_size``,
-``kernel_sms_by_batch``, ``crossover``), ``slowdown`` and ``interference``.
-:func:`to_calibration` is what the resolver reads of it.
+``kernel_sms_by_batch``, ``crossover``), ``slowdown`` (profiles written before
+``slowdown_by_sms``; read where that has no rows), ``slowdown_by_sms`` (per direction,
+``[route, num_sms, fraction]`` rows) and ``host_cost`` (per direction and route,
+``[a_us, b_us]``: one call holds the calling thread ``a_us + b_us * n`` microseconds for
+``n`` descriptors). :func:`to_calibration` is what the resolver reads of it; a
+``host_cost`` entry that is not two finite numbers >= 0 is skipped with a
+:class:`kvswap.ProfileWarning`, the rest of the profile still used.
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .errors import ProfileWarning
-from .thresholds import Calibration, Curve
+from .thresholds import Calibration, Curve, host_cost_row
 from .types import DeviceInfo
 
 __all__ = [
@@ -139,6 +144,7 @@ def to_calibration(doc: Any, source: str) -> Calibration:
             slowdown=doc.get("slowdown", {}),
             slowdown_by_sms=doc.get("slowdown_by_sms", {}),
             ceiling_gbps=doc.get("ceiling_gbps", {}),
+            host_cost=_host_cost(doc.get("host_cost", {}), source),
             identity=identity,
             host_reference=doc.get("host_reference") is True,
         )
@@ -146,6 +152,29 @@ def to_calibration(doc: Any, source: str) -> Calibration:
         raise
     except Exception as e:  # RecursionError included: a malformed document is never fatal
         raise ProfileError(f"{type(e).__name__}: {e}") from e
+
+
+def _host_cost(doc: Any, source: str) -> dict[str, list[tuple[str, float, float]]]:
+    """A profile's ``host_cost`` as :class:`Calibration` takes it; an entry that is not a
+    route's two finite numbers >= 0 is left out with a :class:`ProfileWarning` (the route
+    is then unmeasured: the resolver excludes nothing by it)."""
+    if not isinstance(doc, dict):
+        raise ProfileError(f"host_cost must be an object by direction, not {type(doc).__name__}")
+    out: dict[str, list[tuple[str, float, float]]] = {}
+    for d, routes in doc.items():
+        if not isinstance(routes, dict):
+            raise ProfileError(f"host_cost[{d!r}] must be an object by route")
+        rows = []
+        for route, value in routes.items():
+            try:
+                a, b = value
+                rows.append(host_cost_row((route, a, b)))
+            except (TypeError, ValueError) as e:
+                warnings.warn(f"kvswap skipped host_cost[{d!r}][{route!r}]={value!r} of calibration {source}: {e}",
+                              ProfileWarning, stacklevel=4)
+        if rows:
+            out[d] = rows
+    return out
 
 
 def _no_constant(name: str) -> Any:

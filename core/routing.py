@@ -17,6 +17,7 @@ from .types import DeviceInfo, Direction, Policy
 
 __all__ = [
     "EDGES",
+    "HOST_COST_AT",
     "KERNEL_MARGIN",
     "SIZE_CLASSES",
     "knee_sms",
@@ -26,6 +27,7 @@ __all__ = [
     "rank_key",
     "routes",
     "sm_cap",
+    "thread_bound",
     "sms_by_batch",
     "tiers_at",
 ]
@@ -50,6 +52,43 @@ SIZE_CLASSES: tuple[tuple[int, Optional[int], int], ...] = tuple(
 # takes none only when predicted faster by more than this: its SMs come out of compute, and
 # routes closer than this swap places between two calibrations (docs/calibrating-a-device.md).
 KERNEL_MARGIN = 0.01
+
+
+# The descriptor count the thread-time rule decides at, and from which it must hold: 32 blocks
+# of a 64-descriptor layout (llama-3.1-8b's per-layer K and V), a small step's transfer.
+HOST_COST_AT = 2048
+
+
+def thread_bound(ranked: Sequence[tuple[CopyImpl, Optional[float]]], cal: Calibration, direction: Direction,
+                 size: int, at: int = HOST_COST_AT) -> dict[str, tuple[float, float, str]]:
+    """The routes of ``ranked`` whose call holds the engine's thread longer than the whole
+    transfer takes on another route: ``{impl: (host_us, other_us, other_impl)}`` at ``at``
+    descriptors of ``size`` bytes.
+
+    With ``host_us(n) = a + b*n`` (:meth:`Calibration.host_us`) and another route's whole
+    transfer ``t(n) = n * size / GB/s`` (its predicted bandwidth, which was measured from
+    the call to the last byte), a route is excluded when ``host_us(at) > t(at)`` and its
+    slope ``b`` exceeds ``size / GB/s``: then it holds for every batch of ``at`` descriptors
+    or more. ``other_impl`` is the route whose transfer is quickest. A route without a
+    measured host cost, or compared only with routes without a prediction, is never
+    excluded; where no predicted route would be left, the one that holds the thread least
+    is kept.
+    """
+    per_desc = {impl.name: size / (g * 1e3) for impl, g in ranked if g}  # microseconds per descriptor
+    out: dict[str, tuple[float, float, str]] = {}
+    for impl, _ in ranked:
+        host = cal.host_us(impl.name, impl.kind, direction, at)
+        slope = cal.host_us(impl.name, impl.kind, direction, at + 1)
+        others = [(t, name) for name, t in per_desc.items() if name != impl.name]
+        if host is None or slope is None or not others:
+            continue
+        t, other = min(others)
+        if host > t * at and slope - host > t:
+            out[impl.name] = (host, t * at, other)
+    if out and not any(g for impl, g in ranked if impl.name not in out):
+        keep = min(out, key=lambda name: (out[name][0], name))
+        del out[keep]
+    return out
 
 
 def margin(cal: Calibration) -> float:
@@ -155,28 +194,40 @@ def routes(
         ranked = rank(usable, cal, direction, policy, rep, bool(given), num_sms, builtin)
         if not ranked:
             continue
-        best = ranked[0][0]
+        excluded = thread_bound(ranked, cal, direction, rep)
+        best = next(impl for impl, _ in ranked if impl.name not in excluded)
+        others = [r for r in ranked if r[0] is not best]  # in rank order: small batches, fallbacks
         # Tiers buy throughput with SMs: a low-interference policy keeps the knee.
         tiers = sms_by_batch(cal, direction, policy, device, rep, num_sms) if policy.prefer == "throughput" else ()
         if best.uses_sms:
-            small = next((impl for impl, _ in ranked[1:] if not impl.uses_sms), None)
+            small = next((impl for impl, _ in others if not impl.uses_sms), None)
             min_batch = cal.min_batch(direction, block_bytes=rep) if small else 0
+            if small is not None and small.name in excluded:
+                # Below HOST_COST_AT it may still take the small batches it was measured to
+                # win (min_batch); from there on, never a tier of its own.
+                min_batch = min(min_batch, HOST_COST_AT)
+                tiers = _no_zero_from(tiers, HOST_COST_AT, num_sms)
         else:
             # Ranked at a large batch, a route without SMs can still lose the small batches
             # of this size to a kernel: a tier of 0 SMs says the calibration measured where.
-            kernel = next((impl for impl, _ in ranked[1:] if impl.uses_sms), None)
+            kernel = next((impl for impl, _ in others if impl.uses_sms), None)
             if kernel is not None and any(k == 0 for _, k in tiers) and any(k for _, k in tiers):
                 best, small, min_batch = kernel, best, 0
             else:
                 small, min_batch, tiers = None, 0, ()
         if small is None:  # no route without SMs to give 0-SM tiers to: they keep the knee
             tiers = tiers_at(((n, k or num_sms) for n, k in tiers), num_sms)
+        shown = [r for r in ranked if r[0].name not in excluded] + [r for r in ranked if r[0].name in excluded]
         route = Route(
             min_bytes=lo,
             max_bytes=hi,
             impl=best.name,
             at_bytes=rep,
-            predicted=tuple((impl.name, None if g is None else round(g, 2)) for impl, g in ranked),
+            predicted=tuple((impl.name, None if g is None else round(g, 2)) for impl, g in shown),
+            host_us=tuple((impl.name, _us(cal.host_us(impl.name, impl.kind, direction, HOST_COST_AT)))
+                          for impl, _ in shown),
+            host_at=HOST_COST_AT,
+            excluded=tuple((name, round(h, 1), round(t, 1), other) for name, (h, t, other) in excluded.items()),
             min_batch=min_batch,
             small_batch_impl=small.name if small else None,
             fallbacks=tuple(impl.name for impl, _ in ranked if impl is not best),
@@ -184,9 +235,29 @@ def routes(
         )
         prev = out[-1] if out else None
         decided = ("impl", "small_batch_impl", "min_batch", "fallbacks", "sms_by_batch")
-        if prev and prev.max_bytes == lo - 1 and all(getattr(prev, a) == getattr(route, a) for a in decided):
+        if (prev and prev.max_bytes == lo - 1 and all(getattr(prev, a) == getattr(route, a) for a in decided)
+                and [e[0] for e in prev.excluded] == [e[0] for e in route.excluded]):
             keep = route if given and prev.at_bytes not in sizes else prev
-            out[-1] = replace(prev, max_bytes=hi, at_bytes=keep.at_bytes, predicted=keep.predicted)
+            out[-1] = replace(prev, max_bytes=hi, at_bytes=keep.at_bytes, predicted=keep.predicted,
+                              host_us=keep.host_us, excluded=keep.excluded)
         else:
             out.append(route)
     return tuple(out)
+
+
+def _us(value: Optional[float]) -> Optional[float]:
+    return None if value is None else round(value, 1)
+
+
+def _no_zero_from(tiers: Sequence[tuple[int, int]], start: int, knee: int) -> tuple[tuple[int, int], ...]:
+    """``tiers`` with no tier of 0 SMs (the route that takes none) from ``start`` descriptors
+    on: those batches run on the knee instead."""
+    if not tiers:
+        return ()
+    active = tiers[0][1]
+    for n, k in tiers:
+        if n <= start:
+            active = k
+    out = [(n, k) for n, k in tiers if n < start] + [(start, active or knee)]
+    out += [(n, k or knee) for n, k in tiers if n > start]
+    return tiers_at(out, knee)

@@ -98,6 +98,12 @@ class Calibration:
         ``num_sms`` 0 for routes that take no SMs. Where it has rows for a route, it is
         what :meth:`slowdown_at` answers (over SM counts: linear between measured ones,
         the nearest end beyond); otherwise ``slowdown`` is.
+    :param host_cost: per direction, how long one call of a route holds the calling thread,
+        fitted as ``host_us(n) = a_us + b_us * n`` over ``n`` descriptors spread across many
+        per-layer tensors (an engine's layout), with the transfer stream busy so only host
+        work counts: ``((route, a_us, b_us), ...)`` with ``route`` an impl name or a kind.
+        :meth:`host_us` answers from it; the resolver excludes a route whose call holds the
+        thread longer than the whole transfer takes on another (:mod:`kvswap.routing`).
     :param ceiling_gbps: per direction, the contiguous copy ceiling when measured.
     :param calibrated: False for guesses; ``explain()`` then says how to calibrate.
     :param host_reference: measured host memory copies (the host reference, on a machine
@@ -115,6 +121,7 @@ class Calibration:
     slowdown: Mapping[str, float] = field(default_factory=dict)
     slowdown_by_sms: Mapping[str, tuple[tuple[str, int, float], ...]] = field(default_factory=dict)
     ceiling_gbps: Mapping[str, float] = field(default_factory=dict)
+    host_cost: Mapping[str, tuple[tuple[str, float, float], ...]] = field(default_factory=dict)
     calibrated: bool = True
     identity: Optional[str] = None
     host_reference: bool = False
@@ -161,6 +168,16 @@ class Calibration:
                 raise bad("slowdown_by_sms rows need num_sms >= 0 and a fraction in [0, 1)")
             by_sms[str(Direction.parse(k))] = checked
         object.__setattr__(self, "slowdown_by_sms", by_sms)
+        host = {}
+        for k, rows in dict(self.host_cost).items():
+            try:
+                checked = tuple(sorted(host_cost_row(r) for r in rows))
+            except (TypeError, ValueError) as e:
+                raise bad(f"host_cost: {e}") from None
+            if len({r for r, _, _ in checked}) != len(checked):
+                raise bad("host_cost: one row per route and direction")
+            host[str(Direction.parse(k))] = checked
+        object.__setattr__(self, "host_cost", host)
 
     def curve_for(self, impl: str, kind: str, direction: Direction, num_sms: Optional[int]) -> tuple[Optional[Curve], float]:
         """The curve that predicts ``impl``, and the factor to scale it by for ``num_sms``.
@@ -227,6 +244,17 @@ class Calibration:
             return pts[-1][1]
         return self.slowdown_of(impl, kind)
 
+    def host_us(self, impl: str, kind: str, direction: Direction, n: int) -> Optional[float]:
+        """Microseconds one call of ``impl`` holds the calling thread for ``n`` descriptors
+        in ``direction``, from :attr:`host_cost` (the impl's row, else its kind's); None
+        where it was not measured."""
+        rows = self.host_cost.get(str(Direction.parse(direction)), ())
+        for key in (impl, kind):
+            for route, a, b in rows:
+                if route == key:
+                    return a + b * n
+        return None
+
     def summary(self) -> dict[str, Any]:
         return {
             "source": self.source,
@@ -235,7 +263,20 @@ class Calibration:
             "calibrated": self.calibrated,
             "identity": self.identity,
             "host_reference": self.host_reference,
+            "host_cost": bool(self.host_cost),
         }
+
+
+def host_cost_row(row: Any) -> tuple[str, float, float]:
+    """A checked ``(route, a_us, b_us)`` row of :attr:`Calibration.host_cost`: a route name
+    and two finite numbers >= 0 (raises ValueError naming what is wrong)."""
+    route, a, b = row
+    if not isinstance(route, str) or not route:
+        raise ValueError(f"route {route!r} must be a name")
+    for name, v in (("a_us", a), ("b_us", b)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 <= v < math.inf:
+            raise ValueError(f"{route}: {name}={v!r} must be a finite number >= 0")
+    return route, float(a), float(b)
 
 
 def _per_block(rows: Any, value: Any) -> tuple[tuple[int, Any], ...]:

@@ -1,7 +1,7 @@
 """Routes bound for measurement: an impl forced through ``kvswap.resolve()``, exactly as an
 engine gets it, at an exact SM count, and what a route that failed leaves behind.
 
-Shared by the sweep, the interference measurement and the bench.
+Shared by the sweep, the host-cost measurement and the bench.
 """
 from __future__ import annotations
 

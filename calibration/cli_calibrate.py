@@ -13,16 +13,22 @@ from kvswap.errors import ConfigurationError
 from kvswap.types import Direction
 
 from .fit import TOLERANCE
+from .update import PARTS, parts
 
 HELP = "measure this device and write its calibration profile (and a plot)"
 DESCRIPTION = (
     "Measure, on the present device and in one run: the contiguous copy ceiling per direction "
     "(at its start and again at its end: a note says when the two disagree, the machine not steady), "
     "every available implementation over block sizes (1 KiB-512 KiB) and batch sizes, the kernel "
-    "at several SM counts, and optionally the compute slowdown beside a reference GEMM. Fit the "
-    "route per block size, the SM knee and the minimum batch for the kernel; write the profile "
+    "at several SM counts, how long one call of each route holds the calling thread by descriptor "
+    "count (its host cost, on per-layer tensors like an engine's), and optionally the compute slowdown "
+    "beside bf16 GEMMs per SM count (--interference). Fit the route per block size, the SM knee and the "
+    "minimum batch for the kernel, and exclude a route whose call holds the thread longer than the whole "
+    "transfer takes on another; write the profile "
     "(JSON, keyed by device identity) where the resolver finds it, the raw measurements beside it "
     "(<profile>.measurements.json, optional: the resolver never reads them), and a PNG of the curves. "
+    "With --only and --update, measure just the host cost and/or the slowdown and rewrite an existing "
+    "profile in place. "
     "On a machine without an accelerator it measures the host reference's host memory copies, and "
     "marks the profile so (explain does not present it as a device calibration)."
 )
@@ -51,7 +57,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"the SM knee is the fewest SMs within this fraction of the kernel's best, on the "
                    f"geometric mean over the block sizes where the kernel wins (default {TOLERANCE})")
     p.add_argument("--interference", action="store_true",
-                   help="also measure how much each route slows a bf16 GEMM running beside it (GPU only)")
+                   help="also measure the compute slowdown per direction, route and SM count: bf16 GEMMs and a "
+                   "BlockMover job started together, as an engine runs them (what Policy(prefer="
+                   "'low_interference') ranks by; a few minutes on a GPU)")
+    p.add_argument("--only", type=parts, metavar="PARTS",
+                   help=f"with --update: measure only these ({', '.join(PARTS)}; comma-separated), not the "
+                   "whole grid")
+    p.add_argument("--update", type=Path, metavar="PROFILE",
+                   help="with --only: rewrite this profile of the present device in place with the parts "
+                   "measured now, keeping everything else (raw records go beside it, as with --strip)")
     p.add_argument("--out", type=Path, metavar="FILE",
                    help="write the profile here (default: the user data directory, where the resolver looks); "
                    "the raw measurements go beside it, to FILE's name with .measurements.json")
@@ -70,6 +84,12 @@ def _check(args: argparse.Namespace) -> list[Direction]:
     if within:
         raise ConfigurationError(f"--directions {','.join(within)}: only copies across the host link (h2d, d2h) "
                                  "are measured here")
+    if (args.only is None) != (args.update is None):
+        raise ConfigurationError("--only and --update go together: --only PARTS --update PROFILE measures PARTS "
+                                 "and rewrites PROFILE")
+    if args.update is not None and (args.out is not None or args.plot is not None or args.interference):
+        raise ConfigurationError("--update rewrites its profile in place and draws no plot: leave out --out, "
+                                 "--plot and --interference (name the parts with --only)")
     if args.out is not None and args.out.is_dir():
         raise ConfigurationError(f"--out {str(args.out)!r} is a directory; name the profile file to write")
     if args.plot is not None:
@@ -105,15 +125,50 @@ def strip(paths: list[Path]) -> int:
     return 0
 
 
+def run_update(args: argparse.Namespace) -> int:
+    from kvswap.platform import detect
+    from kvswap.plugins import plugin_host
+
+    from . import update
+    from .progress import Progress
+    from .report import host_cost_lines, slowdown_lines
+    from .decisions import Fitted
+
+    dirs = _check(args)
+    host = plugin_host()
+    dev = detect(host, args.device)
+    what = "host memory copies (host reference)" if dev.platform == "cpu" else f"{dev.platform} device {dev.name!r}"
+    print(f"kvswap calibrate: measuring {', '.join(args.only)} for {', '.join(map(str, dirs))} on {what}; "
+          f"updating {args.update}", file=sys.stderr)
+    t0 = time.monotonic()
+    progress = Progress.on_stderr("step")
+    try:
+        profile, got, raw_path = update.update(args.update, args.only, dev, args.device, host, dirs, quick=args.quick,
+                                               progress=progress)
+    finally:
+        progress.close()
+    fitted = Fitted.from_dict(profile)
+    lines = (host_cost_lines(fitted) if update.HOST_COST in args.only else []) + (
+        slowdown_lines(fitted, got.interference) if update.INTERFERENCE in args.only else [])
+    print("\n".join(lines))
+    for f in got.failures.records:
+        print(f"skipped {f.describe()}")
+    print(f"profile {args.update} updated ({', '.join(args.only)}) in {duration(time.monotonic() - t0)}; "
+          f"raw records in {raw_path}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     if args.strip:
         return strip(args.strip)
+    if args.update is not None:
+        return run_update(args)
     from kvswap import profiles
     from kvswap.lookup import find_calibration
     from kvswap.platform import detect
     from kvswap.plugins import plugin_host
 
-    from . import fit, store
+    from . import fit, store, update
     from .progress import Progress
     from .report import calibration_report
     from .sweep import Sweep, settings_for
@@ -121,8 +176,7 @@ def run(args: argparse.Namespace) -> int:
     dirs = _check(args)
     host = plugin_host()
     dev = detect(host, args.device)
-    settings = settings_for(dev, quick=args.quick, max_sms=args.max_sms, interference=args.interference,
-                            knee_tolerance=args.knee_tolerance)
+    settings = settings_for(dev, quick=args.quick, max_sms=args.max_sms, knee_tolerance=args.knee_tolerance)
     prior = find_calibration(host, dev)  # what is in force now: carried over for what this run skips
     path = Path(args.out) if args.out is not None else profiles.default_path(dev)
     raw_path = store.measurements_path(path)
@@ -147,8 +201,15 @@ def run(args: argparse.Namespace) -> int:
             routes = [n + (f" at {[b.num_sms for b in bounds if b.impl == n]} SMs" if any(
                 b.impl == n and b.num_sms for b in bounds) else "") for n in names]
             print(f"  {d}: measuring {'; '.join(routes) or 'nothing (no usable route)'}", file=sys.stderr)
+        extra = [update.HOST_COST] + ([update.INTERFERENCE] if args.interference else [])
         try:
             result = sweep.run()
+            if any(m.stage != "ceiling" for m in result.measurements):
+                knees = [fit.fit_direction(result.measurements, str(d), args.knee_tolerance).kernel_sms for d in dirs]
+                knees = [k for k in knees if k]
+                got = update.measure(extra, dev, args.device, host, dirs, quick=args.quick, progress=progress,
+                                     kernel_sms=max(knees) if knees else None)
+                result.failures.extend(got.failures.records)
         finally:
             progress.close()
         elapsed = time.monotonic() - t0
@@ -158,7 +219,8 @@ def run(args: argparse.Namespace) -> int:
             print("kvswap calibrate: error: no route could be measured; no profile written", file=sys.stderr)
             return 1
 
-        fitted = fit.profile_fields(result.measurements, result.interference, dirs, prior, args.knee_tolerance)
+        fitted = fit.profile_fields(result.measurements, got.interference, dirs, prior, args.knee_tolerance,
+                                    host_cost=got.host_cost)
         doc = store.make_document(
             dev, fitted,
             measured=measured,
@@ -167,11 +229,12 @@ def run(args: argparse.Namespace) -> int:
             host_reference=result.host_only and dev.platform == "cpu",
             timer=result.timer,
             elapsed_s=round(elapsed, 2),
-            settings=settings.to_dict(),
+            settings={**settings.to_dict(), **got.settings},
             directions=[str(d) for d in dirs],
             measurements=result.measurements,
             failures=result.failures,
-            interference=result.interference,
+            interference=got.interference,
+            host_cost_records=got.host_cost_records,
             notes=result.notes,
         )
         profile, raw = store.split(doc)
@@ -188,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
         except ImportError as e:
             plot_path = None
             warnings.warn(f"no plot written: {e} (install kvswap[plot] for matplotlib)")
-        print(calibration_report(fitted, result.measurements, result.interference, result.failures))
+        print(calibration_report(fitted, result.measurements, got.interference, result.failures))
         print()
         for note in result.notes:
             print(f"note: {note}")

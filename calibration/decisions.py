@@ -3,7 +3,8 @@
 A profile (``kvswap.profile/1``, read by :mod:`kvswap.profiles`) holds, besides the device
 and how it was measured, the fields of :class:`Fitted`: ``curves`` (GB/s against block size
 per route, the size sweep's), ``decisions`` (one :class:`Decision` per direction),
-``ceiling_gbps``, ``slowdown`` and ``slowdown_source``. ``to_dict()`` writes each as the
+``ceiling_gbps``, ``slowdown_by_sms`` and ``host_cost``, each with its ``*_source`` in
+words. ``to_dict()`` writes each as the
 profile's JSON has it; ``from_dict()`` reads it back (fields a profile lacks take their
 defaults).
 """
@@ -127,13 +128,17 @@ def curve_from_dict(d: Mapping[str, Any]) -> Curve:
 @dataclass
 class Fitted:
     """The fields of a profile that a fit yields: what the resolver reads, and in words
-    where the slowdown came from."""
+    where the slowdown and the host cost came from."""
 
     curves: list[Curve] = field(default_factory=list)
     decisions: dict[str, Decision] = field(default_factory=dict)
     ceiling_gbps: dict[str, float] = field(default_factory=dict)
-    slowdown: dict[str, float] = field(default_factory=dict)
+    # per direction, [route, num_sms, fraction] rows (kvswap.Calibration.slowdown_by_sms)
+    slowdown_by_sms: dict[str, list[list[Any]]] = field(default_factory=dict)
     slowdown_source: str = "not measured"
+    # per direction and route, [a_us, b_us] (kvswap.Calibration.host_cost)
+    host_cost: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    host_cost_source: str = "not measured"
 
     def curves_of(self, direction: str) -> list[Curve]:
         return [c for c in self.curves if str(c.direction) == direction]
@@ -142,8 +147,11 @@ class Fitted:
         return {
             "curves": [curve_to_dict(c) for c in self.curves],
             "decisions": {d: dec.to_dict() for d, dec in self.decisions.items()},
-            "ceiling_gbps": dict(self.ceiling_gbps), "slowdown": dict(self.slowdown),
+            "ceiling_gbps": dict(self.ceiling_gbps),
+            "slowdown_by_sms": {d: [list(r) for r in rows] for d, rows in self.slowdown_by_sms.items()},
             "slowdown_source": self.slowdown_source,
+            "host_cost": {d: {r: list(v) for r, v in routes.items()} for d, routes in self.host_cost.items()},
+            "host_cost_source": self.host_cost_source,
         }
 
     @classmethod
@@ -152,6 +160,9 @@ class Fitted:
         return cls(
             curves=[curve_from_dict(c) for c in doc.get("curves", ())],
             decisions={d: Decision.from_dict(v) for d, v in doc.get("decisions", {}).items()},
-            ceiling_gbps=dict(doc.get("ceiling_gbps", {})), slowdown=dict(doc.get("slowdown", {})),
+            ceiling_gbps=dict(doc.get("ceiling_gbps", {})),
+            slowdown_by_sms={d: [list(r) for r in rows] for d, rows in doc.get("slowdown_by_sms", {}).items()},
             slowdown_source=doc.get("slowdown_source", "not measured"),
+            host_cost={d: dict(v) for d, v in doc.get("host_cost", {}).items()},
+            host_cost_source=doc.get("host_cost_source", "not measured"),
         )

@@ -35,13 +35,13 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 from kvswap import BindContext, Calibration, CopyImpl, Curve, DeviceInfo, Direction, Policy
 
 from kvswap import routing
 from .decisions import ClassRoute, Decision, Fitted, SizeRoute
-from .records import BATCH, CEILING, SIZE, Interference, Measurement
+from .records import BATCH, CEILING, SIZE, Measurement
 from .timing import standard_error
 
 KERNEL_MARGIN = routing.KERNEL_MARGIN
@@ -131,10 +131,14 @@ def best(options: Iterable[Option]) -> Option:
     return min(options, key=lambda o: routing.rank_key(o[3], o[1] == "kernel", o[0]))
 
 
-def resolver_routes(curves: list[Curve], direction: str, knee: Optional[int]) -> list[ClassRoute]:
+HostCost = dict[str, list[float]]  # one direction's [a_us, b_us] by route, as a profile's host_cost holds it
+
+
+def resolver_routes(curves: list[Curve], direction: str, knee: Optional[int],
+                    host_cost: Optional[HostCost] = None) -> list[ClassRoute]:
     """The route per block-size class that the resolver (:func:`kvswap.routing.routes`)
-    gives routes of these names under ``curves``, kernels bound at ``knee`` SMs; runs of
-    one route merged."""
+    gives routes of these names under ``curves`` and ``host_cost`` (the thread-time rule),
+    kernels bound at ``knee`` SMs; runs of one route merged."""
     mine = [c for c in curves if str(c.direction) == direction]
     if not mine:
         return []
@@ -147,8 +151,9 @@ def resolver_routes(curves: list[Curve], direction: str, knee: Optional[int]) ->
               if kind == "batch" or knee]
     if not usable:
         return []
+    held = [(names[impl], a, b) for impl, (a, b) in (host_cost or {}).items() if impl in names]
     cal = Calibration(source="fit", platform="*", curves=tuple(
-        Curve(names[c.impl], c.direction, c.points, c.num_sms) for c in mine))
+        Curve(names[c.impl], c.direction, c.points, c.num_sms) for c in mine), host_cost={direction: held})
     device = DeviceInfo(platform="*", name="fit", identity="fit", compute_units=knee or 1)
     out: list[ClassRoute] = []
     for r in routing.routes(usable, cal, d, Policy(), (), knee or 1, device):
@@ -314,8 +319,10 @@ def sms_by_batch(times: dict[int, dict[int, Timed]], floor: int = 1) -> list[lis
     return tiers
 
 
-def fit_direction(ms: list[Measurement], direction: str, tolerance: float = TOLERANCE) -> Decision:
-    """Everything decided for one direction from its measurements (see the module doc)."""
+def fit_direction(ms: list[Measurement], direction: str, tolerance: float = TOLERANCE,
+                  host_cost: Optional[HostCost] = None) -> Decision:
+    """Everything decided for one direction from its measurements (see the module doc);
+    the class routes under the thread-time rule where ``host_cost`` is given."""
     table = size_table(ms, direction)
     kernel = _kernel_by_sms(table)
     batch = _best_batch(table)
@@ -327,7 +334,7 @@ def fit_direction(ms: list[Measurement], direction: str, tolerance: float = TOLE
         knee = sm_knee(kernel, winning or sizes, tolerance)
         peak_sms = max(kernel, key=lambda k: (sum(kernel[k].get(b, 0.0) for b in winning or sizes), -k))
     by_size = choose_routes(table, knee)
-    routes = resolver_routes(curves(m for m in ms if m.direction == direction), direction, knee)
+    routes = resolver_routes(curves(m for m in ms if m.direction == direction), direction, knee, host_cost)
     uses_kernel = [r for r in by_size if r.kind == "kernel"]
     out = Decision(
         knee_tolerance=tolerance,
@@ -380,23 +387,6 @@ def ceilings(ms: Iterable[Measurement]) -> dict[str, float]:
     return out
 
 
-def slowdown(records: Iterable[Interference], decisions: dict[str, Decision]) -> dict[str, float]:
-    """Slowdown per impl, and per kind, as the resolver reads them: a kernel at the SM
-    count the resolver binds it with (the knee), a batch route as measured; the worse
-    direction counts (the resolver has one number per impl)."""
-    out: dict[str, float] = {}
-    for r in records:
-        if r.kind not in ("batch", "kernel"):
-            continue
-        dec = decisions.get(r.direction)
-        if r.kind == "kernel" and r.num_sms != (dec.kernel_sms if dec else None):
-            continue
-        v = min(max(r.slowdown, 0.0), 0.99)
-        for key in (r.impl, r.kind):
-            out[key] = round(max(v, out.get(key, 0.0)), 4)
-    return out
-
-
 def carried(prior: Calibration, direction: str) -> Decision:
     """What ``prior`` decided for ``direction``, for a run that did not measure it."""
     return Decision(
@@ -410,19 +400,26 @@ def carried(prior: Calibration, direction: str) -> Decision:
 
 def profile_fields(
     ms: list[Measurement],
-    records: list[Interference],
+    interference: list[dict[str, Any]],
     directions: Iterable[str],
     prior: Optional[Calibration] = None,
     tolerance: float = TOLERANCE,
+    host_cost: Optional[dict[str, HostCost]] = None,
 ) -> Fitted:
-    """``curves``, ``decisions``, ``ceiling_gbps`` and ``slowdown`` of a profile.
+    """``curves``, ``decisions``, ``ceiling_gbps``, ``slowdown_by_sms`` and ``host_cost``
+    of a profile.
 
-    Directions not measured in this run, and the slowdown when interference was not
-    measured, are carried over from ``prior`` (the calibration in force before), each
-    saying so, so a partial run never leaves a direction with nothing to rank by.
+    :param interference: records of :func:`kvswap.calibration.step_interference.measure`.
+    :param host_cost: a profile's ``host_cost`` (:func:`kvswap.calibration.host_cost.profile_field`).
+
+    Directions not measured in this run, and the slowdown and host cost where they were not
+    measured, are carried over from ``prior`` (the calibration in force before), each saying
+    so, so a partial run never leaves a direction with nothing to rank by.
     """
     measured = [str(Direction.parse(d)) for d in directions]
-    decisions = {d: fit_direction(ms, d, tolerance) for d in measured}
+    held = host_cost if host_cost else (
+        {d: {r: [a, b] for r, a, b in rows} for d, rows in prior.host_cost.items()} if prior else {})
+    decisions = {d: fit_direction(ms, d, tolerance, held.get(d)) for d in measured}
     out_curves = curves(ms)
     ceiling = ceilings(ms)
     if prior is not None:
@@ -434,10 +431,28 @@ def profile_fields(
             decisions[d] = carried(prior, d)
             if d in prior.ceiling_gbps:
                 ceiling[d] = prior.ceiling_gbps[d]
-    if records:
-        source, slow = "measured beside a reference GEMM in this run", slowdown(records, decisions)
+    from .step_interference import profile_rows  # the one measurement of compute slowdown
+
+    rows = profile_rows(interference)
+    if rows:
+        slow_source = SLOWDOWN_MEASURED
     else:
-        source = f"not measured (run with --interference); carried from {prior.source}" if prior else "not measured"
-        slow = dict(prior.slowdown) if prior else {}
-    return Fitted(curves=out_curves, decisions=decisions, ceiling_gbps=ceiling, slowdown=slow,
-                  slowdown_source=source)
+        rows = {d: [list(r) for r in v] for d, v in prior.slowdown_by_sms.items()} if prior else {}
+        slow_source = carried_from("--interference", prior if rows else None)
+    host_source = HOST_COST_MEASURED if host_cost else carried_from("host-cost", prior if held else None)
+    return Fitted(curves=out_curves, decisions=decisions, ceiling_gbps=ceiling, slowdown_by_sms=rows,
+                  slowdown_source=slow_source, host_cost=held, host_cost_source=host_source)
+
+
+SLOWDOWN_MEASURED = ("measured beside compute (bf16 GEMMs on an accelerator) started together with a BlockMover job, "
+                     "as an engine runs them")
+HOST_COST_MEASURED = ("measured: one call per route timed on the calling thread, the transfer stream kept busy, "
+                      "over per-layer tensors on both sides")
+
+
+def carried_from(what: str, prior: Optional[Calibration]) -> str:
+    """Where a field this run did not measure came from, in words."""
+    if prior is None:
+        return f"not measured (kvswap calibrate measures it: {what})"
+    return f"not measured in this run; carried from {prior.source}"
+

@@ -1,4 +1,4 @@
-"""What a calibration run records: timings, failures, interference. Plain data, JSON-ready."""
+"""What a calibration run records: timings and failures. Plain data, JSON-ready."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
@@ -76,33 +76,3 @@ class Failure:
         sms = f" on {self.num_sms} SMs" if self.num_sms else ""
         at = f" at {self.block_bytes} B blocks" if self.block_bytes else ""
         return f"{self.direction} {self.impl}{sms}{at}: {self.error}"
-
-
-@dataclass(frozen=True)
-class Interference:
-    """How much a reference GEMM stream slowed down while a route copied beside it.
-
-    ``slowdown`` is the fraction of GEMM throughput lost (0.2: 20% fewer FLOP/s);
-    ``covered`` is False when the copies ended before the GEMMs did (an underestimate).
-    ``copy_gbps_beside`` is the copies' rate over their whole run, which outlasts the GEMM
-    window, so it lies between the rate beside the GEMMs and the rate alone.
-    """
-
-    direction: str
-    impl: str
-    kind: str
-    num_sms: Optional[int]
-    block_bytes: int
-    batch: int
-    gemm_tflops_alone: float
-    gemm_tflops_beside: float
-    slowdown: float
-    copy_gbps_beside: float
-    covered: bool
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Interference:
-        return cls(**{f.name: d[f.name] for f in fields(cls)})

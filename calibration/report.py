@@ -8,7 +8,7 @@ from kvswap.plan import human_bytes
 from .bench import BAR_BEST, BAR_PEER
 from .bench_records import BenchResult
 from .decisions import Decision, Fitted
-from .records import SIZE, Failure, Interference, Measurement
+from .records import SIZE, Failure, Measurement
 
 
 def _gb(v: Optional[float]) -> str:
@@ -88,8 +88,9 @@ def size_table(fitted: Fitted, d: str, dec: Decision, measurements: Sequence[Mea
 
 
 def calibration_report(fitted: Fitted, measurements: Sequence[Measurement] = (),
-                       interference: Sequence[Interference] = (), failures: Sequence[Failure] = ()) -> str:
-    """Per direction, GB/s by block size for each route, then the decisions."""
+                       interference: Sequence[dict] = (), failures: Sequence[Failure] = ()) -> str:
+    """Per direction, GB/s by block size for each route, then the decisions, the compute
+    slowdown beside each route and each route's host cost per call."""
     out = []
     for d, dec in fitted.decisions.items():
         if dec.carried_from is not None or not fitted.curves_of(d):
@@ -100,16 +101,8 @@ def calibration_report(fitted: Fitted, measurements: Sequence[Measurement] = (),
     out.append("decisions:")
     for d, dec in fitted.decisions.items():
         out += ["  " + line for line in describe_decision(d, dec)]
-    by_dir: dict[str, list[str]] = {}
-    for r in interference:
-        label = r.impl + (f"@{r.num_sms}" if r.num_sms else "")
-        by_dir.setdefault(r.direction, []).append(f"{label} {r.slowdown:.0%}" + ("" if r.covered else " (partial)"))
-    for d, items in by_dir.items():
-        out.append(f"  {d}: GEMM slowdown beside each route ({interference[0].block_bytes // 1024} KiB "
-                   f"blocks): {', '.join(items)}")
-    if fitted.slowdown:
-        pairs = ", ".join(f"{k} {v:.0%}" for k, v in sorted(fitted.slowdown.items()))
-        out.append(f"  compute slowdown beside a GEMM: {pairs} ({fitted.slowdown_source})")
+    out += ["  " + line for line in slowdown_lines(fitted, interference)]
+    out += ["  " + line for line in host_cost_lines(fitted)]
     grouped: dict[tuple[str, str, str], list[int]] = {}
     for f in failures:  # one line per route and cause, however many SM counts
         grouped.setdefault((f.direction, f.impl, f.error), []).extend([f.num_sms] if f.num_sms else [])
@@ -182,3 +175,26 @@ def bench_report(result: BenchResult) -> str:
                        "the run's noise floor")
         out.append("")
     return "\n".join(out)
+
+
+def slowdown_lines(fitted: Fitted, interference: Sequence[dict] = ()) -> list[str]:
+    """The compute slowdown per direction, route and SM count, and where it came from."""
+    out = []
+    for d, rows in fitted.slowdown_by_sms.items():
+        items = ", ".join(f"{r}{f'@{n}' if n else ''} {v:.0%}" for r, n, v in rows if "." in r)
+        out.append(f"{d}: compute slowdown beside each route: {items or '-'}")
+    partial = [r for r in interference if r.get("covered") is False]
+    if partial:
+        out.append(f"({len(partial)} of them from jobs that ended before the compute did: an underestimate)")
+    for r in interference:
+        if r.get("error"):
+            out.append(f"interference not measured for {r['direction']} {r['route']}@{r['num_sms']}: {r['error']}")
+    out.append(f"compute slowdown: {fitted.slowdown_source}")
+    return out
+
+
+def host_cost_lines(fitted: Fitted, at: Sequence[int] = (2048, 32768)) -> list[str]:
+    """Each route's host cost per call, and where it came from."""
+    from .host_cost import describe
+
+    return describe(fitted.host_cost, at) + [f"host cost per call: {fitted.host_cost_source}"]

@@ -8,9 +8,11 @@ copies were timed, on a machine without an accelerator: not a device calibration
 ``settings``, ``directions``, ``failures``, ``notes``, and the fitted fields
 (:class:`~.decisions.Fitted`): ``curves``, ``decisions`` (per direction: routes,
 ``kernel_sms``, ``kernel_min_batch``, ``min_batch_by_size``, ``kernel_sms_by_batch``,
-crossover), ``ceiling_gbps``, ``slowdown`` and ``slowdown_source``.
+crossover), ``ceiling_gbps``, ``slowdown_by_sms``, ``host_cost``, and each of the last two's
+``*_source`` in words.
 
-The raw rows a profile was fitted from (every timing, every interference record) are kept
+The raw rows a profile was fitted from (every timing, every interference and host-cost
+record) are kept
 apart, in an optional ``<profile stem>.measurements.json`` beside it (:func:`split`), so a
 profile holds what the resolver reads and stays small; the profiles shipped with kvswap come
 without theirs (``kvswap calibrate --strip``).
@@ -28,7 +30,7 @@ from typing import Any, Optional
 from kvswap import Curve, DeviceInfo, profiles
 
 from .decisions import Fitted, curve_to_dict
-from .records import Interference, Measurement
+from .records import Measurement
 
 
 def _plain(value: Any) -> Any:
@@ -65,10 +67,10 @@ def make_document(device: DeviceInfo, fitted: Optional[Fitted] = None, **fields:
 
 
 # A profile holds what the resolver reads and how it was measured, in words; the raw rows
-# it was fitted from (every timing, every interference record) go to a file of their own
-# beside it, which is optional and never shipped: ``<profile stem>.measurements.json``.
+# it was fitted from (every timing, every interference and host-cost record) go to a file of
+# their own beside it, which is optional and never shipped: ``<profile stem>.measurements.json``.
 MEASUREMENTS_SCHEMA = "kvswap.measurements/1"
-RAW_FIELDS = ("measurements", "interference")
+RAW_FIELDS = ("measurements", "interference", "host_cost_records")
 
 
 def measurements_path(profile: Path) -> Path:
@@ -85,8 +87,8 @@ def split(doc: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     return profile, raw
 
 
-def read_measurements(path: Path) -> tuple[list[Measurement], list[Interference]]:
-    """The raw rows of a measurements file (:func:`split`)."""
+def read_measurements(path: Path) -> tuple[list[Measurement], list[dict[str, Any]]]:
+    """The timings and the interference records of a measurements file (:func:`split`)."""
     try:
         doc = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
@@ -95,7 +97,7 @@ def read_measurements(path: Path) -> tuple[list[Measurement], list[Interference]
         raise profiles.ProfileError(f"is not a {MEASUREMENTS_SCHEMA} file")
     try:
         return ([Measurement.from_dict(m) for m in doc.get("measurements", [])],
-                [Interference.from_dict(r) for r in doc.get("interference", [])])
+                [dict(r) for r in doc.get("interference", [])])
     except (KeyError, TypeError) as e:
         raise profiles.ProfileError(f"{type(e).__name__}: {e}") from e
 

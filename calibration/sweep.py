@@ -5,8 +5,7 @@ a large batch (kernels at several SM counts); then, at the block sizes where the
 wins at its SM knee, and at those where the batch route wins, the kernel at the knee and at
 a few multiples of it (``tier_sms``) against the best batch route over batch sizes (the
 minimum batch and the SM tiers by batch size; where the batch route wins, the batch sizes
-the kernel still takes); optionally the compute slowdown each route causes beside a GEMM;
-last, the ceiling again, with a note where it moved (:meth:`Sweep.steady`). Routes are bound
+the kernel still takes); last, the ceiling again, with a note where it moved (:meth:`Sweep.steady`). Routes are bound
 through ``kvswap.resolve(..., policy=Policy(force=name))`` exactly as an engine gets them,
 given a calibration that binds kernels at exactly the SM count being measured
 (:mod:`.binding`). A route that raises or copies the wrong bytes is recorded as a failure
@@ -24,9 +23,8 @@ from kvswap.plugins import PluginHost, plugin_host
 
 from . import fit
 from .binding import Bound, Failures, bound_at
-from .interference import measure_interference
 from .progress import Progress
-from .records import BATCH, CEILING, SIZE, Failure, Interference, Measurement
+from .records import BATCH, CEILING, SIZE, Failure, Measurement
 from .timing import HostTimer, in_passes, make_timer, median, on_host, per_pass, pooled, round_ratios, rounds_for, spread
 from .workload import Batch, Pools
 
@@ -76,8 +74,6 @@ class Settings:
     # some of a size's routes and not the others can set them 10-40% off, enough to move the
     # knee where it sits near the edge of its tolerance.
     size_passes: int = 1
-    interference: bool = False
-    interference_all_sms: bool = False
     knee_tolerance: float = fit.TOLERANCE
     seed: int = 0
 
@@ -125,7 +121,7 @@ def _sm_counts(base: Sequence[int], device: DeviceInfo, max_sms: Optional[int]) 
 
 
 def settings_for(device: DeviceInfo, quick: bool = False, max_sms: Optional[int] = None,
-                 interference: bool = False, knee_tolerance: float = fit.TOLERANCE) -> Settings:
+                 knee_tolerance: float = fit.TOLERANCE) -> Settings:
     """Defaults: ``quick`` about a minute on a GPU, the full grid under ten; on a CPU-only
     machine small pools and batches, since the host reference copies one block at a time."""
     if on_host(device):
@@ -141,7 +137,6 @@ def settings_for(device: DeviceInfo, quick: bool = False, max_sms: Optional[int]
             ceiling_bytes=(8 if quick else 32) * MiB,
             repeats=3 if quick else 5,
             warmup=1,
-            interference=interference,
             knee_tolerance=knee_tolerance,
         )
     return Settings(
@@ -167,8 +162,6 @@ def settings_for(device: DeviceInfo, quick: bool = False, max_sms: Optional[int]
         ceiling_bytes=(128 if quick else 512) * MiB,
         repeats=5 if quick else 10,
         warmup=2 if quick else 3,
-        interference=interference,
-        interference_all_sms=not quick,
         knee_tolerance=knee_tolerance,
     )
 
@@ -181,7 +174,6 @@ class SweepResult:
     timer: str
     measurements: list[Measurement] = field(default_factory=list)
     failures: list[Failure] = field(default_factory=list)
-    interference: list[Interference] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -393,24 +385,9 @@ class Sweep:
         contenders_at = {(b, n): contenders for b, contenders, ns in plan for n in ns}
         self.sweep_points(BATCH, direction, contenders_at, passes, repeats, seconds, most)
 
-    def interference(self, direction: Direction, bounds: list[Bound]) -> None:
-        """The compute slowdown beside each route (:mod:`.interference`): the kernel at its
-        knee, or at every SM count measured with ``interference_all_sms``."""
-        decision = fit.fit_direction(self.result.measurements, str(direction), self.settings.knee_tolerance)
-        chosen = [
-            b for b in bounds
-            if not self.failures.retired(direction, b)
-            and (b.kind != "kernel" or self.settings.interference_all_sms or b.num_sms == decision.kernel_sms)
-        ]
-        self.result.interference.extend(measure_interference(
-            self.pools, self.timer, direction, chosen, max_batch=self.settings.max_batch, seed=self.settings.seed,
-            failures=self.failures, progress=self.progress))
-
     # -- the whole run -------------------------------------------------------------------
     def run(self) -> SweepResult:
         s = self.settings
-        if s.interference and on_host(self.dev):
-            self.result.notes.append("interference not measured: it needs a GPU to run the reference GEMM on")
         bounds = self.bounds
         self.progress.add(sum(1 + (1 + len(s.block_sizes) * max(1, s.size_passes)) * bool(bounds[d]) for d in self.directions))
         for d in self.directions:
@@ -420,8 +397,6 @@ class Sweep:
                 continue
             self.size_sweep(d, bounds[d])
             self.batch_sweep(d, bounds[d])
-            if s.interference and not on_host(self.dev):
-                self.interference(d, bounds[d])
             self.steady(d, start, self.ceiling(d))
             self.progress.step(f"{d} ceiling again")
         return self.result

@@ -14,6 +14,7 @@ sees it when it calls that route step after step, whatever else is being compare
 """
 from __future__ import annotations
 
+import gc
 import math
 import random
 import statistics
@@ -147,6 +148,32 @@ def schedule(count: int, repeats: int, rng: random.Random) -> list[tuple[int, bo
         for i in order.next():
             out += [(i, False)] * SETTLE + [(i, True)] * min(KEEP, repeats - done)
     return out
+
+
+def held_us(call: Callable[[], Any], stream: Any = None, busy_cycles: int = 0,
+            clock: Optional[Callable[[], int]] = None) -> float:
+    """Microseconds ``call()`` holds the calling thread (``time.perf_counter_ns``, or
+    ``clock``), garbage collection off. With a torch ``stream``, a sleep kernel of
+    ``busy_cycles`` is queued on it first, so the stream is still busy when the call returns
+    and only host work counts; the stream is waited for after the timing."""
+    if stream is not None:
+        import torch
+
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(int(busy_cycles))
+    clock = clock or time.perf_counter_ns
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        t0 = clock()
+        call()
+        t1 = clock()
+    finally:
+        if was:
+            gc.enable()
+    if stream is not None:
+        stream.synchronize()
+    return (t1 - t0) / 1e3
 
 
 def on_host(device: DeviceInfo) -> bool:

@@ -13,7 +13,9 @@ from kvswap.calibration.bench import BenchSettings, peer_route, run_bench
 from kvswap.calibration.bench_records import BenchResult, BenchRow, CandidateTiming, PeerTiming, ResolvedTiming
 from kvswap.cli import main
 
-from calibration_fakes import KiB, Ledger, LedgerTimer, ModelPlatform, ModeTimer, batch_gbps, kernel_gbps
+from calibration_fakes import (
+    KiB, Ledger, LedgerTimer, ModelPlatform, ModeTimer, batch_gbps, kernel_gbps, modelled_host_cost,
+)
 
 MiB = 1 << 20
 
@@ -36,6 +38,7 @@ def peer_named_device(monkeypatch):
     plugins.reset_plugin_host(plugins.create_plugin_host(entry_points=[], extra=[("model", plat)]))
     monkeypatch.setattr(sweep_module, "make_timer", lambda device: LedgerTimer(ledger))
     monkeypatch.setattr(bench_module, "make_timer", lambda device: LedgerTimer(ledger))
+    modelled_host_cost(monkeypatch)
     return plat
 
 
@@ -96,6 +99,7 @@ def test_batch_tiers_from_calibration_beat_the_knee_and_the_peer_at_medium_batch
     plugins.reset_plugin_host(plugins.create_plugin_host(entry_points=[], extra=[("model", plat)]))
     monkeypatch.setattr(sweep_module, "make_timer", lambda device: LedgerTimer(ledger))
     monkeypatch.setattr(bench_module, "make_timer", lambda device: LedgerTimer(ledger))
+    modelled_host_cost(monkeypatch)
     profile = tmp_path / "p.json"
     assert main(["calibrate", "--quick", "--device", "modelplat:0", "--out", str(profile)]) == 0
     monkeypatch.setenv("KVSWAP_PROFILE", str(profile))

@@ -15,7 +15,7 @@ from kvswap.calibration import sweep as sweep_module
 from kvswap.cli import main
 from kvswap.platform import cpu_device
 
-from calibration_fakes import Ledger, LedgerTimer, ModelPlatform
+from calibration_fakes import Ledger, LedgerTimer, ModelPlatform, modelled_host_cost
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -85,6 +85,7 @@ def test_calibrate_a_device_with_a_kernel_route_then_explain(capsys, monkeypatch
     monkeypatch.delenv("KVSWAP_DISABLE_PLUGINS")  # a host of the model platform alone: nothing to disable
     plugins.reset_plugin_host(plugins.create_plugin_host(entry_points=[], extra=[("model", ModelPlatform(ledger))]))
     monkeypatch.setattr(sweep_module, "make_timer", lambda device: LedgerTimer(ledger))
+    modelled_host_cost(monkeypatch)
     assert main(["calibrate", "--quick", "--device", "modelplat:0"]) == 0
     out = capsys.readouterr().out
     assert "model.kernel@8" in out and "SM knee: 8 SMs" in out and "kernel only for batches of at least" in out

@@ -10,9 +10,9 @@ import kvswap
 from kvswap import Calibration, Curve, DeviceInfo, InvalidImplError
 from kvswap import profiles
 from kvswap.calibration import fit, store
-from kvswap.calibration.decisions import ClassRoute, Decision
+from kvswap.calibration.decisions import ClassRoute
 from kvswap.plugins import create_plugin_host
-from kvswap.calibration.records import BATCH, CEILING, SIZE, Interference, Measurement
+from kvswap.calibration.records import BATCH, CEILING, SIZE, Measurement
 from kvswap.thresholds import FALLBACK
 
 from calibration_fakes import Ledger, ModelPlatform
@@ -220,19 +220,40 @@ def test_batch_points_pair_the_fastest_kernel_and_batch_per_point():
     assert tk == pytest.approx(4096 * 16 / 10e9) and tb == pytest.approx(4096 * 16 / 20e9)
 
 
-def test_slowdown_takes_the_kernel_at_its_knee_and_the_worse_direction():
-    def rec(d, impl, kind, sms, s):
-        return Interference(d, impl, kind, sms, 16 * KiB, 10000, 700.0, 700.0 * (1 - s), s, 10.0, True)
-
+def test_slowdown_rows_come_from_the_step_interference_records_only():
     records = [
-        rec("h2d", "x.kernel", "kernel", 4, 0.18), rec("h2d", "x.kernel", "kernel", 8, 0.30),
-        rec("d2h", "x.kernel", "kernel", 8, 0.40), rec("d2h", "x.kernel", "kernel", 16, 0.60),
-        rec("h2d", "x.batch", "batch", None, 0.16), rec("d2h", "x.batch", "batch", None, -0.01),
-        rec("h2d", "contiguous", "ceiling", None, 0.08), rec("h2d", "y.batch", "batch", None, 1.5),
+        {"direction": "h2d", "route": "x.kernel", "kind": "kernel", "num_sms": 4, "slowdown": 0.18},
+        {"direction": "h2d", "route": "x.kernel", "kind": "kernel", "num_sms": 8, "slowdown": 0.30},
+        {"direction": "d2h", "route": "x.batch", "kind": "batch", "num_sms": 0, "slowdown": 0.01},
+        {"direction": "d2h", "route": "x.kernel", "kind": "kernel", "num_sms": 8, "error": "RuntimeError: x"},
     ]
-    decisions = {"h2d": Decision(kernel_sms=8), "d2h": Decision(kernel_sms=8)}
-    assert fit.slowdown(records, decisions) == {"x.kernel": 0.4, "kernel": 0.4, "x.batch": 0.16, "batch": 0.99,
-                                                "y.batch": 0.99}
+    fields = fit.profile_fields(synthetic_run(), records, ["h2d", "d2h"], prior=FALLBACK)
+    assert fields.slowdown_by_sms == {
+        "h2d": [["kernel", 4, 0.18], ["kernel", 8, 0.30], ["x.kernel", 4, 0.18], ["x.kernel", 8, 0.30]],
+        "d2h": [["batch", 0, 0.01], ["x.batch", 0, 0.01]]}
+    assert fields.slowdown_source == fit.SLOWDOWN_MEASURED
+    assert "slowdown" not in fields.to_dict()  # one measurement of the slowdown, one field
+
+
+def test_host_cost_is_stored_and_decides_the_class_routes():
+    ms = synthetic_run()
+    plain = fit.profile_fields(ms, [], ["h2d", "d2h"])
+    at_4k = [r for r in plain.decisions["h2d"].routes if r.min_bytes <= 4 * KiB and (r.max_bytes or 1 << 40) >= 4 * KiB]
+    assert at_4k[0].impl == "x.kernel"
+    # The kernel's call holds the thread 1 ms + 1 us a descriptor: longer than the batch
+    # route's whole transfer at 4 KiB (4096 B / 4 GB/s = 1 us a descriptor, less than 2 us).
+    held = {"h2d": {"x.kernel": [1000.0, 2.0], "x.batch": [10.0, 0.1]}}
+    fields = fit.profile_fields(ms, [], ["h2d", "d2h"], host_cost=held)
+    assert fields.host_cost == held and fields.host_cost_source == fit.HOST_COST_MEASURED
+    def at(routes, b):
+        return next(r.impl for r in routes if r.min_bytes <= b and (r.max_bytes is None or b <= r.max_bytes))
+
+    assert at(fields.decisions["h2d"].routes, 4 * KiB) == "x.batch"
+    # At 16 KiB the batch route takes 16384 B / 6 GB/s = 2.7 us a descriptor: more than 2.
+    assert at(fields.decisions["h2d"].routes, 16 * KiB) == "x.kernel"
+    assert at(fields.decisions["d2h"].routes, 4 * KiB) == "x.kernel"  # no host cost there: unchanged
+    doc = store.make_document(DEVICE, fields)
+    assert doc["host_cost"] == held
 
 
 def synthetic_run() -> list[Measurement]:
@@ -275,7 +296,8 @@ def test_a_partial_run_carries_the_other_direction_over():
     assert fields.decisions["d2h"].kernel_sms == FALLBACK.kernel_sms["d2h"]
     d2h = fields.curves_of("d2h")
     assert {c.impl for c in d2h} == {c.impl for c in FALLBACK.curves if str(c.direction) == "d2h"}
-    assert fields.slowdown == dict(FALLBACK.slowdown) and "not measured" in fields.slowdown_source
+    assert fields.slowdown_by_sms == {} and "not measured" in fields.slowdown_source
+    assert fields.host_cost == {} and "not measured" in fields.host_cost_source
     assert fields.decisions["h2d"].carried_from is None
     assert "carried_from" not in fields.to_dict()["decisions"]["h2d"]
     assert fields.to_dict()["decisions"]["d2h"]["carried_from"] == FALLBACK.source

@@ -100,25 +100,26 @@ def test_strip_moves_measurements_and_interference_beside_the_profile_and_keeps_
     from test_calibration_fit import DEVICE, synthetic_run
 
     from kvswap.calibration import fit
-    from kvswap.calibration.records import Interference
 
     ms = synthetic_run()
-    inter = [Interference("h2d", "x.kernel", "kernel", 8, 16 * KiB, 100, 700.0, 600.0, 0.14, 20.0, True)]
+    inter = [{"direction": "h2d", "route": "x.kernel", "kind": "kernel", "num_sms": 8, "slowdown": 0.14}]
+    held = [{"direction": "h2d", "route": "x.kernel", "descriptors": 64, "held_us": 40.0}]
     doc = store.make_document(DEVICE, fit.profile_fields(ms, inter, ["h2d", "d2h"]), measurements=ms,
-                              interference=inter, notes=["a note"], failures=[])
+                              interference=inter, host_cost_records=held, notes=["a note"], failures=[])
     path = tmp_path / "p.json"
     path.write_text(store.dumps(doc))  # a whole profile, as kvswap calibrate wrote them before
     before = profiles.load(path)
     assert main(["calibrate", "--strip", str(path)]) == 0
     assert "raw measurements moved to" in capsys.readouterr().out
     slim = json.loads(path.read_text())
-    assert set(doc) - set(slim) == {"measurements", "interference"}
+    assert set(doc) - set(slim) == {"measurements", "interference", "host_cost_records"}
     assert {k: v for k, v in doc.items() if k in slim} == slim
     after = profiles.load(path)
     assert (after.curves, after.kernel_sms, after.kernel_min_batch, after.min_batch_by_size,
-            after.kernel_sms_by_batch, after.slowdown, after.ceiling_gbps) == (
+            after.kernel_sms_by_batch, after.slowdown_by_sms, after.ceiling_gbps) == (
         before.curves, before.kernel_sms, before.kernel_min_batch, before.min_batch_by_size,
-        before.kernel_sms_by_batch, before.slowdown, before.ceiling_gbps)
+        before.kernel_sms_by_batch, before.slowdown_by_sms, before.ceiling_gbps)
+    assert after.slowdown_by_sms["h2d"] == (("kernel", 8, 0.14), ("x.kernel", 8, 0.14))
     got_ms, got_inter = store.read_measurements(store.measurements_path(path))
     assert got_ms == ms and got_inter == inter
     assert main(["calibrate", "--strip", str(path)]) == 0  # again: nothing left to move

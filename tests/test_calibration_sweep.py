@@ -153,7 +153,7 @@ def test_sweep_on_the_cpu_measures_real_copies_of_every_available_route():
     (TRITON_INTERPRET=1, as in this suite): real copies, checked, timed by the wall clock."""
     usable = {c.name: c.kind for c in kvswap.resolve("h2d").plan.candidates if c.available}
     s = tiny(block_sizes=(4 * KiB, 64 * KiB), sm_counts=(1, 2), size_sweep_bytes=MiB // 2, max_batch=8,
-             pool_bytes=4 * MiB, repeats=1, warmup=0, interference=True)
+             pool_bytes=4 * MiB, repeats=1, warmup=0)
     result = Sweep("cpu", s, ["h2d", "d2h"]).run()
     assert result.host_only and result.failures == []
     got = {(m.direction, m.stage, m.impl, m.num_sms, m.block_bytes) for m in result.measurements if m.stage != BATCH}
@@ -163,8 +163,6 @@ def test_sweep_on_the_cpu_measures_real_copies_of_every_available_route():
             want |= {(d, SIZE, name, sms, b) for d in ("h2d", "d2h") for b in (4 * KiB, 64 * KiB)}
     assert got == want
     assert all(m.seconds > 0 and m.gbps > 0 for m in result.measurements)
-    assert any("interference not measured" in n and "GPU" in n for n in result.notes)
-    assert result.interference == []
 
 
 def test_default_settings():

@@ -21,13 +21,11 @@ route and count (the first call), so a fast wrong answer cannot pass.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import platform
 import statistics
 import sys
-import time
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -42,17 +40,9 @@ def budget_us(descriptors: int) -> float:
 
 
 def held_us(stream: Any, fn: Callable[[], Any], spin: int = 50_000_000) -> float:
-    import torch
+    from kvswap.calibration.timing import held_us as timed
 
-    with torch.cuda.stream(stream):
-        torch.cuda._sleep(spin)  # keeps the stream busy past the call
-    gc.disable()
-    t0 = time.perf_counter_ns()
-    fn()
-    t1 = time.perf_counter_ns()
-    gc.enable()
-    stream.synchronize()
-    return (t1 - t0) / 1e3
+    return timed(fn, stream, spin)  # what calibration times a route's host cost with
 
 
 def resolve_for(route: str, direction: str, device: str, block_bytes: Any) -> Any:

@@ -9,8 +9,6 @@ set -euo pipefail
 OUT=${OUT:-step-results}
 PY=${PYTHON:-python3}
 REPS=${REPS:-5}
-# The tables in docs/benchmarks.md were measured with the CUDA issuer thread on.
-export KVSWAP_CUDA_ISSUER=${KVSWAP_CUDA_ISSUER:-on}
 mkdir -p "$OUT"
 DEV=$($PY -c "import re, torch; m = re.search(r'[A-Z]+\d{2,4}', torch.cuda.get_device_name()); print(m.group(0).lower() if m else 'gpu')" 2>/dev/null || echo gpu)
 

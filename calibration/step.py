@@ -216,6 +216,7 @@ def one_step(env: Any, pools: StepPools, mover: BlockMover, direction: Direction
         h0 = time.perf_counter()
         job = env.submit(mover, sid, did, None if direction.src_is_host else written)
         h1 = time.perf_counter()
+        mover.wait_issued(job)  # the job's copy is on the transfer stream before t1 is
         t1 = env.mark(mover.stream)
         env.sync()
     result = _result(mover, job)

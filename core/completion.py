@@ -3,6 +3,10 @@
 A mover enqueues every job on one transfer stream, so jobs complete in submission order
 and a job is complete once the marker recorded after it is. The host flavour is what a
 CPU-only machine gets: the copy has finished when the copy function returns.
+
+Markers may be recorded from a mover's issuing thread (the end marker) while the engine's
+thread records start markers and recycles finished ones: the free list is only popped
+and extended, each atomic under the GIL.
 """
 from __future__ import annotations
 
@@ -61,6 +65,9 @@ class HostCompletion:
     def device_guard(self) -> ContextManager[Any]:
         return contextlib.nullcontext()
 
+    def bind_thread(self) -> None:
+        """Nothing to bind: host copies need no device context."""
+
     def mark(self) -> Any:
         return time.perf_counter()
 
@@ -94,6 +101,7 @@ class CudaCompletion:
         self.index = device_index
         self.stream = torch.cuda.Stream(device=device_index) if stream is None else torch_stream(stream, device_index)
         self._events: list[Any] = []
+        self._order_event: Any = None
 
     def order_after_compute(self) -> None:
         """Make the transfer stream wait for the work queued so far on the current stream,
@@ -101,7 +109,19 @@ class CudaCompletion:
         host-to-device copy overwrites."""
         current = self._torch.cuda.current_stream(self.index)
         if current.cuda_stream != self.stream.cuda_stream:
-            self.stream.wait_stream(current)
+            self._wait_stream(current)
+
+    def _wait_stream(self, other: Any) -> None:
+        # One event, recorded again each time: a stream wait captures the record made
+        # before it (CUDA's cudaStreamWaitEvent), so reuse is safe and saves creating one.
+        if getattr(other, "device_index", self.index) != self.index:
+            self.stream.wait_stream(other)  # another device's stream: an event of its own
+            return
+        ev = self._order_event
+        if ev is None:
+            ev = self._order_event = self._torch.cuda.Event()
+        ev.record(other)
+        self.stream.wait_event(ev)
 
     def check_after(self, after: Any) -> None:
         """Refuse an ``after`` that is no stream, event, None or the default."""
@@ -116,7 +136,7 @@ class CudaCompletion:
             self.order_after_compute()
         elif kind == "stream":
             if after.cuda_stream != self.stream.cuda_stream:
-                self.stream.wait_stream(after)
+                self._wait_stream(after)
         elif kind == "event":
             self.stream.wait_event(after)
 
@@ -125,8 +145,18 @@ class CudaCompletion:
         current device, whatever stream they are given)."""
         return self._torch.cuda.device(self.index)
 
+    def bind_thread(self) -> None:
+        """Make the device's primary context current on the calling thread (a mover's
+        issuing thread, before its first job): driver-API launches on a thread that made no
+        runtime call yet find no context. A runtime call on the transfer stream binds it."""
+        with self.device_guard():
+            self._torch.cuda.Event().record(self.stream)
+
     def mark(self) -> Any:
-        ev = self._events.pop() if self._events else self._torch.cuda.Event(enable_timing=True)
+        try:
+            ev = self._events.pop()
+        except IndexError:
+            ev = self._torch.cuda.Event(enable_timing=True)
         ev.record(self.stream)
         return ev
 

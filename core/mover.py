@@ -5,95 +5,37 @@ where every block lives, resolves the copy route once, and then per step turns l
 block ids into descriptors (one numpy broadcast over all layers, chunks and ids, into a
 pooled pinned buffer), coalesces contiguous runs, and enqueues the copy on its own
 transfer stream after what the engine says the copy waits for (by default, the work
-already queued on the current stream).
+already queued on the current stream). On a device, the work that grows with layers x
+blocks and the copy route's call run on the mover's issuing thread (:mod:`kvswap.issuing`).
 """
 from __future__ import annotations
 
 import warnings
-from bisect import bisect_right
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
 from . import deferred, numa
 from .completion import CURRENT_STREAM, CudaCompletion, HostCompletion
-from .descriptors import coalesce, first_overlap
-from .errors import ConfigurationError, InvalidTransferError
-from .errors import BlockIdError, BlockLayoutError, MoverClosedError
-from .pinned_pool import DescriptorBuffer, DescriptorPool
+from .errors import ConfigurationError, InvalidTransferError, MoverClosedError
+from .issuing import IssuingThread
+from .pinned_pool import DescriptorPool
+from .mover_descriptors import JobDescriptors, by_ids_steps, enqueue
+from .mover_jobs import Job, complete, issue_with, result, wait_from_worker
 from .mover_inputs import (
-    Tensors, checked_pair, device_side, groups_share_destinations, pinned_routes, refuse_pageable,
-    tensor_list,
+    checked_groups, checked_pair, device_side, group_specs, group_templates, groups_share_destinations,
+    paired_sides, stager_for,
 )
-from .regions import BlockDim, DescriptorTemplate, pair_regions
+from .mover_types import GroupLayout, KVGroup, Tensors, TransferResult
+from .regions import BlockDim, DescriptorTemplate
 from .resolver import resolve
-from .staging import PageableMemoryWarning, Staged, Stager, storage_spans
+from .staging import Stager
 from .swapfn import SwapFn
 from .thresholds import Calibration
 from .types import Direction, DirectionLike, Policy
 
-
-
-@dataclass(frozen=True)
-class TransferResult:
-    """One finished job.
-
-    :ivar bytes: bytes the job moved (block ids x bytes per block over all tensors).
-    :ivar seconds: time on the transfer stream between the job's start and end events
-        (on a host-only mover: wall time of the synchronous copy).
-    :ivar descriptors: descriptors after coalescing, as the copy route received them.
-    :ivar error: why the copy call raised, when ``ok`` is False.
-    """
-
-    job_id: int
-    ok: bool
-    bytes: int
-    seconds: float
-    descriptors: int
-    error: Optional[str] = None
-
-
-@dataclass(frozen=True)
-class KVGroup:
-    """One KV group of a :meth:`BlockMover.groups` mover: its tensors and block dims.
-
-    Arguments as :class:`BlockMover`'s ``src_tensors``, ``dst_tensors`` and ``block_dim``.
-    Each group has its own block ids (its own block pool, block size and layout).
-    """
-
-    src_tensors: Tensors
-    dst_tensors: Tensors
-    block_dim: BlockDim = 0
-
-
-@dataclass(frozen=True)
-class GroupLayout:
-    """What one block id moves in one KV group.
-
-    :ivar factor: k where one side's blocks are k of the other side's (ids count the
-        smaller block), else 1.
-    """
-
-    block_bytes: int
-    chunks_per_block: int
-    num_src_blocks: int
-    num_dst_blocks: int
-    factor: int
-
-
-@dataclass(eq=False)
-class _Job:
-    job_id: int
-    buffer: DescriptorBuffer
-    nbytes: int
-    descriptors: int
-    start: Any
-    end: Any
-    error: Optional[str] = None
-    staged: Optional[Staged] = None
-    issued: list = field(default_factory=list)  # work left to other threads (kvswap.deferred)
+__all__ = ["BlockMover", "GroupLayout", "KVGroup", "TransferResult"]
 
 
 class BlockMover:
@@ -119,6 +61,10 @@ class BlockMover:
         work no longer grows with layers x blocks. Against the descriptor kernel it copied
         faster on an H200 and more slowly on an H100 on per-layer layouts
         (``tests/bench/bench_by_ids.py``), so it is off unless asked for.
+    :param issuing_thread: whether jobs are built and issued on the mover's own thread
+        (below). None (the default): on a device, yes; between host tensors, no (the copy
+        runs in ``submit``). True on a mover between host tensors copies on the thread.
+        False keeps everything on the caller's thread.
     :param calibration: passed to :func:`kvswap.resolve`: decide by this calibration
         instead of looking one up.
     :param profiles: passed to :func:`kvswap.resolve`: False skips measured profiles.
@@ -145,6 +91,21 @@ class BlockMover:
     groups, each with its own tensors and block ids; one ``submit`` moves blocks of every
     group in one transfer with one completion.
 
+    **What holds the engine's thread.** On a device, ``submit`` checks the ids (work that
+    grows with the blocks, not the layers), makes the transfer stream wait for ``after``,
+    records the job's start event on it, and hands the job to the mover's issuing thread.
+    That thread, one per mover, takes jobs in submission order: it builds the descriptors
+    (layers x blocks), calls the copy route (a kernel launch or a driver batch call) with
+    the mover's device current, and records the job's end event, also after a failed call.
+    A job is complete once it was issued and its end event has completed; its
+    ``seconds`` run from the start event, so they include the thread's preparation. An
+    error on the thread fails that job (:meth:`poll` reports it) and the next jobs still
+    run. The thread's Python and numpy work competes with the engine's thread for the
+    GIL; ctypes driver calls and numpy's larger loops release it. Movers whose groups share
+    destination tensors (the check across groups needs the built descriptors before
+    anything is enqueued) and movers that stage pageable memory issue on the caller's
+    thread.
+
     Not thread-safe: one engine thread submits and polls.
     """
 
@@ -160,10 +121,11 @@ class BlockMover:
         calibration: Optional[Calibration] = None,
         profiles: bool = True,
         device_descriptors: bool = False,
+        issuing_thread: Optional[bool] = None,
     ) -> None:
         self._device_descriptors = bool(device_descriptors)
         self._setup([KVGroup(src_tensors, dst_tensors, block_dim)], False, direction, policy, stream,
-                    dict(calibration=calibration, profiles=profiles))
+                    dict(calibration=calibration, profiles=profiles), issuing_thread)
 
     @classmethod
     def groups(
@@ -175,12 +137,14 @@ class BlockMover:
         stream: Any = None,
         calibration: Optional[Calibration] = None,
         profiles: bool = True,
+        issuing_thread: Optional[bool] = None,
     ) -> BlockMover:
         """A mover over several KV groups: one transfer and one completion per step.
 
         :param groups: a :class:`KVGroup` per group, or a tuple ``(src_tensors,
             dst_tensors)`` or ``(src_tensors, dst_tensors, block_dim)``.
-        :param direction, policy, stream, calibration, profiles: as for :class:`BlockMover`.
+        :param direction, policy, stream, calibration, profiles, issuing_thread: as for
+            :class:`BlockMover`.
 
         Its :meth:`submit` and :meth:`descriptors` take one id list per group on each
         side, in the order of ``groups``: ``submit([src_ids_0, src_ids_1],
@@ -195,52 +159,27 @@ class BlockMover:
                  kvswap.KVGroup(sliding_gpu, sliding_cpu, block_dim=1)], "d2h")
             job = mover.submit([gpu_ids_full, gpu_ids_sliding], [cpu_ids_full, cpu_ids_sliding])
         """
-        if isinstance(groups, KVGroup) or not isinstance(groups, Sequence) or not len(groups):
-            raise BlockLayoutError(f"groups={groups!r} must be a non-empty list of KVGroup or (src, dst[, block_dim])")
-        specs = []
-        for g, spec in enumerate(groups):
-            if isinstance(spec, KVGroup):
-                specs.append(spec)
-            elif isinstance(spec, tuple) and len(spec) in (2, 3):
-                specs.append(KVGroup(*spec))
-            else:
-                raise BlockLayoutError(
-                    f"groups[{g}] is a {type(spec).__name__}; pass a KVGroup or a tuple (src_tensors, dst_tensors"
-                    f"[, block_dim])"
-                )
         mover = cls.__new__(cls)
         mover._device_descriptors = False
-        mover._setup(specs, True, direction, policy, stream, dict(calibration=calibration, profiles=profiles))
+        mover._setup(group_specs(groups), True, direction, policy, stream, dict(calibration=calibration, profiles=profiles),
+                     issuing_thread)
         return mover
 
     def _setup(self, specs: list[KVGroup], grouped: bool, direction: DirectionLike,
-               policy: Optional[Policy], stream: Any, resolve_kw: dict[str, Any]) -> None:
+               policy: Optional[Policy], stream: Any, resolve_kw: dict[str, Any],
+               issuing_thread: Optional[bool]) -> None:
         self._closed = True  # until built: __del__ and close() have nothing to wait for
-        self._inflight: deque[_Job] = deque()
+        self._issuer: Optional[IssuingThread] = None
+        if issuing_thread not in (None, True, False):
+            raise ConfigurationError(f"issuing_thread={issuing_thread!r} must be None, True or False")
+        self._inflight: deque[Job] = deque()
         self.direction = Direction.parse(direction)
         self._grouped = grouped
-        sides = []
-        for g, spec in enumerate(specs):
-            where = f"groups[{g}]: " if grouped else ""
-            src = tensor_list(spec.src_tensors, "src_tensors", where)
-            dst = tensor_list(spec.dst_tensors, "dst_tensors", where)
-            if len(src) != len(dst):
-                raise BlockLayoutError(
-                    f"{where}src_tensors has {len(src)} tensor(s) but dst_tensors has {len(dst)}; "
-                    f"pass one destination per source"
-                )
-            sides.append((src, dst))
+        sides = paired_sides(specs, grouped)
         all_src = [t for s, _ in sides for t in s]
         all_dst = [t for _, d in sides for t in d]
         device = device_side(all_src, all_dst, self.direction)
-        templates = []
-        for g, ((src, dst), spec) in enumerate(zip(sides, specs)):
-            try:
-                templates.append(pair_regions(src, dst, spec.block_dim))
-            except BlockLayoutError as e:
-                if not grouped:
-                    raise
-                raise BlockLayoutError(f"groups[{g}]: {e}") from None
+        templates = group_templates(sides, [spec.block_dim for spec in specs], grouped)
         self._templates: list[DescriptorTemplate] = templates
         self._per_block = np.array([t.count for t in templates], dtype=np.int64)
         on_device = device.type != "cpu"
@@ -251,21 +190,9 @@ class BlockMover:
             policy=policy,
             **resolve_kw,
         )
-        policy = policy or Policy()
-        self._stager: Optional[Stager] = None
         host = [] if self.direction is Direction.D2D else (all_src if self.direction.src_is_host else all_dst)
-        pageable = [i for i, t in enumerate(host) if not t.is_pinned()]
-        pinned_for = pinned_routes(self._fn, on_device=on_device)
-        if pageable and (on_device or pinned_for):
-            if policy.require_pinned:
-                refuse_pageable(host, pageable, self.direction, pinned_for, grouped)
-            self._stager = Stager(storage_spans([host[i] for i in pageable]),
-                                  0 if self.direction.src_is_host else 1, pinned=on_device)
-            warnings.warn(PageableMemoryWarning(
-                f"{len(pageable)} of the {len(host)} host tensor(s) of this {self.direction} mover are pageable: "
-                f"their blocks are staged through pinned buffers, a host memcpy of every byte on top of the "
-                f"device copy; allocate host KV with pin_memory=True (or kvswap.host_empty) to avoid it"
-            ), stacklevel=3)
+        self._stager: Optional[Stager] = stager_for(host, self._fn, self.direction, policy or Policy(), on_device,
+                                                    grouped)
         # Host memory on another NUMA node than the device's crosses the inter-socket link.
         self._numa_note = numa.host_memory_note(host, self._fn.plan.device) if host else None
         if self._numa_note:
@@ -284,7 +211,21 @@ class BlockMover:
         # sub-blocks (a block-size factor) take the descriptor path.
         by_ids_ok = (self._device_descriptors and len(templates) == 1 and self._stager is None
                      and templates[0].factor == 1)
-        self._ids_steps = _by_ids_steps(self._fn, templates[0]) if by_ids_ok else None
+        self._desc = JobDescriptors(templates, self.pool, self._check_across,
+                                    by_ids_steps(self._fn, templates[0]) if by_ids_ok else None)
+        # The check across groups must raise before anything is enqueued, and staging reads
+        # or writes the host blocks around the copy: those movers issue in submit.
+        threaded = on_device if issuing_thread is None else issuing_thread
+        if threaded and (self._check_across or self._stager is not None):
+            if issuing_thread:
+                raise ConfigurationError(
+                    "issuing_thread=True: this mover "
+                    + ("stages pageable host memory" if self._stager is not None
+                       else "has KV groups that share destination tensors")
+                    + ", so it issues on the caller's thread; leave issuing_thread out"
+                )
+            threaded = False
+        self._threaded = threaded
         self._tensors: Optional[list] = sides  # the memory the addresses point into
         self._results: deque[TransferResult] = deque()
         self._next_id = 1
@@ -351,6 +292,11 @@ class BlockMover:
         return self._stager is not None
 
     @property
+    def issuing_thread(self) -> bool:
+        """Whether jobs are built and issued on the mover's own thread (see the class)."""
+        return self._threaded
+
+    @property
     def in_flight(self) -> int:
         """Jobs whose completion has not been observed yet (each holds a descriptor buffer)."""
         return len(self._inflight)
@@ -359,20 +305,30 @@ class BlockMover:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def _ids_steps(self) -> Optional[tuple]:
+        return self._desc.ids_steps
+
+    @_ids_steps.setter
+    def _ids_steps(self, steps: Optional[tuple]) -> None:
+        self._desc.ids_steps = steps
+
     # -- per step ------------------------------------------------------------------------
     def submit(self, src_block_ids: Any, dst_block_ids: Any, *, after: Any = CURRENT_STREAM) -> int:
         """Copy block ``src_block_ids[i]`` to block ``dst_block_ids[i]`` in every tensor pair.
 
         Ids are lists, numpy arrays or CPU tensors of integers; a :meth:`groups` mover
         takes a sequence of them per side, one per group. Everything is checked before
-        anything is enqueued; the copy runs on the mover's transfer stream.
+        anything is enqueued; the copy runs on the mover's transfer stream, built and
+        issued by the mover's issuing thread where it has one (the ids are copied: the
+        caller may reuse its arrays at once).
 
-        :param after: what the copy waits for. Left out: the work already queued on the
-            current stream (right for an offload of KV the step just wrote). ``None``:
-            nothing (a prefix load into free blocks starts while the step computes). A
-            ``torch.cuda.Stream``: the work queued on it so far. A ``torch.cuda.Event``:
-            its last record. A mover between host tensors copies at once and takes only
-            the default or None.
+        :param after: what the copy waits for, captured when ``submit`` is called. Left
+            out: the work already queued on the current stream (right for an offload of KV
+            the step just wrote). ``None``: nothing (a prefix load into free blocks starts
+            while the step computes). A ``torch.cuda.Stream``: the work queued on it so
+            far. A ``torch.cuda.Event``: its last record. A mover between host tensors
+            copies at once and takes only the default or None.
         :return: the job id :meth:`poll` and :meth:`wait` refer to.
         :raises BlockIdError: ids out of range or negative, unequal in number, not
             integers, or a destination id repeated.
@@ -384,9 +340,32 @@ class BlockMover:
         ids = self._checked_ids(src_block_ids, dst_block_ids)
         c = self._completion
         c.check_after(after)
-        self._reap()
-        by_ids = self._by_ids(ids)
-        buf, m = self._build(ids) if by_ids is None else self._ids_buffer(ids)
+        q = self._inflight
+        if q and complete(q[0], c):
+            self._reap()
+        if not self._threaded:
+            return self._submit_here(ids, after)
+        if len(ids) == 1:
+            (sid, did), = ids
+            nbytes = len(sid) * self._templates[0].block_bytes
+            ids = [(sid.copy(), did.copy())]
+        else:
+            nbytes = sum(len(s) * t.block_bytes for (s, _), t in zip(ids, self._templates))
+            ids = [(s.copy(), d.copy()) for s, d in ids]
+        with c.device_guard():
+            c.order_after(after)
+            start = c.mark()
+        job = Job(self._next_id, nbytes, start, ids=ids)
+        (self._issuer or self._start_issuer()).put(job)
+        self._next_id += 1
+        q.append(job)
+        return job.job_id
+
+    def _submit_here(self, ids: list, after: Any) -> int:
+        """Build, order and issue the job on the caller's thread."""
+        c = self._completion
+        by_ids = self._desc.by_ids(ids)
+        buf, m = self._desc.build(ids) if by_ids is None else self._desc.ids_buffer(ids)
         staged = None
         try:
             if self._stager is not None:
@@ -394,7 +373,6 @@ class BlockMover:
         except BaseException:
             self.pool.release(buf)
             raise
-        arr = buf.array
         error = None
         with c.device_guard():
             c.order_after(after)
@@ -402,28 +380,28 @@ class BlockMover:
             try:
                 # The buffer is ours until the end marker: backends may keep its arrays.
                 with deferred.collect(stable=True) as issued:
-                    if by_ids is not None:
-                        n = len(ids[0][0])
-                        by_ids(arr[0, :n], arr[1, :n], c.stream)
-                    elif m:
-                        # Ids and template were checked (_checked_ids, pair_regions): the
-                        # batch is validated once, here, not again by the SwapFn.
-                        self._fn.call_validated(arr[0, :m], arr[1, :m], arr[2, :m], stream=c.stream)
+                    enqueue(self._fn, by_ids, buf.array, len(ids[0][0]), m, c.stream)
             except BaseException as e:
                 # Part of the batch may be enqueued: the buffers stay with a failed job
                 # until the end marker shows the stream is past it.
                 error = e
             end = c.mark()
         if staged is not None and self._stager.row == 1 and error is None:
-            self._stager.copy_out(staged, lambda: _wait_from_worker(c, end))
+            self._stager.copy_out(staged, lambda: wait_from_worker(c, end))
         job_id = self._next_id
         self._next_id += 1
         nbytes = sum(len(s) * t.block_bytes for (s, _), t in zip(ids, self._templates))
-        self._inflight.append(_Job(job_id, buf, nbytes, m, start, end,
+        self._inflight.append(Job(job_id, nbytes, start, end, buf, m,
                                    None if error is None else f"{type(error).__name__}: {error}", staged, issued))
         if error is not None:
             raise error
         return job_id
+
+    def _start_issuer(self) -> IssuingThread:
+        c = self._completion
+        self._issuer = IssuingThread(issue_with(self._desc, self._fn, c), name=f"kvswap-{self.direction}-mover",
+                                     prepare=c.bind_thread)
+        return self._issuer
 
     def descriptors(self, src_block_ids: Any, dst_block_ids: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The descriptors ``submit`` would enqueue for these ids, after coalescing, as
@@ -431,7 +409,7 @@ class BlockMover:
         as :meth:`submit`. Host addresses are the tensors', before any staging."""
         if self._closed:
             raise MoverClosedError("descriptors() after close()")
-        buf, m = self._build(self._checked_ids(src_block_ids, dst_block_ids))
+        buf, m = self._desc.build(self._checked_ids(src_block_ids, dst_block_ids))
         try:
             return buf.array[0, :m].copy(), buf.array[1, :m].copy(), buf.array[2, :m].copy()
         finally:
@@ -452,6 +430,29 @@ class BlockMover:
 
         :raises InvalidTransferError: ``job_id`` was never returned by this mover's submit.
         """
+        job = self._find(job_id)
+        if job is not None:
+            if job.end is None:
+                self._issuer.wait_issued(job)
+            self._completion.wait(job.end)
+            if job.staged is not None and job.staged.finish is not None:
+                job.staged.finish.exception()  # copied out (or failed: poll reports it)
+            self._reap()
+
+    def wait_issued(self, job_id: Optional[int] = None) -> None:
+        """Block until job ``job_id`` (None: every submitted job) is enqueued on the
+        transfer stream; it may still be copying. After this, work ordered after the
+        transfer stream (``stream.wait_stream(mover.stream)``) runs after the job; before
+        it, a job left to the issuing thread may not be on the stream yet.
+
+        :raises InvalidTransferError: ``job_id`` was never returned by this mover's submit.
+        """
+        job = self._find(job_id)
+        if job is not None and job.end is None:
+            self._issuer.wait_issued(job)
+
+    def _find(self, job_id: Optional[int]) -> Optional[Job]:
+        """The in-flight job ``job_id`` (None: the last one), or None if it has completed."""
         q = self._inflight
         if job_id is not None:
             if isinstance(job_id, bool) or not isinstance(job_id, (int, np.integer)) or not 1 <= job_id < self._next_id:
@@ -459,22 +460,22 @@ class BlockMover:
                     f"job_id={job_id!r} was not returned by this mover's submit() (ids so far: 1..{self._next_id - 1})"
                 )
         if not q:
-            return
+            return None
         k = len(q) - 1 if job_id is None else int(job_id) - q[0].job_id
-        if k >= 0:  # otherwise already complete: in-flight ids are consecutive
-            job = q[k]
-            self._completion.wait(job.end)
-            if job.staged is not None and job.staged.finish is not None:
-                job.staged.finish.exception()  # copied out (or failed: poll reports it)
-            self._reap()
+        return q[k] if k >= 0 else None  # otherwise already complete: in-flight ids are consecutive
 
     def close(self) -> None:
-        """Wait for every job, then refuse further submits. Results stay available to
-        :meth:`poll`. Idempotent; also what leaving a ``with`` block does."""
+        """Wait for every job, then refuse further submits and stop the issuing thread.
+        Results stay available to :meth:`poll`. Idempotent; also what leaving a ``with``
+        block does."""
         if self._closed:
             return
-        self.wait()
-        self._closed = True
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            if self._issuer is not None:
+                self._issuer.stop()
         self.pool.clear()
         if self._stager is not None:
             self._stager.close()
@@ -493,6 +494,9 @@ class BlockMover:
                 self.wait()
         except Exception:
             pass
+        issuer = getattr(self, "_issuer", None)
+        if issuer is not None:
+            issuer.stop()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._inflight)} in flight"
@@ -503,107 +507,21 @@ class BlockMover:
     def _checked_ids(self, src_block_ids: Any, dst_block_ids: Any) -> list[tuple[np.ndarray, np.ndarray]]:
         if not self._grouped:
             return [checked_pair(self._templates[0], src_block_ids, dst_block_ids, "")]
-        n = len(self._templates)
-        for what, ids in (("src_block_ids", src_block_ids), ("dst_block_ids", dst_block_ids)):
-            if isinstance(ids, (np.ndarray, str, bytes)) or not isinstance(ids, Sequence) or len(ids) != n:
-                raise BlockIdError(
-                    f"{what} must be a list of {n} id lists, one per KV group, got {type(ids).__name__}"
-                    + (f" of {len(ids)}" if isinstance(ids, Sequence) else "")
-                )
-            for g, x in enumerate(ids):
-                if isinstance(x, (int, np.integer)):
-                    raise BlockIdError(
-                        f"{what}[{g}] is {x!r}, not a list of ids: a mover built by groups() takes one id "
-                        f"list per KV group"
-                    )
-        return [checked_pair(t, s, d, f"[{g}]")
-                for g, (t, s, d) in enumerate(zip(self._templates, src_block_ids, dst_block_ids))]
-
-    def _build(self, ids: list[tuple[np.ndarray, np.ndarray]]) -> tuple[DescriptorBuffer, int]:
-        counts = [len(s) * t.count for (s, _), t in zip(ids, self._templates)]
-        buf = self.pool.acquire(sum(counts))
-        arr = buf.array
-        m = 0
-        for (sid, did), t in zip(ids, self._templates):
-            if len(sid):
-                m += t.fill(sid, did, arr[:, m:])
-        s, d, z = arr[0, :m], arr[1, :m], arr[2, :m]
-        if self._check_across and m:
-            clash = first_overlap(d, z)
-            if clash is not None:
-                self.pool.release(buf)
-                raise BlockIdError(
-                    "two KV groups write the same destination bytes in this job (groups that share tensors "
-                    "must use distinct blocks)"
-                )
-        cs, cd, cz = coalesce(s, d, z)
-        if cz is not z:  # merged: the shorter arrays go back into the pinned buffer
-            m = len(cz)
-            arr[0, :m], arr[1, :m], arr[2, :m] = cs, cd, cz
-        return buf, m
-
-    def _by_ids(self, ids: list) -> Any:
-        """The by-id transfer a one-group batch of these ids takes whole, or None."""
-        steps = self._ids_steps
-        if steps is None or not len(ids[0][0]):
-            return None
-        return steps[1][bisect_right(steps[0], len(ids[0][0]) * self._templates[0].count) - 1]
-
-    def _ids_buffer(self, ids: list) -> tuple[DescriptorBuffer, int]:
-        """The ids in a pooled buffer (rows 0 and 1), and the descriptors they stand for."""
-        (sid, did), = ids
-        n = len(sid)
-        buf = self.pool.acquire(n)
-        buf.array[0, :n], buf.array[1, :n] = sid, did
-        return buf, n * self._templates[0].count
+        return checked_groups(self._templates, src_block_ids, dst_block_ids)
 
     def _reap(self) -> None:
         """Hand back the buffers of completed jobs; jobs complete in order on one stream."""
         q, c = self._inflight, self._completion
-        while q and c.done(q[0].end):
+        while q and complete(q[0], c):
             job = q[0]
             st = job.staged
             if st is not None and st.finish is not None and not st.finish.done():
                 break  # the device copy is done, the copy out to pageable memory is not yet
             q.popleft()
-            error = job.error
-            late = deferred.failure(job.issued) if job.issued else None
-            if late is not None and error is None:  # failed on another thread, after submit
-                error = f"{type(late).__name__}: {late}"
-            if error is None and st is not None and st.finish is not None and st.finish.exception() is not None:
-                e = st.finish.exception()
-                error = f"{type(e).__name__}: {e}"
-            seconds = c.seconds(job.start, job.end)
-            c.recycle(job.start, job.end)
-            self.pool.release(job.buffer)
+            self._results.append(result(job, c))
+            if job.buffer is not None:
+                self.pool.release(job.buffer)
             if st is not None:
                 self._stager.release(st)
-            self._results.append(TransferResult(
-                job.job_id, error is None, job.nbytes if error is None else 0,
-                seconds, job.descriptors, error,
-            ))
 
 
-def _by_ids_steps(fn: SwapFn, template: DescriptorTemplate) -> Optional[tuple[tuple[int, ...], tuple]]:
-    """``(starts, by_ids)``: per step of the route that takes this template's batches whole
-    (by descriptor count), the transfer's by-id capability bound to the template (the
-    template goes to the device here, once), or None; None where no step offers one."""
-    sizes = template.chunk_sizes
-    steps = fn.whole_batch_steps(sizes[0], sizes[-1])
-    if steps is None:
-        return None
-    bound: dict[int, Any] = {}
-    for f in steps[1]:
-        if f is not None and id(f) not in bound:
-            try:
-                make = getattr(f, "by_ids", None)
-                bound[id(f)] = make(template) if callable(make) else None
-            except Exception:  # the descriptor path serves instead
-                bound[id(f)] = None
-    out = tuple(None if f is None else bound[id(f)] for f in steps[1])
-    return (steps[0], out) if any(b is not None for b in out) else None
-
-
-def _wait_from_worker(c: Any, marker: Any) -> None:
-    with c.device_guard():  # the worker thread's current device is the mover's
-        c.wait(marker)

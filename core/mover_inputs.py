@@ -5,17 +5,19 @@ enqueued (ids: integers, in range, paired one to one, each destination written o
 """
 from __future__ import annotations
 
-from typing import Any, Sequence, Union
+import warnings
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from .descriptors import as_int64
 from .errors import BlockIdError, BlockLayoutError, InvalidTransferError, TensorPlacementError, UnpinnedMemoryError
-from .regions import DescriptorTemplate
+from .mover_types import KVGroup, Tensors
+from .regions import DescriptorTemplate, pair_regions
+from .staging import PageableMemoryWarning, Stager, storage_spans
 from .swapfn import SwapFn
-from .types import Direction
+from .types import Direction, Policy
 
-Tensors = Union[Any, Sequence[Any]]
 
 
 def tensor_list(tensors: Tensors, what: str, where: str = "") -> list:
@@ -28,6 +30,53 @@ def tensor_list(tensors: Tensors, what: str, where: str = "") -> list:
         if not isinstance(t, torch.Tensor):
             raise BlockLayoutError(f"{where}{what}[{i}] is a {type(t).__name__}, not a torch.Tensor")
     return items
+
+
+def group_specs(groups: Any) -> list[KVGroup]:
+    """:meth:`BlockMover.groups`' argument as one :class:`KVGroup` per group."""
+    if isinstance(groups, KVGroup) or not isinstance(groups, Sequence) or not len(groups):
+        raise BlockLayoutError(f"groups={groups!r} must be a non-empty list of KVGroup or (src, dst[, block_dim])")
+    specs = []
+    for g, spec in enumerate(groups):
+        if isinstance(spec, KVGroup):
+            specs.append(spec)
+        elif isinstance(spec, tuple) and len(spec) in (2, 3):
+            specs.append(KVGroup(*spec))
+        else:
+            raise BlockLayoutError(
+                f"groups[{g}] is a {type(spec).__name__}; pass a KVGroup or a tuple (src_tensors, dst_tensors"
+                f"[, block_dim])"
+            )
+    return specs
+
+
+def paired_sides(specs: Sequence[Any], grouped: bool) -> list[tuple[list, list]]:
+    """Per KV group (``KVGroup``): its source and destination tensors, as many of each."""
+    sides = []
+    for g, spec in enumerate(specs):
+        where = f"groups[{g}]: " if grouped else ""
+        src = tensor_list(spec.src_tensors, "src_tensors", where)
+        dst = tensor_list(spec.dst_tensors, "dst_tensors", where)
+        if len(src) != len(dst):
+            raise BlockLayoutError(
+                f"{where}src_tensors has {len(src)} tensor(s) but dst_tensors has {len(dst)}; "
+                f"pass one destination per source"
+            )
+        sides.append((src, dst))
+    return sides
+
+
+def group_templates(sides: list[tuple[list, list]], block_dims: list[Any], grouped: bool) -> list[DescriptorTemplate]:
+    """Per KV group, where its blocks live (:func:`pair_regions`); errors name the group."""
+    templates = []
+    for g, ((src, dst), block_dim) in enumerate(zip(sides, block_dims)):
+        try:
+            templates.append(pair_regions(src, dst, block_dim))
+        except BlockLayoutError as e:
+            if not grouped:
+                raise
+            raise BlockLayoutError(f"groups[{g}]: {e}") from None
+    return templates
 
 
 def device_side(src: list, dst: list, direction: Direction) -> Any:
@@ -77,6 +126,24 @@ def pinned_routes(fn: SwapFn, on_device: bool) -> list[str]:
     return sorted(names & need)
 
 
+def stager_for(host: list, fn: SwapFn, direction: Direction, policy: Policy, on_device: bool,
+               grouped: bool) -> Optional[Stager]:
+    """Staging buffers for the pageable ones among ``host`` where a route needs pinned
+    memory (with a warning, once), or None; refused under ``Policy(require_pinned=True)``."""
+    pageable = [i for i, t in enumerate(host) if not t.is_pinned()]
+    pinned_for = pinned_routes(fn, on_device=on_device)
+    if not pageable or not (on_device or pinned_for):
+        return None
+    if policy.require_pinned:
+        refuse_pageable(host, pageable, direction, pinned_for, grouped)
+    warnings.warn(PageableMemoryWarning(
+        f"{len(pageable)} of the {len(host)} host tensor(s) of this {direction} mover are pageable: "
+        f"their blocks are staged through pinned buffers, a host memcpy of every byte on top of the "
+        f"device copy; allocate host KV with pin_memory=True (or kvswap.host_empty) to avoid it"
+    ), stacklevel=4)  # BlockMover's caller
+    return Stager(storage_spans([host[i] for i in pageable]), 0 if direction.src_is_host else 1, pinned=on_device)
+
+
 def refuse_pageable(host: list, pageable: list[int], direction: Direction, routes: list[str], grouped: bool) -> None:
     name = "src" if direction.src_is_host else "dst"
     which = f"host tensor {pageable[0]} (over all groups)" if grouped else f"{name}_tensors[{pageable[0]}]"
@@ -99,31 +166,68 @@ def groups_share_destinations(sides: list[tuple[list, list]]) -> bool:
     return False
 
 
+# Up to this many ids, a Python set finds a repeated destination in fewer operations than
+# numpy's sort (what counts on an engine's thread, whose caches the step's other work cold).
+SET_CHECK_MAX = 256
+
+
+def checked_groups(templates: list[DescriptorTemplate], src_block_ids: Any,
+                   dst_block_ids: Any) -> list[tuple[np.ndarray, np.ndarray]]:
+    """A :meth:`BlockMover.groups` mover's ids: one id list per group on each side."""
+    n = len(templates)
+    for what, ids in (("src_block_ids", src_block_ids), ("dst_block_ids", dst_block_ids)):
+        if isinstance(ids, (np.ndarray, str, bytes)) or not isinstance(ids, Sequence) or len(ids) != n:
+            raise BlockIdError(
+                f"{what} must be a list of {n} id lists, one per KV group, got {type(ids).__name__}"
+                + (f" of {len(ids)}" if isinstance(ids, Sequence) else "")
+            )
+        for g, x in enumerate(ids):
+            if isinstance(x, (int, np.integer)):
+                raise BlockIdError(
+                    f"{what}[{g}] is {x!r}, not a list of ids: a mover built by groups() takes one id "
+                    f"list per KV group"
+                )
+    return [checked_pair(t, s, d, f"[{g}]")
+            for g, (t, s, d) in enumerate(zip(templates, src_block_ids, dst_block_ids))]
+
+
 def checked_pair(t: DescriptorTemplate, src_block_ids: Any, dst_block_ids: Any,
                   at: str) -> tuple[np.ndarray, np.ndarray]:
     sid = block_ids(src_block_ids, f"src_block_ids{at}")
     did = block_ids(dst_block_ids, f"dst_block_ids{at}")
-    if len(sid) != len(did):
+    n = len(sid)
+    if n != len(did):
         raise BlockIdError(
-            f"src_block_ids{at} has {len(sid)} ids but dst_block_ids{at} has {len(did)}; they pair up one to one"
+            f"src_block_ids{at} has {n} ids but dst_block_ids{at} has {len(did)}; they pair up one to one"
         )
-    if len(sid):
+    if n:
         in_range(sid, f"src_block_ids{at}", t.src_blocks, "source")
         in_range(did, f"dst_block_ids{at}", t.dst_blocks, "destination")
-        if len(did) > 1:
-            s = np.sort(did)
-            rep = s[1:] == s[:-1]
-            if rep.any():
-                v = s[1:][rep][0]
-                i, j = np.flatnonzero(did == v)[:2]
-                raise BlockIdError(
-                    f"dst_block_ids{at}[{i}] and dst_block_ids{at}[{j}] are both {int(v)}: a destination block "
-                    f"may be written once per job"
-                )
+        if n > 1:
+            if n <= SET_CHECK_MAX:
+                repeated = len(set(did.tolist())) != n
+            else:
+                s = np.sort(did)
+                repeated = bool((s[1:] == s[:-1]).any())
+            if repeated:
+                _name_repeat(did, at)
     return sid, did
 
 
+def _name_repeat(did: np.ndarray, at: str) -> None:
+    s = np.sort(did)
+    v = s[1:][s[1:] == s[:-1]][0]
+    i, j = np.flatnonzero(did == v)[:2]
+    raise BlockIdError(
+        f"dst_block_ids{at}[{i}] and dst_block_ids{at}[{j}] are both {int(v)}: a destination block "
+        f"may be written once per job"
+    )
+
+
 def block_ids(ids: Any, what: str) -> np.ndarray:
+    # What engines pass (and the cheapest case to check): a 1-D C-contiguous int64 array.
+    if type(ids) is np.ndarray and ids.dtype == np.int64 and ids.ndim == 1 and ids.flags.c_contiguous:
+        return ids
     try:
         return as_int64(ids, what)
     except InvalidTransferError as e:
@@ -131,7 +235,8 @@ def block_ids(ids: Any, what: str) -> np.ndarray:
 
 
 def in_range(ids: np.ndarray, what: str, limit: int, side: str) -> None:
-    if ids.min() < 0 or ids.max() >= limit:
+    # Negative ids read as uint64 are beyond any limit: one reduction checks both ends.
+    if ids.view(np.uint64).max() >= limit:
         i = int(np.flatnonzero((ids < 0) | (ids >= limit))[0])
         raise BlockIdError(
             f"{what}[{i}]={int(ids[i])} is out of range: the {side} tensors hold {limit} blocks (0..{limit - 1})"

@@ -7,9 +7,13 @@ pinned memory. The staging buffers that carry pageable host memory's blocks are 
 the same way. Pinning is slow (a driver call per
 allocation), hence a pool: buffers are sized in powers of two and come back to the pool
 only when the owner says the job that used them has completed.
+
+A mover's issuing thread acquires buffers while the engine's thread releases them (and may
+acquire one for ``descriptors()``): a lock guards the shelves.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +46,7 @@ class DescriptorPool:
         self.pinned = pinned
         self._free: dict[int, list[DescriptorBuffer]] = {}
         self._lent: set[int] = set()
+        self._lock = threading.Lock()
         self.allocated = 0
 
     @property
@@ -56,26 +61,37 @@ class DescriptorPool:
 
     def acquire(self, count: int) -> DescriptorBuffer:
         """A buffer for at least ``count`` descriptors, from the pool or newly allocated."""
-        cap = MIN_CAPACITY if count <= MIN_CAPACITY else 1 << (count - 1).bit_length()
-        shelf = self._free.get(cap)
-        buf = shelf.pop() if shelf else self._allocate(cap)
-        self._lent.add(id(buf))
+        return self._take(MIN_CAPACITY if count <= MIN_CAPACITY else 1 << (count - 1).bit_length())
+
+    def _take(self, cap: int) -> DescriptorBuffer:
+        with self._lock:
+            shelf = self._free.get(cap)
+            buf = shelf.pop() if shelf else None
+            if buf is not None:
+                self._lent.add(id(buf))
+                return buf
+        buf = self._allocate(cap)  # slow (pinning): outside the lock
+        with self._lock:
+            self._lent.add(id(buf))
         return buf
 
     def release(self, buf: DescriptorBuffer) -> None:
         """Give ``buf`` back; only once the device is done reading it."""
         key = id(buf)
-        if key not in self._lent:
-            raise RuntimeError("descriptor buffer released twice or not from this pool")
-        self._lent.discard(key)
-        self._free.setdefault(buf.capacity, []).append(buf)
+        with self._lock:
+            if key not in self._lent:
+                raise RuntimeError("descriptor buffer released twice or not from this pool")
+            self._lent.discard(key)
+            self._free.setdefault(buf.capacity, []).append(buf)
 
     def clear(self) -> None:
         """Drop the idle buffers (buffers still lent stay with their jobs)."""
-        self._free.clear()
+        with self._lock:
+            self._free.clear()
 
     def _allocate(self, cap: int) -> DescriptorBuffer:
-        self.allocated += 1
+        with self._lock:
+            self.allocated += 1
         if not self.pinned:
             return DescriptorBuffer(np.empty((3, cap), dtype=np.int64), None, cap)
         import torch
@@ -94,14 +110,11 @@ class StagingPool(DescriptorPool):
 
     def acquire(self, count: int) -> DescriptorBuffer:
         """A buffer of at least ``count`` bytes."""
-        cap = MIN_STAGING_BYTES if count <= MIN_STAGING_BYTES else 1 << (count - 1).bit_length()
-        shelf = self._free.get(cap)
-        buf = shelf.pop() if shelf else self._allocate(cap)
-        self._lent.add(id(buf))
-        return buf
+        return self._take(MIN_STAGING_BYTES if count <= MIN_STAGING_BYTES else 1 << (count - 1).bit_length())
 
     def _allocate(self, cap: int) -> DescriptorBuffer:
-        self.allocated += 1
+        with self._lock:
+            self.allocated += 1
         if not self.pinned:
             return DescriptorBuffer(np.empty(cap, dtype=np.uint8), None, cap)
         import torch

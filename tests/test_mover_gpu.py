@@ -112,6 +112,7 @@ def test_jobs_in_flight_keep_pinned_buffers_until_their_events_complete():
         torch.cuda._sleep(4 * SPIN)                        # holds the transfer stream
     ids = [mover.submit(sid, did) for sid, did in jobs]
     assert mover.poll() == []
+    mover.wait_issued()                                    # the issuing thread holds the buffers now
     assert (mover.in_flight, mover.pool.in_use, mover.pool.allocated) == (64, 64, max(64, warm))
     assert all(job.buffer.owner.is_pinned() for job in mover._inflight)
     mover.wait()

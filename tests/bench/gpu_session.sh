@@ -51,7 +51,7 @@ for step in "$@"; do
       echo "benches exit $?"; tail -n 80 "$OUT/benches.log" ;;
     overhead)
       { KVSWAP_PROFILE=${PROFILE:-} timeout "$T" python3 tests/bench/bench_swapfn_overhead.py
-        OUT=$OUT/overhead timeout "$T" python3 tests/bench/bench_mover_submit.py
+        timeout "$T" python3 tests/bench/bench_mover_submit.py --json "$OUT/mover_submit.json"
         timeout "$T" python3 tests/bench/bench_thread_held.py --json "$OUT/thread_held.json"; } >"$OUT/overhead.log" 2>&1
       echo "overhead exit $?"; tail -n 60 "$OUT/overhead.log" ;;
     step)

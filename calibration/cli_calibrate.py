@@ -147,12 +147,15 @@ def run_update(args: argparse.Namespace) -> int:
                                                progress=progress)
     finally:
         progress.close()
+    for f in got.failures.records:
+        print(f"skipped {f.describe()}")
+    if raw_path is None:
+        print(f"kvswap calibrate: error: nothing could be measured; {args.update} is as it was", file=sys.stderr)
+        return 1
     fitted = Fitted.from_dict(profile)
     lines = (host_cost_lines(fitted) if update.HOST_COST in args.only else []) + (
         slowdown_lines(fitted, got.interference) if update.INTERFERENCE in args.only else [])
     print("\n".join(lines))
-    for f in got.failures.records:
-        print(f"skipped {f.describe()}")
     print(f"profile {args.update} updated ({', '.join(args.only)}) in {duration(time.monotonic() - t0)}; "
           f"raw records in {raw_path}")
     return 0

@@ -4,7 +4,9 @@ An engine issues transfers from the thread that launches its model: a call that 
 delays the step. This times one SwapFn call per route (``time.perf_counter_ns`` around it)
 on an engine's layout, many separate per-layer tensors on both sides (by default
 llama-3.1-70b at TP 8: 80 tensors a side, 4 KiB chunks, 160 descriptors a block), with
-descriptors built from random block ids the way BlockMover builds them. On an accelerator
+descriptors built from random block ids the way BlockMover builds them, and called the way
+BlockMover calls it (``SwapFn.call_validated``: the routing and the route's own work; the
+check of a whole batch, which every route shares, is not in it). On an accelerator
 the transfer stream is kept busy first (a sleep kernel queued before the call), so only
 host work counts; between calls unrelated host work runs over a buffer larger than the
 caches, as an engine's step does, so no call finds its data warm. Every route's bytes are
@@ -184,7 +186,7 @@ def measure(env: Any, dev: DeviceInfo, directions: Sequence[Direction], settings
                     sid, did = pools.draw(rng, blocks)
                     m = template.fill(sid, did, buf)
                     s, t, z = (np.ascontiguousarray(buf[i, :m]) for i in range(3))
-                    return sid, did, lambda stream: fn(s, t, z, stream=stream)
+                    return sid, did, lambda stream: fn.call_validated(s, t, z, stream=stream)
 
                 try:
                     sid, did, call = draw()
@@ -208,7 +210,9 @@ def measure(env: Any, dev: DeviceInfo, directions: Sequence[Direction], settings
                                 "descriptors": blocks * per_block, "held_us": round(median(held), 2),
                                 "spread_us": round(float(np.median(np.abs(np.array(held) - median(held)))), 2),
                                 "reps": len(held), "workload": cache.label, "chunk_bytes": cache.chunk_bytes,
-                                "tensors_a_side": len(src), "bytes_checked": checked})
+                                "tensors_a_side": len(src), "bytes_checked": checked,
+                                "note": " ".join(n.removeprefix(f"{impl}: ") for n in fn.plan.notes
+                                                 if n.startswith(f"{impl}: "))})
     return records
 
 
@@ -223,6 +227,12 @@ def profile_field(records: Sequence[dict[str, Any]]) -> dict[str, dict[str, list
         a, b = fit_line(pts)
         out.setdefault(d, {})[route] = [round(a, 2), round(b, 5)]
     return out
+
+
+def route_notes(records: Sequence[dict[str, Any]]) -> dict[str, str]:
+    """What each timed route said of itself when bound (``{direction impl: note}``): where
+    it issues its calls from, for one, which decides what its host cost is."""
+    return {f"{r['direction']} {r['route']}": r["note"] for r in records if r.get("note")}
 
 
 def describe(field: dict[str, dict[str, list[float]]], at: Sequence[int] = (2048, 32768)) -> list[str]:

@@ -79,29 +79,45 @@ def measure(which: Sequence[str], dev: DeviceInfo, spec: Any, host: Any, directi
     """Measure ``which`` of :data:`PARTS` on ``dev`` (named ``spec`` by the caller) in
     ``directions``."""
     out = PartsResult()
-    env = make_env(dev)
+    where = ",".join(str(d) for d in directions)
+    try:
+        env = make_env(dev)
+    except Exception as e:  # the sweep's results stay usable without these parts
+        for part in which:
+            out.failures.add(where, part, None, None, e)
+        return out
     if HOST_COST in which:
         settings = host_cost.settings_for(dev, quick=quick, kernel_sms=kernel_sms)
         out.settings["host_cost"] = settings.to_dict()
-        out.host_cost_records = host_cost.measure(env, dev, directions, settings, spec=spec, host=host,
-                                                  progress=progress, failures=out.failures)
+        try:
+            out.host_cost_records = host_cost.measure(env, dev, directions, settings, spec=spec, host=host,
+                                                      progress=progress, failures=out.failures)
+        except Exception as e:
+            out.failures.add(where, HOST_COST, None, None, e)
+        out.settings["host_cost"]["routes"] = host_cost.route_notes(out.host_cost_records)
     if INTERFERENCE in which:
         small = on_host(dev)
         sms = step_interference.SM_COUNTS
         out.settings["interference"] = {"workload": list(step_interference.WORKLOAD), "sm_counts": list(sms),
                                         "step_ms": STEP_MS}
-        out.interference = step_interference.measure(
-            env, dev, directions, sms, reps=3 if quick else 5, host=host, progress=progress,
-            cache=host_interference_cache() if small else None, num_blocks=200 if small else step_interference.POOL_BLOCKS)
+        try:
+            out.interference = step_interference.measure(
+                env, dev, directions, sms, reps=3 if quick else 5, host=host, progress=progress,
+                cache=host_interference_cache() if small else None,
+                num_blocks=200 if small else step_interference.POOL_BLOCKS)
+        except Exception as e:
+            out.failures.add(where, INTERFERENCE, None, None, e)
     return out
 
 
 def update(path: Path, which: Sequence[str], dev: DeviceInfo, spec: Any, host: Any, directions: Sequence[Direction],
-           *, quick: bool = False, progress: Optional[Progress] = None) -> tuple[dict[str, Any], PartsResult, Path]:
+           *, quick: bool = False, progress: Optional[Progress] = None
+           ) -> tuple[dict[str, Any], PartsResult, Optional[Path]]:
     """Measure ``which`` and rewrite the profile at ``path`` in place: the parts' fields
     replaced for ``directions``, the class routes of the measured directions ranked again
     under the new host cost, everything else kept; raw records moved beside it, as
-    ``--strip`` does. Returns the new profile, what was measured and the raw file.
+    ``--strip`` does. Returns the new profile, what was measured and the raw file (None,
+    and nothing written, where nothing could be measured).
 
     :raises ConfigurationError: the file is no usable profile, or is another device's.
     """
@@ -116,15 +132,17 @@ def update(path: Path, which: Sequence[str], dev: DeviceInfo, spec: Any, host: A
     knees = [v.get("kernel_sms") for v in doc.get("decisions", {}).values() if v.get("kernel_sms")]
     got = measure(which, dev, spec, host, directions, quick=quick, kernel_sms=max(knees) if knees else None,
                   progress=progress)
+    if not got.host_cost_records and not got.interference:
+        return doc, got, None  # nothing measured: the file stays as it was
     measured = [str(d) for d in directions]
     when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    if HOST_COST in which:
-        fresh = got.host_cost
+    fresh = got.host_cost
+    if fresh:  # a part that measured nothing leaves the profile's field as it was
         doc["host_cost"] = {**{d: v for d, v in doc.get("host_cost", {}).items() if d not in fresh}, **fresh}
         doc["host_cost_source"] = fit.HOST_COST_MEASURED
         _rerank(doc, [d for d in measured if d in fresh])
-    if INTERFERENCE in which:
-        fresh_rows = step_interference.profile_rows(got.interference)
+    fresh_rows = step_interference.profile_rows(got.interference)
+    if fresh_rows:
         kept = {d: v for d, v in doc.get("slowdown_by_sms", {}).items() if d not in fresh_rows}
         doc["slowdown_by_sms"] = {**kept, **fresh_rows}
         doc["slowdown_source"] = fit.SLOWDOWN_MEASURED

@@ -35,9 +35,10 @@ class Route:
         ``n`` descriptors runs on the SMs of the last tier with ``from_batch <= n`` (the
         first below all), and a tier of 0 SMs on ``small_batch_impl``; empty: the SMs
         ``impl`` was bound with (``Plan.params``).
-    :ivar host_us: ``(impl, microseconds or None)`` for the same candidates: how long one
-        call holds the calling thread for ``host_at`` descriptors, from the calibration's
-        host cost (None: not measured).
+    :ivar host_cost: ``(impl, a_us, b_us)`` for the same candidates: one call holds the
+        calling thread ``a_us + b_us * n`` microseconds for ``n`` descriptors, from the
+        calibration's host cost (both None: not measured); :meth:`held_us` reads it.
+    :ivar host_at: the descriptor count the thread-time rule decided at.
     :ivar excluded: ``(impl, host_us, other_us, other_impl)`` for each candidate left out
         because its call holds the thread longer (``host_us``) than the whole transfer takes
         on ``other_impl`` (``other_us``), both at ``host_at`` descriptors
@@ -53,7 +54,7 @@ class Route:
     small_batch_impl: Optional[str] = None
     fallbacks: tuple[str, ...] = ()
     sms_by_batch: tuple[tuple[int, int], ...] = ()
-    host_us: tuple[tuple[str, Optional[float]], ...] = ()
+    host_cost: tuple[tuple[str, Optional[float], Optional[float]], ...] = ()
     host_at: int = 0
     excluded: tuple[tuple[str, float, float, str], ...] = ()
 
@@ -65,6 +66,14 @@ class Route:
         if self.small_batch_impl and (batch < self.min_batch or tier == 0):
             return self.small_batch_impl, None
         return self.impl, tier
+
+    def held_us(self, impl: str, count: int) -> Optional[float]:
+        """Microseconds a call of ``impl`` on this route's blocks is predicted to hold the
+        calling thread for ``count`` descriptors (None: not measured)."""
+        for name, a, b in self.host_cost:
+            if name == impl and a is not None and b is not None:
+                return a + b * count
+        return None
 
     def sms_for(self, batch: int) -> Optional[int]:
         """The SM count of ``impl`` for a batch of ``batch`` descriptors (None: as bound)."""
@@ -172,10 +181,11 @@ def _explain_lines(p: Plan) -> list[str]:
             which = f"{lo}+" if end is None else f"{lo}-{end - 1}"
             to = f"{r.impl} on {sms} SMs" if sms else r.small_batch_impl
             lines.append(f"    {'':<28}    batches of {which} descriptors -> {to}")
-        if any(us is not None for _, us in r.host_us):
-            each = ", ".join(f"{n} ~{_us(us)}" for n, us in r.host_us if us is not None)
+        held = [(n, r.held_us(n, r.host_at)) for n, _, _ in r.host_cost]
+        if any(us is not None for _, us in held):
+            each = ", ".join(f"{n} ~{_us(us)}" for n, us in held if us is not None)
             lines.append(f"    {'':<28}    holds the calling thread for {r.host_at} descriptors: {each}"
-                         + "".join(f", {n} unmeasured" for n, us in r.host_us if us is None))
+                         + "".join(f", {n} unmeasured" for n, us in held if us is None))
         for name, host, other_us, other in r.excluded:
             lines.append(f"    {'':<28}    {name} excluded: holds the thread {_us(host)} > {_us(other_us)} "
                          f"for the whole transfer on {other} ({r.host_at} descriptors)")

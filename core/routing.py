@@ -65,7 +65,7 @@ def thread_bound(ranked: Sequence[tuple[CopyImpl, Optional[float]]], cal: Calibr
     transfer takes on another route: ``{impl: (host_us, other_us, other_impl)}`` at ``at``
     descriptors of ``size`` bytes.
 
-    With ``host_us(n) = a + b*n`` (:meth:`Calibration.host_us`) and another route's whole
+    With ``host_us(n) = a + b*n`` (:meth:`Calibration.host_line`) and another route's whole
     transfer ``t(n) = n * size / GB/s`` (its predicted bandwidth, which was measured from
     the call to the last byte), a route is excluded when ``host_us(at) > t(at)`` and its
     slope ``b`` exceeds ``size / GB/s``: then it holds for every batch of ``at`` descriptors
@@ -77,14 +77,14 @@ def thread_bound(ranked: Sequence[tuple[CopyImpl, Optional[float]]], cal: Calibr
     per_desc = {impl.name: size / (g * 1e3) for impl, g in ranked if g}  # microseconds per descriptor
     out: dict[str, tuple[float, float, str]] = {}
     for impl, _ in ranked:
-        host = cal.host_us(impl.name, impl.kind, direction, at)
-        slope = cal.host_us(impl.name, impl.kind, direction, at + 1)
+        line = cal.host_line(impl.name, impl.kind, direction)
         others = [(t, name) for name, t in per_desc.items() if name != impl.name]
-        if host is None or slope is None or not others:
+        if line is None or not others:
             continue
+        a, b = line
         t, other = min(others)
-        if host > t * at and slope - host > t:
-            out[impl.name] = (host, t * at, other)
+        if a + b * at > t * at and b > t:
+            out[impl.name] = (a + b * at, t * at, other)
     if out and not any(g for impl, g in ranked if impl.name not in out):
         keep = min(out, key=lambda name: (out[name][0], name))
         del out[keep]
@@ -224,8 +224,8 @@ def routes(
             impl=best.name,
             at_bytes=rep,
             predicted=tuple((impl.name, None if g is None else round(g, 2)) for impl, g in shown),
-            host_us=tuple((impl.name, _us(cal.host_us(impl.name, impl.kind, direction, HOST_COST_AT)))
-                          for impl, _ in shown),
+            host_cost=tuple((impl.name, *(cal.host_line(impl.name, impl.kind, direction) or (None, None)))
+                            for impl, _ in shown),
             host_at=HOST_COST_AT,
             excluded=tuple((name, round(h, 1), round(t, 1), other) for name, (h, t, other) in excluded.items()),
             min_batch=min_batch,
@@ -239,14 +239,10 @@ def routes(
                 and [e[0] for e in prev.excluded] == [e[0] for e in route.excluded]):
             keep = route if given and prev.at_bytes not in sizes else prev
             out[-1] = replace(prev, max_bytes=hi, at_bytes=keep.at_bytes, predicted=keep.predicted,
-                              host_us=keep.host_us, excluded=keep.excluded)
+                              host_cost=keep.host_cost, excluded=keep.excluded)
         else:
             out.append(route)
     return tuple(out)
-
-
-def _us(value: Optional[float]) -> Optional[float]:
-    return None if value is None else round(value, 1)
 
 
 def _no_zero_from(tiers: Sequence[tuple[int, int]], start: int, knee: int) -> tuple[tuple[int, int], ...]:

@@ -244,16 +244,21 @@ class Calibration:
             return pts[-1][1]
         return self.slowdown_of(impl, kind)
 
-    def host_us(self, impl: str, kind: str, direction: Direction, n: int) -> Optional[float]:
-        """Microseconds one call of ``impl`` holds the calling thread for ``n`` descriptors
-        in ``direction``, from :attr:`host_cost` (the impl's row, else its kind's); None
-        where it was not measured."""
+    def host_line(self, impl: str, kind: str, direction: Direction) -> Optional[tuple[float, float]]:
+        """``(a_us, b_us)`` of ``impl`` in ``direction`` from :attr:`host_cost` (the impl's
+        row, else its kind's); None where it was not measured."""
         rows = self.host_cost.get(str(Direction.parse(direction)), ())
         for key in (impl, kind):
             for route, a, b in rows:
                 if route == key:
-                    return a + b * n
+                    return a, b
         return None
+
+    def host_us(self, impl: str, kind: str, direction: Direction, n: int) -> Optional[float]:
+        """Microseconds one call of ``impl`` holds the calling thread for ``n`` descriptors
+        in ``direction`` (:meth:`host_line`); None where it was not measured."""
+        line = self.host_line(impl, kind, direction)
+        return None if line is None else line[0] + line[1] * n
 
     def summary(self) -> dict[str, Any]:
         return {

@@ -14,6 +14,7 @@ from kvswap.calibration.step_workload import HostEnv
 from kvswap.cli import main
 from kvswap.platform import detect
 from kvswap.plugins import create_plugin_host, plugin_host
+from kvswap.reference import host_copy
 
 KiB = 1024
 BOTH = [Direction.H2D, Direction.D2H]
@@ -61,24 +62,34 @@ def test_measure_on_the_cpu_times_real_copies_over_per_layer_tensors_and_checks_
     assert a >= 0 and b > 0  # the host reference copies inside the call: more descriptors, more time
 
 
-class Nothing:
-    """A route on the CPU that returns without copying, beside the host reference."""
+def noted(ctx):
+    def fn(src, dst, sizes, stream):
+        host_copy(src, dst, sizes)
+    fn.note = "copies on the caller's thread"
+    return fn
+
+
+class Acme:
+    """Beside the host reference: a route that returns without copying, and one that copies
+    and says where it issues from."""
 
     @hookimpl
     def kvswap_register_copy_impls(self, platform, register):
         if platform == "cpu":
             register(CopyImpl("acme.nothing", "batch", ("cpu",), ("h2d", "d2h"), lambda ctx: lambda *a: None))
+            register(CopyImpl("acme.noted", "batch", ("cpu",), ("h2d", "d2h"), noted))
 
 
-def test_a_route_that_copies_nothing_is_a_failure_not_a_number():
-    host = create_plugin_host(entry_points=[], env={}, extra=[("nothing", Nothing())])
+def test_a_route_that_copies_nothing_is_a_failure_not_a_number_and_notes_are_kept():
+    host = create_plugin_host(entry_points=[], env={}, extra=[("acme", Acme())])
     failures = Failures()
     cache = models.ModelShape("t", 2, 2, 16).at(1)
     records = host_cost.measure(HostEnv(lambda: None), cpu(), [Direction.H2D], small_settings(counts=(4,)),
                                 host=host, cache=cache, failures=failures)
-    assert [r["route"] for r in records] == ["host.reference"]
+    assert sorted(r["route"] for r in records) == ["acme.noted", "host.reference"]
     assert [(f.impl, f.direction) for f in failures.records] == [("acme.nothing", "h2d")]
     assert "does not hold source block" in failures.records[0].error
+    assert host_cost.route_notes(records) == {"h2d acme.noted": "copies on the caller's thread"}
 
 
 def profile_doc(**extra):
@@ -192,3 +203,23 @@ def test_help_names_the_parts_and_the_update(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "--only PARTS" in text and "--update PROFILE" in text and "host-cost, interference" in text
     assert "holds the calling thread" in text and "started together" in text
+
+
+def test_when_the_parts_cannot_run_calibrate_keeps_its_sweep_and_update_leaves_the_file_alone(
+        tmp_path, capsys, monkeypatch):
+    from kvswap.calibration import update
+
+    def broken(dev):
+        raise RuntimeError("out of device memory")
+
+    out = tmp_path / "cpu.json"
+    monkeypatch.setattr(update, "make_env", broken)
+    assert main(["calibrate", "--quick", "--directions", "d2h", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "skipped d2h host-cost: RuntimeError: out of device memory" in printed
+    doc = profiles.read(out)
+    assert doc["host_cost"] == {} and "not measured" in doc["host_cost_source"]
+    text = out.read_text()
+    assert main(["calibrate", "--only", "host-cost", "--update", str(out), "--directions", "d2h"]) == 1
+    assert "nothing could be measured" in capsys.readouterr().err
+    assert out.read_text() == text

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvswap import BlockMover, CopyImpl, Direction, KVGroup, Policy, hookimpl
-from kvswap.errors import BlockIdError, ConfigurationError
+from kvswap.errors import BlockIdError, ConfigurationError, InvalidTransferError
 from kvswap.plugins import create_plugin_host, reset_plugin_host
 from kvswap.reference import host_copy
 from mover_layouts import Pool, expected_after, layouts
@@ -318,3 +318,33 @@ def test_a_mover_nobody_closed_is_collected_and_its_thread_ends():
     thread.join(HOLD_S)
     assert not thread.is_alive()
     assert dst.matches(expected_after(dst, before, src_before, src, jobs))
+
+
+def test_descriptors_asked_while_the_thread_builds_leave_the_pool_whole():
+    """The engine's thread takes buffers for descriptors() while the issuing thread takes
+    and the engine's thread returns them for jobs: the pool's accounting stays exact."""
+    rng = np.random.default_rng(17)
+    src, dst = _pools("flash", 18, src_blocks=64, dst_blocks=48)
+    before, src_before = dst.snapshot(), src.snapshot()
+    route = Gated(fail_on=(7,))
+    mover = _gated_mover(src, dst, route)
+    route.gate.set()
+    jobs, ids, results = [], [], []
+    for k in range(120):
+        sid, did = _ids(rng, int(rng.integers(1, 17)), src, dst)
+        jobs.append((sid, did))
+        ids.append(mover.submit(sid, did))
+        s, d, n = mover.descriptors(sid, did)
+        assert int(n.sum()) == len(sid) * mover.block_bytes
+        if k % 10 == 9:
+            results += mover.poll()
+    mover.wait()
+    results += mover.poll()
+    assert mover.pool.in_use == 0 and mover.pool.idle == mover.pool.allocated
+    assert [r.job_id for r in results] == ids
+    assert [r.job_id for r in results if not r.ok] == [ids[6]]
+    copied = [job for k, job in enumerate(jobs) if k != 6]
+    assert dst.matches(expected_after(dst, before, src_before, src, copied))
+    with pytest.raises(InvalidTransferError, match="job_id=121 was not returned"):
+        mover.wait_issued(121)
+    mover.close()

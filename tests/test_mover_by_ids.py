@@ -157,16 +157,34 @@ def test_arrays_are_promised_stable_inside_submit():
     assert seen == [(True, threading.get_ident())] and deferred.arrays_stable() is False
 
 
+def test_by_default_a_route_that_offers_it_gets_ids():
+    t = Recording()
+    _install(t)
+    rng = np.random.default_rng(8)
+    src, dst = _pools("flash", 9)
+    before, src_before = dst.snapshot(), src.snapshot()
+    jobs = [(rng.permutation(40)[:n].astype(np.int64), rng.permutation(56)[:n].astype(np.int64)) for n in (3, 11)]
+    with BlockMover(src.tensors, dst.tensors, "h2d", block_dim=src.layout.block_dim,
+                    policy=Policy(force="test.kernel")) as mover:
+        assert mover._ids_steps is not None
+        for job in jobs:
+            mover.submit(*job)
+        mover.wait()
+        assert all(r.ok for r in mover.poll())
+    assert len(t.templates) == 1 and t.id_calls == [3, 11] and t.descriptor_calls == 0
+    assert dst.matches(expected_after(dst, before, src_before, src, jobs))
+
+
 def test_without_device_descriptors_the_mover_builds_and_coalesces_descriptors():
-    """The by-id path is opt-in: by default a route that offers it still gets coalesced
-    descriptors (a run of consecutive ids becomes fewer, longer copies)."""
+    """``device_descriptors=False``: a route that offers the by-id path still gets
+    coalesced descriptors (a run of consecutive ids becomes fewer, longer copies)."""
     t = Recording()
     _install(t)
     src, dst = _pools("flash", 3)
     before, src_before = dst.snapshot(), src.snapshot()
     jobs = [(np.arange(4, 20, dtype=np.int64), np.arange(30, 46, dtype=np.int64))]
     with BlockMover(src.tensors, dst.tensors, "h2d", block_dim=src.layout.block_dim,
-                    policy=Policy(force="test.kernel")) as mover:
+                    policy=Policy(force="test.kernel"), device_descriptors=False) as mover:
         assert mover._ids_steps is None
         mover.submit(*jobs[0])
         mover.wait()

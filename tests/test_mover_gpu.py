@@ -39,17 +39,22 @@ def _ids(rng: np.random.Generator, n: int, src: Pool, dst: Pool) -> tuple[np.nda
             rng.choice(dst.num_blocks, n, replace=False).astype(np.int64))
 
 
+@pytest.mark.parametrize("by_ids", [True, False], ids=["ids", "descriptors"])
 @pytest.mark.parametrize("route", ROUTES, ids=lambda r: r or "default")
 @pytest.mark.parametrize("direction", ["h2d", "d2h"])
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layouts_both_directions_on_each_route(name, direction, route):
+def test_layouts_both_directions_on_each_route(name, direction, route, by_ids):
     rng = np.random.default_rng(zlib.crc32(f"{name}/{direction}/{route}".encode()))
     src, dst = _pair(name, direction, seed=1)
     before, src_before = dst.snapshot(), src.snapshot()
     jobs = [_ids(rng, n, src, dst) for n in (1, 7, 33, 64)]
     jobs.append((np.arange(20, 36), np.arange(90, 106)))   # a run that coalesces
     policy = Policy(force=route) if route else None
-    with BlockMover(src.tensors, dst.tensors, direction, block_dim=src.layout.block_dim, policy=policy) as mover:
+    with BlockMover(src.tensors, dst.tensors, direction, block_dim=src.layout.block_dim, policy=policy,
+                    device_descriptors=by_ids) as mover:
+        assert by_ids or mover._ids_steps is None
+        # Whether the last job (a run) goes as ids, the kernel deriving its addresses.
+        ids_path = mover._desc.by_ids([jobs[-1]]) is not None
         if route:
             assert mover.swap_fn.impls == (route,)
         assert mover.pool.pinned and mover.stream is not None
@@ -60,7 +65,10 @@ def test_layouts_both_directions_on_each_route(name, direction, route):
     for r, (sid, _) in zip(results, jobs):
         assert r.ok and r.bytes == len(sid) * mover.block_bytes and r.seconds >= 0, r
     assert sum(r.seconds for r in results) > 0             # timed by device events
-    assert results[-1].descriptors < len(jobs[-1][0]) * mover.chunks_per_block
+    if ids_path:
+        assert results[-1].descriptors == len(jobs[-1][0]) * mover.chunks_per_block
+    else:
+        assert results[-1].descriptors < len(jobs[-1][0]) * mover.chunks_per_block
     assert dst.matches(expected_after(dst, before, src_before, src, jobs))
     assert src.matches(src_before)
 

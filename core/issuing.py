@@ -55,9 +55,15 @@ class IssuingThread:
 
     def wait_issued(self, job: Any) -> None:
         """Block until ``issue(job)`` has returned. Should the thread be gone first (the
-        interpreter is exiting), the job is failed here so no caller waits forever."""
+        interpreter is exiting), the job is failed here so no caller waits forever.
+
+        :raises RuntimeError: called on the thread itself (a mover collected there), which
+            would wait for itself.
+        """
         if job.end is not None:
             return
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("the issuing thread cannot wait for a job it has not issued yet")
         with self._issued:
             while job.end is None:
                 if not self._thread.is_alive():

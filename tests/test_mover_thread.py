@@ -348,3 +348,28 @@ def test_descriptors_asked_while_the_thread_builds_leave_the_pool_whole():
     with pytest.raises(InvalidTransferError, match="job_id=121 was not returned"):
         mover.wait_issued(121)
     mover.close()
+
+
+def test_waiting_on_the_issuing_thread_itself_raises_instead_of_hanging():
+    """A mover collected by a garbage collection that runs on its own issuing thread must
+    not wait there for jobs only that thread can issue."""
+    src, dst = _pools("mla", 19)
+    seen: list = []
+
+    def copy(s, d, n, stream):
+        (job,) = [j for j in mover._inflight if j.end is None]
+        try:
+            mover._issuer.wait_issued(job)
+        except RuntimeError as e:
+            seen.append(str(e))
+        host_copy(s, d, n)
+
+    _install(copy)
+    mover = BlockMover(src.tensors, dst.tensors, "h2d", policy=Policy(force="test.gated"), issuing_thread=True)
+    before, src_before = dst.snapshot(), src.snapshot()
+    mover.wait(mover.submit([5], [6]))
+    assert seen == ["the issuing thread cannot wait for a job it has not issued yet"]
+    (r,) = mover.poll()
+    assert r.ok
+    assert dst.matches(expected_after(dst, before, src_before, src, [([5], [6])]))
+    mover.close()

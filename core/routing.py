@@ -22,6 +22,7 @@ __all__ = [
     "SIZE_CLASSES",
     "knee_sms",
     "margin",
+    "paying_tiers",
     "predicted",
     "rank",
     "rank_key",
@@ -141,6 +142,29 @@ def sms_by_batch(cal: Calibration, direction: Direction, policy: Policy, device:
                      for start, k in cal.sms_tiers(direction, size)), num_sms)
 
 
+def paying_tiers(tiers: tuple[tuple[int, int], ...], cal: Calibration, direction: Direction, kernel: CopyImpl,
+                 size: int, knee: int) -> tuple[tuple[int, int], ...]:
+    """``tiers`` where each SM count above the knee pays for the compute it takes: its
+    predicted speed over the knee's at ``size`` must grow by more than the compute slowdown
+    it adds (``slowdown_by_sms``, measured beside compute). Otherwise that tier runs on the
+    knee. Unchanged where the calibration measured no slowdown by SM count."""
+    if not tiers or not cal.slowdown_by_sms.get(str(direction)):
+        return tiers
+    name, kind = kernel.name, kernel.kind
+    base = cal.predict(name, kind, direction, size, knee)
+    if not base:
+        return tiers
+    base_slow = cal.slowdown_at(name, kind, direction, knee)
+    out = []
+    for start, k in tiers:
+        if k > knee:
+            gbps = cal.predict(name, kind, direction, size, k)
+            if gbps is None or gbps / base - 1.0 <= cal.slowdown_at(name, kind, direction, k) - base_slow:
+                k = knee
+        out.append((start, k))
+    return tiers_at(out, knee)
+
+
 def predicted(impl: CopyImpl, cal: Calibration, direction: Direction, size: int, num_sms: Optional[int],
               builtin: bool = True) -> Optional[float]:
     """GB/s ``cal`` predicts for ``impl`` at ``size``, or None. A curve for a kind
@@ -199,6 +223,9 @@ def routes(
         others = [r for r in ranked if r[0] is not best]  # in rank order: small batches, fallbacks
         # Tiers buy throughput with SMs: a low-interference policy keeps the knee.
         tiers = sms_by_batch(cal, direction, policy, device, rep, num_sms) if policy.prefer == "throughput" else ()
+        kern = best if best.uses_sms else next((impl for impl, _ in others if impl.uses_sms), None)
+        if kern is not None:
+            tiers = paying_tiers(tiers, cal, direction, kern, rep, num_sms)
         if best.uses_sms:
             small = next((impl for impl, _ in others if not impl.uses_sms), None)
             min_batch = cal.min_batch(direction, block_bytes=rep) if small else 0

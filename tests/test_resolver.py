@@ -391,6 +391,40 @@ def test_batch_tiers_obey_max_sms_and_vanish_when_they_all_come_to_the_knee():
     assert "tiers" not in flat.explain()
 
 
+# Compute slowdown beside compute by SM count, as `kvswap calibrate --interference` stores it.
+SLOWER_AT_24 = {"h2d": (("acme.kern", 8, 0.20), ("acme.kern", 24, 0.35))}
+
+
+def test_a_tier_above_the_knee_that_costs_more_compute_than_it_gains_speed_runs_on_the_knee():
+    # The kernel is measured at 8 SMs only (24 SMs predicts the same speed) and 24 SMs slow
+    # compute 15 points more: every tier of 24 goes back to the knee.
+    log = []
+    fn = kvswap.resolve("h2d", device="cpu", host=tier_host(log, kernel_sms_by_batch=TIERS,
+                                                             slowdown_by_sms=SLOWER_AT_24), block_bytes=4096)
+    route = next(r for r in fn.plan.routes if r.at_bytes == 4096)
+    assert route.impl == "acme.kern" and route.sms_by_batch == ()
+    rng = np.random.default_rng(5)
+    sizes = np.full(500, 4096, dtype=np.int64)  # 24 SMs by the tiers alone
+    src, dst, so, do = host_batch(rng, sizes, pool=1 << 25, slot=4096)
+    want = expected(src, dst, so, do, sizes)
+    fn(address(src) + so, address(dst) + do, sizes)
+    assert log == [(8, 500)] and np.array_equal(dst, want)
+
+
+@pytest.mark.parametrize("faster, kept", [(1.30, True), (1.10, False)])
+def test_a_tier_above_the_knee_stays_where_its_speed_gain_exceeds_its_compute_cost(faster, kept):
+    curves = [("acme.dma", DMA, None), ("acme.kern", KERNEL, 8),
+              ("acme.kern", [(b, g * faster) for b, g in KERNEL], 24)]
+    cal = cpu_cal(curves, kernel_sms={"h2d": 8}, kernel_min_batch={"h2d": 16}, kernel_sms_by_batch=TIERS,
+                  slowdown_by_sms=SLOWER_AT_24)
+    host = create_plugin_host(entry_points=[], env={}, extra=[
+        ("p", Offer([recording_impl("acme.dma"), tiered_kernel([])], cal))])
+    route = next(r for r in kvswap.resolve("h2d", device="cpu", host=host, block_bytes=4096).plan.routes
+                 if r.at_bytes == 4096)
+    # +30% speed against +15 points of slowdown pays; +10% does not.
+    assert route.sms_by_batch == (((1, 8), (100, 24), (2000, 8)) if kept else ())
+
+
 def test_a_low_interference_policy_keeps_kernels_on_their_knee():
     log = []
     fn = kvswap.resolve("h2d", device="cpu", host=tier_host(log, kernel_sms_by_batch=TIERS), block_bytes=4096,

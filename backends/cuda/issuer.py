@@ -103,8 +103,9 @@ def async_min(path: str, env: Optional[str] = None) -> Optional[int]:
 
     ``env`` is ``KVSWAP_CUDA_ISSUER``'s value: ``on`` for the thresholds of
     :data:`ASYNC_MIN`, a descriptor count, or unset / empty / ``off`` / ``0`` to copy every
-    batch on the caller's thread. Off by default until a known crash is fixed: a
-    segmentation fault in the issuer thread's driver call of a 200,000-descriptor batch.
+    batch on the caller's thread. Off by default: it makes a known driver crash more
+    frequent (a fault inside ``cuMemcpyBatchAsync`` on batches that mix many block sizes,
+    on the caller's thread too; ``tests/bench/repro_batch_crash.py``).
     """
     env = os.environ.get(ENV, "") if env is None else env
     text = env.strip().lower()

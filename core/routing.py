@@ -147,8 +147,10 @@ def paying_tiers(tiers: tuple[tuple[int, int], ...], cal: Calibration, direction
     """``tiers`` where each SM count above the knee pays for the compute it takes: its
     predicted speed over the knee's at ``size`` must grow by more than the compute slowdown
     it adds (``slowdown_by_sms``, measured beside compute). Otherwise that tier runs on the
-    knee. Unchanged where the calibration measured no slowdown by SM count."""
-    if not tiers or not cal.slowdown_by_sms.get(str(direction)):
+    knee. Only for copies to the host (offloads, which no step waits for); a copy from the
+    host is a load the next step may wait for, so its tiers keep buying time. Unchanged
+    where the calibration measured no slowdown by SM count."""
+    if not tiers or direction.src_is_host or not cal.slowdown_by_sms.get(str(direction)):
         return tiers
     name, kind = kernel.name, kernel.kind
     base = cal.predict(name, kind, direction, size, knee)

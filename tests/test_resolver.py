@@ -392,14 +392,15 @@ def test_batch_tiers_obey_max_sms_and_vanish_when_they_all_come_to_the_knee():
 
 
 # Compute slowdown beside compute by SM count, as `kvswap calibrate --interference` stores it.
-SLOWER_AT_24 = {"h2d": (("acme.kern", 8, 0.20), ("acme.kern", 24, 0.35))}
+SLOWER_AT_24 = {d: (("acme.kern", 8, 0.20), ("acme.kern", 24, 0.35)) for d in ("h2d", "d2h")}
+TIERS_BOTH = {d: TIERS["h2d"] for d in ("h2d", "d2h")}
 
 
-def test_a_tier_above_the_knee_that_costs_more_compute_than_it_gains_speed_runs_on_the_knee():
+def test_an_offload_tier_above_the_knee_that_costs_more_compute_than_it_gains_runs_on_the_knee():
     # The kernel is measured at 8 SMs only (24 SMs predicts the same speed) and 24 SMs slow
-    # compute 15 points more: every tier of 24 goes back to the knee.
+    # compute 15 points more: every d2h tier of 24 goes back to the knee.
     log = []
-    fn = kvswap.resolve("h2d", device="cpu", host=tier_host(log, kernel_sms_by_batch=TIERS,
+    fn = kvswap.resolve("d2h", device="cpu", host=tier_host(log, kernel_sms_by_batch=TIERS_BOTH,
                                                              slowdown_by_sms=SLOWER_AT_24), block_bytes=4096)
     route = next(r for r in fn.plan.routes if r.at_bytes == 4096)
     assert route.impl == "acme.kern" and route.sms_by_batch == ()
@@ -411,15 +412,23 @@ def test_a_tier_above_the_knee_that_costs_more_compute_than_it_gains_speed_runs_
     assert log == [(8, 500)] and np.array_equal(dst, want)
 
 
+def test_a_load_keeps_its_tiers_whatever_they_cost_in_compute():
+    # Host to device: the next step may wait for the blocks, so time bought with SMs counts.
+    fn = kvswap.resolve("h2d", device="cpu", host=tier_host([], kernel_sms_by_batch=TIERS_BOTH,
+                                                            slowdown_by_sms=SLOWER_AT_24), block_bytes=4096)
+    route = next(r for r in fn.plan.routes if r.at_bytes == 4096)
+    assert route.sms_by_batch == ((1, 8), (100, 24), (2000, 8))
+
+
 @pytest.mark.parametrize("faster, kept", [(1.30, True), (1.10, False)])
-def test_a_tier_above_the_knee_stays_where_its_speed_gain_exceeds_its_compute_cost(faster, kept):
+def test_an_offload_tier_stays_where_its_speed_gain_exceeds_its_compute_cost(faster, kept):
     curves = [("acme.dma", DMA, None), ("acme.kern", KERNEL, 8),
               ("acme.kern", [(b, g * faster) for b, g in KERNEL], 24)]
-    cal = cpu_cal(curves, kernel_sms={"h2d": 8}, kernel_min_batch={"h2d": 16}, kernel_sms_by_batch=TIERS,
+    cal = cpu_cal(curves, kernel_sms={"d2h": 8}, kernel_min_batch={"d2h": 16}, kernel_sms_by_batch=TIERS_BOTH,
                   slowdown_by_sms=SLOWER_AT_24)
     host = create_plugin_host(entry_points=[], env={}, extra=[
         ("p", Offer([recording_impl("acme.dma"), tiered_kernel([])], cal))])
-    route = next(r for r in kvswap.resolve("h2d", device="cpu", host=host, block_bytes=4096).plan.routes
+    route = next(r for r in kvswap.resolve("d2h", device="cpu", host=host, block_bytes=4096).plan.routes
                  if r.at_bytes == 4096)
     # +30% speed against +15 points of slowdown pays; +10% does not.
     assert route.sms_by_batch == (((1, 8), (100, 24), (2000, 8)) if kept else ())

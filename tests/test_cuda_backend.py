@@ -362,9 +362,10 @@ def test_the_13_abi_reports_no_index():
 # Huge batches: calls of at most the cap, in order, on one stream
 # ---------------------------------------------------------------------------------------
 
-def _many(rng, n):
-    """``n`` descriptors of 1-24 bytes, scattered over random/poisoned pools."""
-    return HostPools(rng, rng.integers(1, 25, n), pool=32 * n, slot=32)
+def _many(rng, n, mixed=True):
+    """``n`` descriptors of 1-24 bytes (else all of 16), scattered over random/poisoned pools."""
+    sizes = rng.integers(1, 25, n) if mixed else np.full(n, 16, dtype=np.int64)
+    return HostPools(rng, sizes, pool=32 * n, slot=32)
 
 
 @pytest.mark.parametrize("direction", [Direction.H2D, Direction.D2H])
@@ -373,7 +374,7 @@ def test_200000_descriptors_become_ordered_calls_of_at_most_the_cap(direction):
     d, lib = standin_driver()
     fn = batch.bind(d, direction, 0)
     assert fn.chunk == batch.DEFAULT_CHUNK == 32768 and "at most 32768 descriptors a call" in fn.note
-    pools = _many(rng, 200_000)
+    pools = _many(rng, 200_000, mixed=False)
     fn(pools.src, pools.dst, pools.sizes, 0x5EED)
     calls = [c[1] for c in lib.of("cuMemcpyBatchAsync")]
     assert [c["count"] for c in calls] == [32768] * 6 + [200_000 - 6 * 32768]
@@ -383,6 +384,27 @@ def test_200000_descriptors_become_ordered_calls_of_at_most_the_cap(direction):
         assert np.array_equal(np.concatenate([c[key] for c in calls]), want), key
     assert all(c["num_attrs"] == 1 for c in calls)
     pools.check()
+
+
+@pytest.mark.parametrize("direction", [Direction.H2D, Direction.D2H])
+def test_a_long_batch_of_mixed_sizes_goes_in_calls_of_at_most_the_mixed_cap(direction):
+    """Mixed sizes past batch.MIXED_CHUNK descriptors: calls of that many (the driver's
+    fault on long mixed-size batches), in order on one stream, every byte checked."""
+    rng = np.random.default_rng()
+    d, lib = standin_driver()
+    fn = batch.bind(d, direction, 0)
+    pools = _many(rng, 10_000)
+    fn(pools.src, pools.dst, pools.sizes, 0x5EED)
+    calls = [c[1] for c in lib.of("cuMemcpyBatchAsync")]
+    assert [c["count"] for c in calls] == [4096, 4096, 10_000 - 8192] == [batch.MIXED_CHUNK] * 2 + [1808]
+    for key, want in (("src", pools.src), ("dst", pools.dst), ("sizes", pools.sizes)):
+        assert np.array_equal(np.concatenate([c[key] for c in calls]), want), key
+    pools.check()
+    d2, lib2 = standin_driver()  # one size: one call
+    one = _many(rng, 10_000, mixed=False)
+    batch.bind(d2, direction, 0)(one.src, one.dst, one.sizes, 7)
+    assert [c[1]["count"] for c in lib2.of("cuMemcpyBatchAsync")] == [10_000]
+    one.check()
 
 
 @pytest.mark.parametrize("how", ["param", "env"])

@@ -31,6 +31,12 @@ BATCH, PER_COPY = "batch", "per-copy"
 # one call (vLLM issue 49276); larger batches are split into calls of at most this many.
 DEFAULT_CHUNK = 32768
 CHUNK_ENV = "KVSWAP_CUDA_BATCH_CHUNK"
+# Descriptors per call for a batch of mixed sizes. On an H100 (driver 580.159.04) a host to
+# device call of 20,000-200,000 descriptors of 1-4,096 bytes from pinned memory holding data
+# faulted inside the driver on its first call (tests/bench/repro_batch_crash.py); the same
+# 200,000 in calls of 2,048 or 4,096 completed 12 of 12 calls in every run. Batches of one
+# size (50,000 blocks of 4 or 16 KiB in one call) did not fault.
+MIXED_CHUNK = 4096
 
 
 def chunk_size(params: Any, env: Any = None) -> int:
@@ -137,7 +143,10 @@ class BatchCopy:
         # the arrays are int64 (8 bytes a descriptor), so a piece is an offset into them.
         d, s, n = dst.ctypes.data, src.ctypes.data, sizes.ctypes.data
         attrs = (self._attr_addr, self._attr_idx_addr, 1)
-        for lo, count in chunking.pieces(len(sizes), self.chunk):
+        chunk = self.chunk
+        if chunk > MIXED_CHUNK and len(sizes) > MIXED_CHUNK and sizes.min() != sizes.max():
+            chunk = MIXED_CHUNK  # the driver's fault on long mixed-size batches (above)
+        for lo, count in chunking.pieces(len(sizes), chunk):
             off = 8 * lo
             args = (d + off, s + off, n + off, count, *attrs)
             if self.abi.has_fail_idx:

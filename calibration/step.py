@@ -10,7 +10,11 @@ load on the compute stream (bf16 GEMMs sized to the step's length):
   step's compute;
 * device to host (an offload) waits for the work queued before the step (the writes of
   the blocks it copies), as the default ordering does for a job submitted at the start of
-  a step, and runs beside the step's compute too.
+  a step, and runs beside the step's compute too;
+* the submit says how long the copy has beside the compute (``within``: the compute's
+  time alone in the same repetition), as an engine that times its steps can: a job may
+  then take the route that uses no SMs where that is predicted to end the step sooner.
+  The table's route names that route "beside compute" where it differs.
 
 Each contender is a :class:`~kvswap.Policy` (or a kernel bound at exactly 12 SMs) given
 to a BlockMover over the same tensors. Per contender it reports the time ``submit`` held
@@ -139,6 +143,13 @@ def route_label(mover: BlockMover, sid: np.ndarray, did: np.ndarray) -> str:
         return "+".join(mover.swap_fn.impls)
 
 
+def beside_label(mover: BlockMover, cache: KVCache, blocks: int, within: float) -> Optional[str]:
+    """The route a job of ``blocks`` takes beside ``within`` seconds of compute where that is
+    not the mover's resolved route (:meth:`kvswap.SwapFn.quieter`), else None."""
+    n = blocks * cache.descriptors_per_block
+    return mover.swap_fn.quieter(cache.chunk_bytes, n, blocks * cache.block_bytes, within)
+
+
 # -- one case -------------------------------------------------------------------------------
 
 @dataclass
@@ -204,8 +215,10 @@ def _ms(values: Sequence[float]) -> Optional[float]:
 
 
 def one_step(env: Any, pools: StepPools, mover: BlockMover, direction: Direction, sid: np.ndarray,
-              did: np.ndarray) -> tuple[float, float, float, float]:
-    """Launch the compute, then submit: ``(submit s, transfer s, compute s, makespan s)``."""
+              did: np.ndarray, within: Optional[float] = None) -> tuple[float, float, float, float]:
+    """Launch the compute, then submit: ``(submit s, transfer s, compute s, makespan s)``.
+    ``within``: what the engine tells the mover about the time the copy has beside the
+    compute (the step's compute time, for both a load the next step reads and an offload)."""
     pools.poison(direction)
     with env.context():
         env.sync()
@@ -214,7 +227,7 @@ def one_step(env: Any, pools: StepPools, mover: BlockMover, direction: Direction
         env.launch_compute()
         c1 = env.mark()
         h0 = time.perf_counter()
-        job = env.submit(mover, sid, did, None if direction.src_is_host else written)
+        job = env.submit(mover, sid, did, None if direction.src_is_host else written, within)
         h1 = time.perf_counter()
         mover.wait_issued(job)  # the job's copy is on the transfer stream before t1 is
         t1 = env.mark(mover.stream)
@@ -265,6 +278,7 @@ def run_case(env: Any, pools: StepPools, dev: DeviceInfo, direction: Direction, 
     errors: dict[str, str] = {}
     runs = {c.name: Runs() for c in measured}
     routes: dict[str, str] = {}
+    beside_routes: dict[str, Optional[str]] = {}
     sid, did = pools.draw(rng, blocks)
     try:
         for c in measured:
@@ -288,7 +302,8 @@ def run_case(env: Any, pools: StepPools, dev: DeviceInfo, direction: Direction, 
                 try:
                     got.alone.append(transfer_alone(env, pools, m, direction, sid, did))
                     got.bytes_checked += pools.check(direction, sid, did)
-                    s, t, comp, span = one_step(env, pools, m, direction, sid, did)
+                    s, t, comp, span = one_step(env, pools, m, direction, sid, did, alone_c)
+                    beside_routes.setdefault(c.name, beside_label(m, cache, blocks, alone_c))
                     got.bytes_checked += pools.check(direction, sid, did)
                 except Exception as e:
                     errors[c.name] = f"{type(e).__name__}: {e}"
@@ -308,7 +323,10 @@ def run_case(env: Any, pools: StepPools, dev: DeviceInfo, direction: Direction, 
     for c in contenders:
         who = c.same_as or c.name
         got = runs[who]
-        res = ContenderResult(c.name, routes.get(who, "?"), c.same_as, error=errors.get(who))
+        route = routes.get(who, "?")
+        if beside_routes.get(who):
+            route = f"{route}; {beside_routes[who]} beside compute"
+        res = ContenderResult(c.name, route, c.same_as, error=errors.get(who))
         if got.makespan:
             alone, beside = median(got.alone), median(got.beside)
             res.submit_us = round(median(got.submit) * 1e6, 2)

@@ -41,6 +41,11 @@ class ByIdsFn(Protocol):
     ``dst_base[p] + dst_ids[i] * dst_stride[p]``, enqueued on ``stream`` like a TransferFn.
     The caller has validated the template once and the ids per call (in range, no
     destination repeated): the same whole-batch guarantee a TransferFn gets.
+
+    Optionally ``launch_only(n) -> bool``: True where a call of ``n`` id pairs is one
+    launch after copying the ids into memory the device reads (no upload, no stream
+    switch first). BlockMover then calls it in ``submit`` on the engine's thread; without
+    the method, or where it says False, on the mover's issuing thread.
     """
 
     def __call__(self, src_ids: np.ndarray, dst_ids: np.ndarray, stream: Any) -> Any: ...

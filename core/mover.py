@@ -10,6 +10,8 @@ blocks and the copy route's call run on the mover's issuing thread (:mod:`kvswap
 """
 from __future__ import annotations
 
+import dataclasses
+import numbers
 import warnings
 from collections import deque
 from typing import Any, Optional, Sequence, Union
@@ -34,6 +36,11 @@ from .staging import Stager
 from .swapfn import SwapFn
 from .thresholds import Calibration
 from .types import Direction, DirectionLike, Policy
+
+# A launch in submit holds the engine's thread 50-100 us longer than a handoff to the
+# issuing thread (measured cold, beside queued GEMMs, on an H100); submit's budget of
+# 100 us + 10 ns per descriptor covers that from about this many descriptors on.
+LAUNCH_HERE_MIN_DESCRIPTORS = 8192
 
 __all__ = ["BlockMover", "GroupLayout", "KVGroup", "TransferResult"]
 
@@ -94,19 +101,30 @@ class BlockMover:
     group in one transfer with one completion.
 
     **What holds the engine's thread.** On a device, ``submit`` checks the ids (work that
-    grows with the blocks, not the layers), makes the transfer stream wait for ``after``,
-    records the job's start event on it, and hands the job to the mover's issuing thread.
-    That thread, one per mover, takes jobs in submission order: it builds the descriptors
-    (layers x blocks), calls the copy route (a kernel launch or a driver batch call) with
-    the mover's device current, and records the job's end event, also after a failed call.
-    A job is complete once it was issued and its end event has completed; its
-    ``seconds`` run from the start event, so they include the thread's preparation. An
-    error on the thread fails that job (:meth:`poll` reports it) and the next jobs still
-    run. The thread's Python and numpy work competes with the engine's thread for the
-    GIL; ctypes driver calls and numpy's larger loops release it. Movers whose groups share
-    destination tensors (the check across groups needs the built descriptors before
-    anything is enqueued) and movers that stage pageable memory issue on the caller's
-    thread.
+    grows with the blocks, not the layers), makes the transfer stream wait for ``after``
+    and records the job's start event on it. A job whose route derives the addresses from
+    the ids (``device_descriptors``) and reads them where they were staged is then launched
+    right there when it has 8,192 descriptors or more: one kernel launch, host work that
+    does not grow with the layers (the triton.kernel route reads the ids in place from 16
+    SMs on, and for shorter batches; otherwise it uploads them first, a stream switch and
+    a copy on the host). Any other job goes to the mover's issuing
+    thread, and so does a by-id job while an earlier job still waits on that thread (the
+    stream sees jobs in submission order). That thread, one per mover, takes jobs in order:
+    it builds the descriptors (layers x blocks), calls the copy route (a kernel launch or
+    a driver batch call) with the mover's device current, and records the job's end event,
+    also after a failed call. A job is complete once it was issued and its end event has
+    completed; its ``seconds`` run from the start event, so they include the thread's
+    preparation. An error on the thread fails that job (:meth:`poll` reports it) and the
+    next jobs still run; a launch in ``submit`` that fails raises there (and fails its job).
+
+    The GIL: the thread's Python and numpy work waits for the engine's thread to let the
+    GIL go. An engine thread that keeps running Python after ``submit`` holds it for up to
+    the interpreter's switch interval (``sys.getswitchinterval()``, 5 ms by default) each
+    time, so a job left to the thread may start milliseconds later (ctypes driver calls and
+    numpy's larger loops release the GIL once running); a launch in ``submit`` does not
+    wait for it. Movers whose groups share destination tensors (the check across groups
+    needs the built descriptors before anything is enqueued) and movers that stage
+    pageable memory issue on the caller's thread.
 
     Not thread-safe: one engine thread submits and polls.
     """
@@ -174,6 +192,7 @@ class BlockMover:
                issuing_thread: Optional[bool]) -> None:
         self._closed = True  # until built: __del__ and close() have nothing to wait for
         self._issuer: Optional[IssuingThread] = None
+        self._last_handed: Optional[Job] = None  # the last job given to the issuing thread
         if issuing_thread not in (None, True, False):
             raise ConfigurationError(f"issuing_thread={issuing_thread!r} must be None, True or False")
         self._inflight: deque[Job] = deque()
@@ -187,13 +206,17 @@ class BlockMover:
         self._templates: list[DescriptorTemplate] = templates
         self._per_block = np.array([t.count for t in templates], dtype=np.int64)
         on_device = device.type != "cpu"
-        self._fn: SwapFn = resolve(
-            self.direction,
-            device="cpu" if not on_device else str(device),
-            block_bytes=sorted({c for t in templates for c in t.chunk_sizes}),
-            policy=policy,
-            **resolve_kw,
-        )
+        block_bytes = sorted({c for t in templates for c in t.chunk_sizes})
+        self._resolve_args = dict(device="cpu" if not on_device else str(device), block_bytes=block_bytes,
+                                  **resolve_kw)
+        self._policy = policy or Policy()
+        self._fn: SwapFn = resolve(self.direction, policy=policy, **self._resolve_args)
+        # Per job with ``within``: the route that takes no SMs, where it ends the step sooner.
+        self._quiet_fns: dict[str, SwapFn] = {}
+        self._one_size = block_bytes[0] if len(templates) == 1 and len(block_bytes) == 1 else None
+        if on_device and self._one_size is not None:
+            for name in self._fn.quiet_impls:  # bound now, not on the engine's first step
+                self._quiet_fn(name)
         host = [] if self.direction is Direction.D2D else (all_src if self.direction.src_is_host else all_dst)
         self._stager: Optional[Stager] = stager_for(host, self._fn, self.direction, policy or Policy(), on_device,
                                                     grouped)
@@ -317,7 +340,8 @@ class BlockMover:
         self._desc.ids_steps = steps
 
     # -- per step ------------------------------------------------------------------------
-    def submit(self, src_block_ids: Any, dst_block_ids: Any, *, after: Any = CURRENT_STREAM) -> int:
+    def submit(self, src_block_ids: Any, dst_block_ids: Any, *, after: Any = CURRENT_STREAM,
+               within: Optional[float] = None) -> int:
         """Copy block ``src_block_ids[i]`` to block ``dst_block_ids[i]`` in every tensor pair.
 
         Ids are lists, numpy arrays or CPU tensors of integers; a :meth:`groups` mover
@@ -332,10 +356,19 @@ class BlockMover:
             while the step computes). A ``torch.cuda.Stream``: the work queued on it so
             far. A ``torch.cuda.Event``: its last record. A mover between host tensors
             copies at once and takes only the default or None.
+        :param within: seconds the copy has beside the engine's compute before anything
+            waits for it (the rest of the step, say, for a load the next step reads, or a
+            step or more for an offload). Where the job would run on a kernel, it takes the
+            route that uses no SMs instead when that is predicted to end the step sooner:
+            it finishes in time and leaves the compute every SM (predicted from the
+            calibration's speed, host cost and compute slowdown by SM count). None (the
+            default): the fastest route, as resolved. Used for movers of one KV group with
+            one chunk size whose route is not forced.
         :return: the job id :meth:`poll` and :meth:`wait` refer to.
         :raises BlockIdError: ids out of range or negative, unequal in number, not
             integers, or a destination id repeated.
-        :raises ConfigurationError: ``after`` is none of the above.
+        :raises ConfigurationError: ``after`` is none of the above, or ``within`` is not a
+            number of seconds >= 0.
         :raises MoverClosedError: after :meth:`close`.
         """
         if self._closed:
@@ -343,11 +376,15 @@ class BlockMover:
         ids = self._checked_ids(src_block_ids, dst_block_ids)
         c = self._completion
         c.check_after(after)
+        quiet = None if within is None else self._quieter(ids, within)
         q = self._inflight
         if q and complete(q[0], c):
             self._reap()
         if not self._threaded:
-            return self._submit_here(ids, after)
+            return self._submit_here(ids, after, quiet)
+        by_ids = self._desc.by_ids(ids) if quiet is None else None
+        if by_ids is not None and self._launches_here(by_ids, len(ids[0][0])):
+            return self._launch_here(by_ids, ids, after)
         if len(ids) == 1:
             (sid, did), = ids
             nbytes = len(sid) * self._templates[0].block_bytes
@@ -359,16 +396,17 @@ class BlockMover:
         # stream's own device, and entering one costs the engine's thread ~10 us cold.
         c.order_after(after)
         start = c.mark()
-        job = Job(self._next_id, nbytes, start, ids=ids)
+        job = Job(self._next_id, nbytes, start, ids=ids, fn=quiet)
         (self._issuer or self._start_issuer()).put(job)
+        self._last_handed = job
         self._next_id += 1
         q.append(job)
         return job.job_id
 
-    def _submit_here(self, ids: list, after: Any) -> int:
-        """Build, order and issue the job on the caller's thread."""
+    def _submit_here(self, ids: list, after: Any, fn: Optional[SwapFn] = None) -> int:
+        """Build, order and issue the job on the caller's thread (on ``fn`` where given)."""
         c = self._completion
-        by_ids = self._desc.by_ids(ids)
+        by_ids = self._desc.by_ids(ids) if fn is None else None
         buf, m = self._desc.build(ids) if by_ids is None else self._desc.ids_buffer(ids)
         staged = None
         try:
@@ -384,7 +422,7 @@ class BlockMover:
             try:
                 # The buffer is ours until the end marker: backends may keep its arrays.
                 with deferred.collect(stable=True) as issued:
-                    enqueue(self._fn, by_ids, buf.array, len(ids[0][0]), m, c.stream)
+                    enqueue(fn or self._fn, by_ids, buf.array, len(ids[0][0]), m, c.stream)
             except BaseException as e:
                 # Part of the batch may be enqueued: the buffers stay with a failed job
                 # until the end marker shows the stream is past it.
@@ -397,6 +435,64 @@ class BlockMover:
         nbytes = sum(len(s) * t.block_bytes for (s, _), t in zip(ids, self._templates))
         self._inflight.append(Job(job_id, nbytes, start, end, buf, m,
                                    None if error is None else f"{type(error).__name__}: {error}", staged, issued))
+        if error is not None:
+            raise error
+        return job_id
+
+    def _quieter(self, ids: list, within: Any) -> Optional[SwapFn]:
+        """The function of the route that takes no SMs where this job, with ``within``
+        seconds beside compute, ends the step sooner on it (:meth:`SwapFn.quieter`)."""
+        if isinstance(within, bool) or not isinstance(within, numbers.Real) or not within >= 0:
+            raise ConfigurationError(f"within={within!r} must be a number of seconds >= 0, or None")
+        size = self._one_size
+        if size is None:
+            return None
+        n = len(ids[0][0])
+        if not n:
+            return None
+        t = self._templates[0]
+        name = self._fn.quieter(size, n * t.count, n * t.block_bytes, float(within))
+        return None if name is None else self._quiet_fn(name)
+
+    def _quiet_fn(self, name: str) -> SwapFn:
+        fn = self._quiet_fns.get(name)
+        if fn is None:
+            policy = dataclasses.replace(self._policy, force=name)
+            fn = self._quiet_fns[name] = resolve(self.direction, policy=policy, **self._resolve_args)
+        return fn
+
+    def _launches_here(self, by_ids: Any, n: int) -> bool:
+        """A by-id call of ``n`` ids that is only a launch, for a job large enough that
+        submit's budget covers it, with no earlier job left on the issuing thread (the
+        stream must see jobs in submission order)."""
+        last = self._last_handed
+        if last is not None and last.end is None:
+            return False
+        if n * self._templates[0].count < LAUNCH_HERE_MIN_DESCRIPTORS:
+            return False
+        launch_only = getattr(by_ids, "launch_only", None)
+        return callable(launch_only) and bool(launch_only(n))
+
+    def _launch_here(self, by_ids: Any, ids: list, after: Any) -> int:
+        """Launch a job whose route derives addresses from the ids, on the caller's thread:
+        the ids go into the launcher's pinned staging and one kernel is enqueued, host work
+        that does not grow with the layers. Only when the issuing thread holds no earlier
+        job, so the stream still sees jobs in submission order."""
+        c = self._completion
+        (sid, did), = ids
+        c.order_after(after)
+        start = c.mark()
+        error = None
+        try:
+            by_ids(sid, did, c.stream)  # copies the ids before it returns
+        except BaseException as e:
+            error = e  # a launch may have been enqueued: the job ends at the end marker
+        end = c.mark()
+        job_id = self._next_id
+        self._next_id += 1
+        t = self._templates[0]
+        self._inflight.append(Job(job_id, len(sid) * t.block_bytes, start, end, descriptors=len(sid) * t.count,
+                                  error=None if error is None else f"{type(error).__name__}: {error}"))
         if error is not None:
             raise error
         return job_id

@@ -25,6 +25,7 @@ class Job:
     staged: Optional[Staged] = None
     issued: list = field(default_factory=list)  # work left to other threads (kvswap.deferred)
     ids: Any = None  # the checked ids, until the issuing thread builds the job
+    fn: Any = None  # the SwapFn of the route this job takes instead of the mover's (``within``)
 
 
 def complete(job: Job, c: Any) -> bool:
@@ -63,12 +64,12 @@ def issue_with(desc: JobDescriptors, fn: SwapFn, c: Any) -> Callable[[Job], None
         error = None
         with c.device_guard():
             try:
-                by_ids = desc.by_ids(ids)
+                by_ids = desc.by_ids(ids) if job.fn is None else None
                 buf, m = desc.build(ids) if by_ids is None else desc.ids_buffer(ids)
                 job.buffer, job.descriptors = buf, m
                 # The buffer is the job's until its end marker (collect(stable=True)).
                 with deferred.collect(stable=True) as job.issued:
-                    enqueue(fn, by_ids, buf.array, len(ids[0][0]), m, c.stream)
+                    enqueue(job.fn or fn, by_ids, buf.array, len(ids[0][0]), m, c.stream)
             except BaseException as e:
                 error = f"{type(e).__name__}: {e}"
             try:

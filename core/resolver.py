@@ -230,4 +230,4 @@ def resolve(
     )
     impls = {i.name: i for i in usable if i.name in used}
     fns = {(k, params.get(k, {}).get("num_sms")): v for k, v in bound.items() if k in used}
-    return SwapFn(plan, impls, {**fns, **tiered})
+    return SwapFn(plan, impls, {**fns, **tiered}, calibration=cal, usable=usable)

@@ -286,3 +286,54 @@ def _no_zero_from(tiers: Sequence[tuple[int, int]], start: int, knee: int) -> tu
     out = [(n, k) for n, k in tiers if n < start] + [(start, active or knee)]
     out += [(n, k or knee) for n, k in tiers if n > start]
     return tiers_at(out, knee)
+
+
+def step_cost(seconds: float, slowdown: float, within: float) -> float:
+    """When both are done: the engine's compute, ``within`` seconds alone, and a copy of
+    ``seconds`` beside it that slows it by ``slowdown`` (a fraction) while they overlap."""
+    return max(within + slowdown * min(seconds, within), seconds)
+
+
+def quiet_costs(route: Route, kernel: CopyImpl, num_sms: int, others: Iterable[CopyImpl], cal: Calibration,
+                direction: Direction, size: int, count: int, nbytes: int
+                ) -> Optional[tuple[tuple[float, float], tuple[tuple[str, float, float], ...]]]:
+    """What :func:`quieter_route` weighs, for a batch of ``count`` descriptors of ``size``
+    bytes (``nbytes`` in all): ``((kernel seconds, kernel slowdown), ((name, seconds,
+    slowdown), ...))`` for ``kernel`` at ``num_sms`` and for every implementation among
+    ``others`` that takes no SMs; seconds predicted from the speed curve and the host cost,
+    slowdown as measured by SM count. None where the kernel's time is not predicted."""
+
+    def seconds(impl: CopyImpl, sms: Optional[int]) -> Optional[float]:
+        gbps = predicted(impl, cal, direction, size, sms)
+        held = route.held_us(impl.name, count)
+        if not gbps or held is None:
+            return None
+        return nbytes / (gbps * 1e9) + held * 1e-6
+
+    t_kernel = seconds(kernel, num_sms)
+    if t_kernel is None:
+        return None
+    quiet = []
+    for other in others:
+        if other.uses_sms or not other.accepts_size(size):
+            continue
+        t = seconds(other, None)
+        if t is not None:
+            quiet.append((other.name, t, cal.slowdown_at(other.name, other.kind, direction)))
+    return (t_kernel, cal.slowdown_at(kernel.name, kernel.kind, direction, num_sms)), tuple(quiet)
+
+
+def quieter_route(costs: Optional[tuple], within: float) -> Optional[str]:
+    """The implementation that takes no SMs, by name, on which a batch with ``within``
+    seconds beside the engine's compute before anything waits for it is predicted to end
+    the step sooner than on the kernel (:func:`step_cost` over :func:`quiet_costs`); None
+    where none is, or nothing was predicted."""
+    if costs is None:
+        return None
+    (t_kernel, s_kernel), quiet = costs
+    best, cost = None, step_cost(t_kernel, s_kernel, within)
+    for name, t, slow in quiet:
+        c = step_cost(t, slow, within)
+        if c < cost:
+            best, cost = name, c
+    return best

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from bisect import bisect_right
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -10,6 +10,8 @@ from .descriptors import coalesce, run_starts, validate
 from .errors import DriverError, InvalidTransferError
 from .impl import CopyImpl, TransferFn
 from .plan import Plan, Route
+from .routing import quiet_costs, quieter_route
+from .thresholds import Calibration
 
 
 # Batches shorter than this are not worth a look for contiguous runs: the look costs more
@@ -33,11 +35,17 @@ class SwapFn:
     """
 
     def __init__(self, plan: Plan, impls: dict[str, CopyImpl],
-                 bound: dict[tuple[str, Optional[int]], TransferFn]) -> None:
+                 bound: dict[tuple[str, Optional[int]], TransferFn], calibration: Optional[Calibration] = None,
+                 usable: Sequence[CopyImpl] = ()) -> None:
         """:param bound: the bound transfer per ``(impl, num_sms)``: num_sms as in
         ``plan.params`` (None for impls that take no SMs), plus one per SM count the
-        routes' batch tiers name."""
+        routes' batch tiers name.
+        :param calibration: what the plan was decided by (for :meth:`quieter`).
+        :param usable: every implementation that could copy here, used or not."""
         self.plan = plan
+        self._cal = calibration
+        self._usable = tuple(usable)
+        self._quiet_costs: dict[tuple[int, int, int], Optional[tuple]] = {}
         self._impls = impls
         self._fns = bound
         self._sms = {name: plan.params.get(name, {}).get("num_sms") for name in impls}
@@ -174,6 +182,35 @@ class SwapFn:
         """The impl, and its SM count, that route ``r`` takes for ``count`` descriptors."""
         starts, _, _, keys = self._steps[r]
         return keys[bisect_right(starts, count) - 1]
+
+    @property
+    def quiet_impls(self) -> tuple[str, ...]:
+        """Usable implementations that take no SMs (what :meth:`quieter` may name); none
+        for a forced route, without a calibration, or where no route takes SMs."""
+        if self._cal is None or self.plan.forced or not any(i.uses_sms for i in self._impls.values()):
+            return ()
+        return tuple(i.name for i in self._usable if not i.uses_sms)
+
+    def quieter(self, size: int, count: int, nbytes: int, within: float) -> Optional[str]:
+        """The implementation that takes no SMs, by name, where a batch of ``count``
+        descriptors of ``size`` bytes (``nbytes`` in all) that has ``within`` seconds beside
+        the engine's compute is predicted to end the step sooner on it than on the kernel
+        this function gives it (:func:`kvswap.routing.quieter_route`); None otherwise, and
+        for a forced route."""
+        if self._cal is None or self.plan.forced:
+            return None
+        key = (size, count, nbytes)
+        costs = self._quiet_costs.get(key, False)
+        if costs is False:  # predicted once per batch shape: a few dict hits and float ops after
+            r = bisect_right(self._low_list, size) - 1
+            name, sms = self._choose(r, count)
+            kernel = self._impls[name]
+            costs = None if not kernel.uses_sms else quiet_costs(
+                self._routes[r], kernel, sms, self._usable, self._cal, self.plan.direction, size, count, nbytes)
+            if len(self._quiet_costs) >= 4096:
+                self._quiet_costs.clear()
+            self._quiet_costs[key] = costs
+        return quieter_route(costs, within)
 
     def whole_batch_steps(self, smallest: int,
                           largest: int) -> Optional[tuple[tuple[int, ...], tuple[Optional[TransferFn], ...]]]:

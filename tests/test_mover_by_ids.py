@@ -193,3 +193,114 @@ def test_without_device_descriptors_the_mover_builds_and_coalesces_descriptors()
     assert result.ok and result.descriptors < len(jobs[0][0]) * mover.chunks_per_block
     assert dst.matches(expected_after(dst, before, src_before, src, jobs))
     assert src.matches(src_before)
+
+
+class Gated(Recording):
+    """A Recording whose calls note the thread they ran on; calls off the test's thread
+    wait for ``gate`` (a job stuck on the issuing thread)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.main = threading.get_ident()
+        self.threads: list[tuple[str, int]] = []
+        self.uploads: set[int] = set()  # id counts whose call is more than a launch
+
+    def _note(self, kind: str) -> None:
+        self.threads.append((kind, threading.get_ident()))
+        if threading.get_ident() != self.main:
+            assert self.gate.wait(10)
+
+    def __call__(self, src, dst, sizes, stream):
+        self._note("descriptors")
+        return super().__call__(src, dst, sizes, stream)
+
+    def by_ids(self, template):
+        inner = super().by_ids(template)
+
+        def fn(src_ids, dst_ids, stream):
+            self._note("ids")
+            return inner(src_ids, dst_ids, stream)
+
+        fn.launch_only = lambda n: n not in self.uploads
+        return fn
+
+
+def test_with_the_thread_idle_a_by_id_job_launches_in_submit_and_behind_a_queued_job_it_waits(monkeypatch):
+    """On a mover with an issuing thread: a by-id job is launched on the caller's thread
+    while the thread holds nothing and the call is only a launch; while an earlier job
+    still waits there, the by-id job goes behind it, so the copies run in submission order
+    (they write the same blocks); a call that uploads first goes to the thread too."""
+    monkeypatch.setattr("kvswap.mover.LAUNCH_HERE_MIN_DESCRIPTORS", 0)  # these jobs are small
+    t = Gated()
+    _install(t)
+    rng = np.random.default_rng(12)
+    src, dst = _pools("flash", 13)
+    before, src_before = dst.snapshot(), src.snapshot()
+    me = threading.get_ident()
+    did = rng.permutation(56)[:8].astype(np.int64)
+    sizes = (8, 6, 8, 8, 8)  # by id from 7 blocks on (below): job 2 takes descriptors
+    jobs = [(rng.permutation(40)[:n].astype(np.int64), did[:n]) for n in sizes]
+    with BlockMover(src.tensors, dst.tensors, "h2d", block_dim=1, policy=Policy(force="test.kernel"),
+                    issuing_thread=True) as mover:
+        _, fns = mover._ids_steps
+        mover._ids_steps = ((0, 7 * mover.chunks_per_block), (None, fns[0]))
+        first = mover.submit(*jobs[0])  # by id, thread idle: launched here
+        assert t.threads == [("ids", me)] and t.id_calls == [8]
+        mover.submit(*jobs[1])  # descriptors: to the thread, where it waits for the gate
+        third = mover.submit(*jobs[2])  # by id, but job 2 is not issued yet: behind it
+        assert t.id_calls == [8] and mover._inflight[-1].end is None
+        t.gate.set()
+        mover.wait_issued(third)
+        fourth = mover.submit(*jobs[3])  # the thread is idle again: launched here
+        assert t.threads[-1] == ("ids", me)
+        t.uploads = {8}  # a call that uploads first: to the thread, though it is idle
+        fifth = mover.submit(*jobs[4])
+        mover.wait()
+        results = mover.poll()
+    assert [r.job_id for r in results] == [first, first + 1, third, fourth, fifth] and all(r.ok for r in results)
+    assert [k for k, _ in t.threads] == ["ids", "descriptors", "ids", "ids", "ids"]
+    assert t.threads[1][1] != me and t.threads[2][1] == t.threads[1][1] == t.threads[4][1]
+    assert t.descriptor_calls == 1 and t.id_calls == [8, 8, 8, 8]
+    assert dst.matches(expected_after(dst, before, src_before, src, jobs))
+    assert src.matches(src_before)
+
+
+def test_a_by_id_job_below_the_launch_minimum_goes_to_the_thread():
+    t = Gated()
+    t.gate.set()
+    _install(t)
+    src, dst = _pools("flash", 15)
+    before, src_before = dst.snapshot(), src.snapshot()
+    jobs = [(np.arange(8, dtype=np.int64), np.arange(8, 16, dtype=np.int64))]
+    with BlockMover(src.tensors, dst.tensors, "h2d", block_dim=1, policy=Policy(force="test.kernel"),
+                    issuing_thread=True) as mover:
+        assert 8 * mover.chunks_per_block < kvswap.mover.LAUNCH_HERE_MIN_DESCRIPTORS
+        mover.submit(*jobs[0])
+        mover.wait()
+        assert all(r.ok for r in mover.poll())
+    assert [k for k, _ in t.threads] == ["ids"] and t.threads[0][1] != threading.get_ident()
+    assert dst.matches(expected_after(dst, before, src_before, src, jobs))
+
+
+def test_a_by_id_launch_that_fails_in_submit_raises_and_fails_its_job(monkeypatch):
+    monkeypatch.setattr("kvswap.mover.LAUNCH_HERE_MIN_DESCRIPTORS", 0)
+    class Broken(Recording):
+        def by_ids(self, template):
+            def fn(src_ids, dst_ids, stream):
+                raise RuntimeError("launch refused")
+            fn.launch_only = lambda n: True
+            return fn
+
+    t = Broken()
+    _install(t)
+    src, dst = _pools("flash", 14)
+    before = dst.snapshot()
+    with BlockMover(src.tensors, dst.tensors, "h2d", block_dim=1, policy=Policy(force="test.kernel"),
+                    issuing_thread=True) as mover:
+        with pytest.raises(RuntimeError, match="launch refused"):
+            mover.submit([1, 2], [3, 4])
+        mover.wait()
+        (result,) = mover.poll()
+    assert not result.ok and "launch refused" in result.error and result.bytes == 0
+    assert dst.matches(before)

@@ -79,6 +79,46 @@ def test_many_jobs_in_flight_land_in_submission_order(direction, route):
     mover.close()
 
 
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+def test_by_id_launches_in_submit_and_jobs_on_the_thread_keep_submission_order(direction, monkeypatch):
+    """The kernel route by id for jobs of 8 or more blocks (launched in submit while the
+    thread holds nothing), descriptors for smaller ones (built and issued on the thread):
+    96 such jobs queued behind a spin, most writing blocks earlier jobs wrote, land in
+    submission order."""
+    import kvswap
+    from kvswap.calibration.step import exact_sms_calibration
+
+    monkeypatch.setattr("kvswap.mover.LAUNCH_HERE_MIN_DESCRIPTORS", 0)  # these jobs are small
+    rng = np.random.default_rng(zlib.crc32(f"mixed/{direction}".encode()))
+    src, dst = _pair("flash", direction, seed=5, dst_blocks=24)
+    # 32 SMs: the kernel reads the ids where submit staged them, so a call is only a launch.
+    mover = BlockMover(src.tensors, dst.tensors, direction, block_dim=src.layout.block_dim,
+                       policy=Policy(force="triton.kernel", max_sms=32),
+                       calibration=exact_sms_calibration(kvswap.resolve(direction).plan.device, 32))
+    starts, fns = mover._ids_steps
+    assert fns[0] is not None and fns[0].launch_only(16) and not fns[0].launch_only(0)
+    mover._ids_steps = ((0, 8 * mover.chunks_per_block), (None, fns[0]))
+    _warm(mover, src, dst, rng)
+    before, src_before = dst.snapshot(), src.snapshot()
+    jobs = [_ids(rng, int(rng.choice([1, 4, 8, 16])), src, dst) for _ in range(96)]
+    with torch.cuda.stream(mover.stream):
+        torch.cuda._sleep(SPIN)
+    ids = [mover.submit(sid, did, after=None) for sid, did in jobs]
+    assert mover.poll() == []
+    mover.wait()
+    results = mover.poll()
+    assert [r.job_id for r in results] == ids and all(r.ok for r in results), results[:3]
+    assert dst.matches(expected_after(dst, before, src_before, src, jobs))
+    assert src.matches(src_before)
+    # With the thread idle, a by-id job is on the stream when submit returns.
+    sid, did = _ids(rng, 16, src, dst)
+    job = mover.submit(sid, did, after=None)
+    assert mover._inflight[-1].job_id == job and mover._inflight[-1].end is not None
+    mover.wait()
+    assert all(r.ok for r in mover.poll())
+    mover.close()
+
+
 @pytest.mark.parametrize("route", ROUTES, ids=lambda r: r or "default")
 def test_an_offload_sees_what_the_compute_stream_wrote_before_submit(route):
     """d2h, ``after`` left out: the compute stream rewrites the device blocks behind a

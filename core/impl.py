@@ -42,10 +42,11 @@ class ByIdsFn(Protocol):
     The caller has validated the template once and the ids per call (in range, no
     destination repeated): the same whole-batch guarantee a TransferFn gets.
 
-    Optionally ``launch_only(n) -> bool``: True where a call of ``n`` id pairs is one
-    launch after copying the ids into memory the device reads (no upload, no stream
-    switch first). BlockMover then calls it in ``submit`` on the engine's thread; without
-    the method, or where it says False, on the mover's issuing thread.
+    Optionally ``launch_only(n) -> bool``: True where a call of ``n`` id pairs only
+    stages the ids and enqueues launches (host work that does not grow with ``n`` beyond
+    copying the ids; no stream switch, no host-side copy to the device). BlockMover then
+    calls it in ``submit`` on the engine's thread; without the method, or where it says
+    False, on the mover's issuing thread.
     """
 
     def __call__(self, src_ids: np.ndarray, dst_ids: np.ndarray, stream: Any) -> Any: ...

@@ -103,11 +103,11 @@ class BlockMover:
     **What holds the engine's thread.** On a device, ``submit`` checks the ids (work that
     grows with the blocks, not the layers), makes the transfer stream wait for ``after``
     and records the job's start event on it. A job whose route derives the addresses from
-    the ids (``device_descriptors``) and reads them where they were staged is then launched
-    right there when it has 8,192 descriptors or more: one kernel launch, host work that
-    does not grow with the layers (the triton.kernel route reads the ids in place from 16
-    SMs on, and for shorter batches; otherwise it uploads them first, a stream switch and
-    a copy on the host). Any other job goes to the mover's issuing
+    the ids (``device_descriptors``) in calls that are only launches is then launched right
+    there when it has 8,192 descriptors or more: host work that does not grow with the
+    layers (triton.kernel stages the ids in pinned memory and reads them there, or, for a
+    long batch on few SMs, uploads them with a second kernel first). Any other job goes to
+    the mover's issuing
     thread, and so does a by-id job while an earlier job still waits on that thread (the
     stream sees jobs in submission order). That thread, one per mover, takes jobs in order:
     it builds the descriptors (layers x blocks), calls the copy route (a kernel launch or

@@ -118,3 +118,18 @@ def test_the_binding_module_imports_neither_triton_nor_torch():
             "print('triton' in sys.modules, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False"]
+
+
+@pytest.mark.parametrize("count", [1, 1023, 1024, 1025, 5000])
+def test_the_ids_upload_kernel_copies_exactly_count_ids(count):
+    """load_ids_kernel (the upload before a long batch) in the interpreter: every id lands,
+    nothing past ``count`` is written."""
+    from kvswap.backends.triton_generic.by_ids import UPLOAD_BLOCK
+    from kvswap.backends.triton_generic.by_ids_jit import load_ids_kernel
+
+    rng = np.random.default_rng(count)
+    src = torch.from_numpy(rng.integers(-2**62, 2**62, count + 64, dtype=np.int64))
+    dst = torch.full((count + 64,), -7, dtype=torch.int64)
+    load_ids_kernel[(-(-count // UPLOAD_BLOCK),)](src, dst, count, BLOCK=UPLOAD_BLOCK)
+    assert torch.equal(dst[:count], src[:count])
+    assert bool((dst[count:] == -7).all())

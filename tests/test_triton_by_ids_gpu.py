@@ -74,6 +74,7 @@ def test_ordered_on_the_stream_both_ways(direction):
         torch.cuda._sleep(SPIN)
         for f in dst.flats:
             f.fill_(0xA5)
+    assert fn.launch_only(2000)  # the upload is a kernel launched directly, no stream switch
     launch = fn(sid, did, stream)
     assert launch.ids == "device"  # a long batch: ids uploaded first
     with torch.cuda.stream(stream):

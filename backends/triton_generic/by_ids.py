@@ -5,9 +5,10 @@ contiguous chunk of one tensor pair) and every id. Building them on the host cos
 proportional to pieces x ids (layers x K/V x blocks) before the kernel can start; here
 the template (bases, strides, sizes per piece) is uploaded once, when the capability is
 bound, and a transfer sends only its two id arrays: packed into a pinned staging buffer
-of the launcher's pool, read by the kernel from there when the batch is short, uploaded
-with one asynchronous copy first when it is long (the rule of :class:`KernelCopy`). One
-launch of :func:`~.by_ids_jit.copy_by_ids_kernel` copies pieces x ids.
+of the launcher's pool, read by the kernel from there when the batch is short or the
+programs many (:data:`HOST_IDS_PROGRAMS`), uploaded first by
+:func:`~.by_ids_jit.load_ids_kernel`, launched the same way, otherwise. One launch of
+:func:`~.by_ids_jit.copy_by_ids_kernel` copies pieces x ids.
 
 The caller guarantees what the descriptor path would check per call: the template was
 validated once (chunks inside their tensors, destinations that do not overlap), and the
@@ -36,8 +37,7 @@ FIELDS = ("src_base", "src_stride", "dst_base", "dst_stride", "sizes")
 # its ids. On an H100 (4 KiB chunks, 512-20,000 rows, GPU time queued) reading them was
 # within 3% of uploading them first at 16 and 32 programs, in both directions, while at
 # 4 and 8 programs it was up to 37% slower past 16 tiles a program
-# (tests/bench/bench_ids_reads.py). The upload costs the launch a stream switch and a copy
-# on the host.
+# (tests/bench/bench_ids_reads.py). The upload costs a second launch.
 HOST_IDS_PROGRAMS = 16
 
 
@@ -144,9 +144,16 @@ class CopyByIds:
         return launch
 
     def launch_only(self, n: int) -> bool:
-        """Whether a call of ``n`` id pairs is only a launch: the kernel reads the ids
-        where the call staged them, in pinned host memory (no upload first)."""
-        return self.copy._pool is not None and n > 0 and self._plan(n).ids == "host"
+        """Whether a call of ``n`` id pairs is only launches: the kernel reads the ids where
+        the call staged them, in pinned host memory, or an upload kernel copies them to the
+        device first (launched directly, as the copy is; no profiler hook set)."""
+        if self.copy._pool is None or n <= 0:
+            return False
+        launch = self._plan(n)
+        if launch.ids == "host":
+            return True
+        return (self._variant(launch.tile).direct and _upload_variant(self.copy.device_index).direct
+                and not self._hooked())
 
     # -- launching ---------------------------------------------------------------------------
     def _interpret(self, ids: np.ndarray, launch: IdsLaunch) -> None:
@@ -188,7 +195,12 @@ class CopyByIds:
         else:
             ids, ptr = c._pool.device_buffer(entry), entry.dev_ptr
             m = 2 * launch.n
-            if current:
+            upload = _upload_variant(c.device_index)
+            if variant.direct and upload.direct and not self._hooked():
+                # The ids' upload is a kernel launched the same way: no stream switch here.
+                upload.run(-(-m // UPLOAD_BLOCK), 1, 1, s.cuda_stream, upload.function, upload.metadata, None, None,
+                           None, entry.host_ptr, ptr, m, UPLOAD_BLOCK)
+            elif current:
                 ids[:m].copy_(entry.host[:m], non_blocking=True)
             else:
                 with torch.cuda.stream(s):
@@ -211,6 +223,11 @@ class CopyByIds:
                                                    JOBS=tile.jobs, WORDS=tile.words, ALIGN=tile.align,
                                                    CACHE=tile.cache, num_warps=tile.warps)
 
+    def _hooked(self) -> bool:
+        """Whether a launch hook (a profiler) is set: launches then carry Triton's metadata."""
+        rt = self._runtime
+        return rt is not None and (hook_is_set(rt.launch_enter_hook) or hook_is_set(rt.launch_exit_hook))
+
     def _variant(self, tile: Tile) -> Variant:
         key = (tile.jobs, tile.words, tile.align, tile.cache, tile.warps)
         v = self._variants.get(key)
@@ -223,13 +240,32 @@ class CopyByIds:
         return v
 
     def prepare(self, counts: Any = (1024,)) -> None:
-        """Compile now the variants that batches of ``counts`` id pairs will use (GPU)."""
+        """Compile now the variants that batches of ``counts`` id pairs will use, and the
+        ids' upload (GPU)."""
         if self.copy.device_index is not None:
             for n in counts:
                 self._variant(self._plan(int(n)).tile)
+            _upload_variant(self.copy.device_index)
 
 
 _COMPILED: dict[tuple, Variant] = {}
+_UPLOADS: dict[int, Variant] = {}
+UPLOAD_BLOCK = 1024  # ids each program of the upload kernel copies
+
+
+def _upload_variant(device_index: int) -> Variant:
+    """The compiled ids upload (:func:`~.by_ids_jit.load_ids_kernel`) of one device."""
+    v = _UPLOADS.get(device_index)
+    if v is None:
+        import torch
+
+        from .by_ids_jit import load_ids_kernel
+
+        with torch.cuda.device(device_index):
+            compiled = load_ids_kernel.warmup(torch.int64, torch.int64, 0, BLOCK=UPLOAD_BLOCK, grid=(1,))
+            parts = direct_parts(compiled) if compiled is not None else None
+        v = _UPLOADS[device_index] = Variant(compiled, *parts) if parts else Variant(compiled)
+    return v
 
 
 def _compile(device_index: int, tile: Tile) -> Variant:

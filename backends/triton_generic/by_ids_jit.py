@@ -49,3 +49,13 @@ def copy_by_ids_kernel(tmpl, ids, n, pieces, splits, JOBS: tl.constexpr, WORDS: 
         nw = tl.load(tmpl + 4 * pieces + p, mask=live, other=0) >> 3
         top = tl.max(nw, 0)
         _copy_words(s, d, nw, top, part, splits, col, WORDS, ALIGN, CACHE)
+
+
+@triton.jit(do_not_specialize=["count"])
+def load_ids_kernel(src, dst, count, BLOCK: tl.constexpr):
+    """Copy ``count`` int64 ids from ``src`` (pinned host memory) to ``dst`` (device memory),
+    ``BLOCK`` per program: the upload before a long batch, launched like the copy itself
+    (no stream switch on the host)."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = i < count
+    tl.store(dst + i, tl.load(src + i, mask=live), mask=live)

@@ -36,7 +36,7 @@ FIELDS = ("src_base", "src_stride", "dst_base", "dst_stride", "sizes")
 # many tiles each program takes: enough programs hide the round trip each tile waits for
 # its ids. On an H100 (4 KiB chunks, 512-20,000 rows, GPU time queued) reading them was
 # within 3% of uploading them first at 16 and 32 programs, in both directions, while at
-# 4 and 8 programs it was up to 37% slower past 16 tiles a program
+# 4 and 8 programs it took up to 1.6 times as long past 16 tiles a program (H200 alike)
 # (tests/bench/bench_ids_reads.py). The upload costs a second launch.
 HOST_IDS_PROGRAMS = 16
 

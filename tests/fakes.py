@@ -1,4 +1,5 @@
-"""Throwaway plugins and distributions for tests: real entry points, no pip install.
+"""Throwaway plugins and distributions for tests (real entry points, no pip install), and a
+host stand-in for a device stream.
 
 A distribution is a ``<name>-<version>.dist-info`` folder (METADATA + entry_points.txt)
 beside the plugin's module in a temporary directory; putting that directory on
@@ -7,10 +8,13 @@ as it finds an installed package.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import sys
 import textwrap
+import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -72,3 +76,59 @@ def scattered(rng: np.random.Generator, pool_bytes: int, sizes: np.ndarray, slot
 
 def address(buf: np.ndarray) -> int:
     return int(buf.ctypes.data)
+
+
+class DeferredStream:
+    """A stand-in for a device stream on the host, with the completion protocol BlockMover
+    uses: the route queues each batch (views of the mover's descriptor arrays, as a device
+    reads them later), markers are queue positions, and a marker is done once the copies
+    before it ran, which happens only when the test says. A buffer handed back to the pool
+    too early would corrupt a queued job. Safe to enqueue from the mover's issuing thread."""
+
+    stream = "deferred"
+
+    def __init__(self) -> None:
+        self.queue: list = []
+        self.executed = 0
+        self.lock = threading.Lock()
+
+    def enqueue(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream: Any) -> None:
+        assert stream == self.stream
+        with self.lock:
+            self.queue.append((src, dst, sizes))
+
+    def run(self, count: int) -> None:
+        from kvswap.reference import host_copy
+
+        with self.lock:
+            for s, d, n in self.queue[self.executed:self.executed + count]:
+                host_copy(s, d, n)
+            self.executed = min(len(self.queue), self.executed + count)
+
+    def check_after(self, after: Any) -> None:
+        pass
+
+    def order_after(self, after: Any) -> None:
+        pass
+
+    def device_guard(self) -> Any:
+        return contextlib.nullcontext()
+
+    def bind_thread(self) -> None:
+        pass
+
+    def mark(self) -> int:
+        with self.lock:
+            return len(self.queue)
+
+    def done(self, marker: int) -> bool:
+        return self.executed >= marker
+
+    def wait(self, marker: int) -> None:
+        self.run(marker - self.executed)
+
+    def seconds(self, start: int, end: int) -> float:
+        return 0.0
+
+    def recycle(self, *markers: int) -> None:
+        pass

@@ -21,8 +21,8 @@ from kvswap.errors import (
     UnpinnedMemoryError,
 )
 from kvswap.plugins import create_plugin_host, reset_plugin_host
-from kvswap.reference import host_copy
 from kvswap.regions import block_regions
+from fakes import DeferredStream
 from mover_layouts import Pool, expected_after, layouts
 
 LAYOUTS = layouts()
@@ -168,53 +168,6 @@ def test_cross_layer_block_is_one_descriptor(name):
 
 
 # -- many jobs in flight -----------------------------------------------------------------
-class DeferredStream:
-    """A stand-in for a device stream on the host: copies are queued with views of the
-    mover's descriptor buffers (not copies of them) and run only when the test says, so a
-    buffer handed back to the pool too early would corrupt a queued job."""
-
-    stream = "deferred"
-
-    def __init__(self) -> None:
-        self.queue: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-        self.executed = 0
-
-    def enqueue(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream: Any) -> None:
-        assert stream == "deferred"
-        self.queue.append((src, dst, sizes))
-
-    def run(self, count: int) -> None:
-        for src, dst, sizes in self.queue[self.executed:self.executed + count]:
-            host_copy(src, dst, sizes)
-        self.executed = min(len(self.queue), self.executed + count)
-
-    # the completion protocol BlockMover uses
-    def check_after(self, after) -> None:
-        pass
-
-    def order_after(self, after) -> None:
-        pass
-
-    def device_guard(self):
-        import contextlib
-        return contextlib.nullcontext()
-
-    def mark(self) -> int:
-        return len(self.queue)
-
-    def done(self, marker: int) -> bool:
-        return self.executed >= marker
-
-    def wait(self, marker: int) -> None:
-        self.run(marker - self.executed)
-
-    def seconds(self, start: int, end: int) -> float:
-        return 0.0
-
-    def recycle(self, *markers: int) -> None:
-        pass
-
-
 def _install(name: str, fn_factory: Callable, **impl_kw: Any) -> None:
     class Plugin:
         @hookimpl

@@ -20,6 +20,7 @@ from kvswap import BlockMover, CopyImpl, Direction, KVGroup, Policy, hookimpl
 from kvswap.errors import BlockIdError, ConfigurationError, InvalidTransferError
 from kvswap.plugins import create_plugin_host, reset_plugin_host
 from kvswap.reference import host_copy
+from fakes import DeferredStream
 from mover_layouts import Pool, expected_after, layouts
 
 LAYOUTS = layouts()
@@ -202,62 +203,10 @@ def test_wait_on_a_job_the_thread_has_not_issued_yet():
     timer.join()
 
 
-class Deferred:
-    """A transfer stream whose copies run when the test says: the route queues each
-    batch (the descriptor arrays themselves, as a device reads them later), markers
-    are queue positions, and a marker is done once the copies before it ran."""
-
-    def __init__(self) -> None:
-        self.queue: list = []
-        self.executed = 0
-        self.lock = threading.Lock()
-
-    def enqueue(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream: Any) -> None:
-        with self.lock:
-            self.queue.append((src, dst, sizes))
-
-    def run(self, count: int) -> None:
-        with self.lock:
-            for s, d, n in self.queue[self.executed:self.executed + count]:
-                host_copy(s, d, n)
-            self.executed = min(len(self.queue), self.executed + count)
-
-    stream = None
-
-    def check_after(self, after: Any) -> None:
-        pass
-
-    def order_after(self, after: Any) -> None:
-        pass
-
-    def device_guard(self) -> Any:
-        import contextlib
-        return contextlib.nullcontext()
-
-    def bind_thread(self) -> None:
-        pass
-
-    def mark(self) -> int:
-        with self.lock:
-            return len(self.queue)
-
-    def done(self, marker: int) -> bool:
-        return self.executed >= marker
-
-    def wait(self, marker: int) -> None:
-        self.run(marker - self.executed)
-
-    def seconds(self, start: int, end: int) -> float:
-        return 0.0
-
-    def recycle(self, *markers: int) -> None:
-        pass
-
-
 def test_descriptor_buffers_stay_with_their_jobs_until_the_copy_ran():
     """The route keeps the pooled descriptor arrays and copies later: a buffer handed back
     (and refilled by a later job) before its copy ran would copy the wrong blocks."""
-    stream = Deferred()
+    stream = DeferredStream()
     _install(stream.enqueue)
     rng = np.random.default_rng(11)
     src, dst = _pools("flash", 12, src_blocks=64, dst_blocks=48)

@@ -14,28 +14,15 @@ import pytest
 import torch
 
 from kvswap import BlockMover, Policy
-from mover_layouts import Pool, expected_after, layouts, random_bytes
+from mover_layouts import Pool, expected_after, random_bytes
+from test_mover_gpu import ROUTES, SPIN, _ids
+from test_mover_gpu import _pair as pinned_pair
 
 pytestmark = pytest.mark.gpu
 
-LAYOUTS = layouts(bs=16, heads=2, head_dim=64, layers=4)
-ROUTES = [None, "triton.kernel", "cuda.batch"]
-# torch.cuda._sleep spins this many GPU clock cycles: ~0.5-1 s at 1-2 GHz, far longer than
-# the host needs to queue the work that follows it.
-SPIN = 1_000_000_000
-
 
 def _pair(name: str, direction: str, seed: int, src_blocks: int = 96, dst_blocks: int = 64) -> tuple[Pool, Pool]:
-    gen = torch.Generator().manual_seed(seed)
-    h2d = direction == "h2d"
-    src = Pool(LAYOUTS[name], src_blocks, gen, device="cpu" if h2d else "cuda", pinned=h2d)
-    dst = Pool(LAYOUTS[name], dst_blocks, gen, device="cuda" if h2d else "cpu", pinned=not h2d)
-    return src, dst
-
-
-def _ids(rng: np.random.Generator, n: int, src: Pool, dst: Pool) -> tuple[np.ndarray, np.ndarray]:
-    return (rng.choice(src.num_blocks, n, replace=False).astype(np.int64),
-            rng.choice(dst.num_blocks, n, replace=False).astype(np.int64))
+    return pinned_pair(name, direction, seed, src_blocks, dst_blocks)
 
 
 def _mover(src: Pool, dst: Pool, direction: str, route, **kw) -> BlockMover:

@@ -47,6 +47,12 @@ class ByIdsFn(Protocol):
     copying the ids; no stream switch, no host-side copy to the device). BlockMover then
     calls it in ``submit`` on the engine's thread; without the method, or where it says
     False, on the mover's issuing thread.
+
+    Optionally ``stage(src_ids, dst_ids) -> launch``: the host half of a call (the ids
+    copied where the launch reads them), returning ``launch(stream)``, the rest, and
+    ``launch.cancel()``, which releases what was staged where the launch never comes.
+    BlockMover stages before it records the job's start marker, as it builds descriptors
+    before it on the descriptor path, so a job's time is the device's.
     """
 
     def __call__(self, src_ids: np.ndarray, dst_ids: np.ndarray, stream: Any) -> Any: ...

@@ -23,7 +23,7 @@ from .completion import CURRENT_STREAM, CudaCompletion, HostCompletion
 from .errors import ConfigurationError, InvalidTransferError, MoverClosedError
 from .issuing import IssuingThread
 from .pinned_pool import DescriptorPool
-from .mover_descriptors import JobDescriptors, by_ids_steps, enqueue
+from .mover_descriptors import JobDescriptors, by_ids_steps, enqueue, stage_ids
 from .mover_jobs import Job, complete, issue_with, result, wait_from_worker
 from .mover_inputs import (
     checked_groups, checked_pair, device_side, group_specs, group_templates, groups_share_destinations,
@@ -416,13 +416,26 @@ class BlockMover:
             self.pool.release(buf)
             raise
         error = None
+        n = len(ids[0][0])
+        launch = None
         with c.device_guard():
-            c.order_after(after)
-            start = c.mark()
+            try:
+                # Ids are staged, as descriptors are built, before the start marker.
+                launch = None if by_ids is None else stage_ids(by_ids, buf.array[0, :n], buf.array[1, :n])
+                c.order_after(after)
+                start = c.mark()
+            except BaseException:
+                if launch is not None:
+                    launch.cancel()
+                self.pool.release(buf)
+                raise
             try:
                 # The buffer is ours until the end marker: backends may keep its arrays.
                 with deferred.collect(stable=True) as issued:
-                    enqueue(fn or self._fn, by_ids, buf.array, len(ids[0][0]), m, c.stream)
+                    if launch is not None:
+                        launch(c.stream)
+                    else:
+                        enqueue(fn or self._fn, None, buf.array, n, m, c.stream)
             except BaseException as e:
                 # Part of the batch may be enqueued: the buffers stay with a failed job
                 # until the end marker shows the stream is past it.
@@ -480,11 +493,16 @@ class BlockMover:
         job, so the stream still sees jobs in submission order."""
         c = self._completion
         (sid, did), = ids
-        c.order_after(after)
-        start = c.mark()
+        launch = stage_ids(by_ids, sid, did)  # the ids are copied here, before the start marker
+        try:
+            c.order_after(after)
+            start = c.mark()
+        except BaseException:
+            launch.cancel()
+            raise
         error = None
         try:
-            by_ids(sid, did, c.stream)  # copies the ids before it returns
+            launch(c.stream)
         except BaseException as e:
             error = e  # a launch may have been enqueued: the job ends at the end marker
         end = c.mark()

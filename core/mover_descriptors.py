@@ -100,3 +100,24 @@ def enqueue(fn: SwapFn, by_ids: Any, arr: np.ndarray, n_ids: int, m: int, stream
         by_ids(arr[0, :n_ids], arr[1, :n_ids], stream)
     elif m:
         fn.call_validated(arr[0, :m], arr[1, :m], arr[2, :m], stream=stream)
+
+
+def stage_ids(by_ids: Any, src_ids: np.ndarray, dst_ids: np.ndarray) -> Any:
+    """``by_ids``'s call in two halves where it offers ``stage`` (:class:`kvswap.impl.ByIdsFn`):
+    the ids staged now, and the returned ``launch(stream)`` that enqueues (``cancel()``
+    where it never will); without ``stage``, the whole call is left to ``launch``."""
+    stage = getattr(by_ids, "stage", None)
+    return stage(src_ids, dst_ids) if callable(stage) else _WholeCall(by_ids, src_ids, dst_ids)
+
+
+class _WholeCall:
+    __slots__ = ("fn", "src", "dst")
+
+    def __init__(self, fn: Any, src: np.ndarray, dst: np.ndarray) -> None:
+        self.fn, self.src, self.dst = fn, src, dst
+
+    def __call__(self, stream: Any) -> Any:
+        return self.fn(self.src, self.dst, stream)
+
+    def cancel(self) -> None:
+        pass

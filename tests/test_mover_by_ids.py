@@ -304,3 +304,57 @@ def test_a_by_id_launch_that_fails_in_submit_raises_and_fails_its_job(monkeypatc
         (result,) = mover.poll()
     assert not result.ok and "launch refused" in result.error and result.bytes == 0
     assert dst.matches(before)
+
+
+class Staging(Recording):
+    """A by-id transfer that offers ``stage``: the log shows when the mover staged the ids,
+    recorded its markers and launched."""
+
+    def __init__(self, log: list) -> None:
+        super().__init__()
+        self.log = log
+
+    def by_ids(self, template):
+        inner = self.kernel.by_ids(template)
+        log = self.log
+
+        def fn(src_ids, dst_ids, stream):  # the whole call: never taken where stage is offered
+            log.append("whole")
+            return inner(src_ids, dst_ids, stream)
+
+        def stage(src_ids, dst_ids):
+            log.append("stage")
+            launch = inner.stage(src_ids, dst_ids)
+            src_ids[:] = -1  # the caller's arrays may change once staged: the launch reads its copy
+            return lambda stream: (log.append("launch"), launch(stream))[1]
+
+        fn.stage = stage
+        fn.launch_only = lambda n: True
+        return fn
+
+
+@pytest.mark.parametrize("issuing_thread", [False, True])
+def test_ids_are_staged_before_the_start_marker_and_launched_after_it(monkeypatch, issuing_thread):
+    """A job's time is the device's: where the route stages its ids apart from the launch,
+    the mover stages them before it records the job's start marker (on the caller's path
+    and when it launches in submit), and every byte still lands."""
+    monkeypatch.setattr("kvswap.mover.LAUNCH_HERE_MIN_DESCRIPTORS", 0)
+    log: list = []
+    _install(Staging(log))
+    src, dst = _pools("flash", 16)
+    before, src_before = dst.snapshot(), src.snapshot()
+    rng = np.random.default_rng(16)
+    jobs = [(rng.permutation(40)[:n].astype(np.int64), rng.permutation(56)[:n].astype(np.int64)) for n in (9, 5)]
+    with BlockMover(src.tensors, dst.tensors, "h2d", block_dim=1, policy=Policy(force="test.kernel"),
+                    issuing_thread=issuing_thread) as mover:
+        c = mover._completion
+        mark = c.mark
+        monkeypatch.setattr(c, "mark", lambda: (log.append("mark"), mark())[1])
+        for sid, did in jobs:
+            mover.submit(sid.copy(), did)
+            mover.wait()
+        results = mover.poll()
+    assert log == ["stage", "mark", "launch", "mark"] * 2
+    assert all(r.ok for r in results)
+    assert dst.matches(expected_after(dst, before, src_before, src, jobs))
+    assert src.matches(src_before)

@@ -131,17 +131,23 @@ class CopyByIds:
     def __call__(self, src_ids: np.ndarray, dst_ids: np.ndarray, stream: Any = None) -> IdsLaunch:
         """Copy validated int64 id arrays; enqueued on ``stream`` (GPU) or done on return
         (interpreter)."""
+        return self.stage(src_ids, dst_ids)(stream)
+
+    def stage(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> Any:
+        """The host half of a call: the ids packed into a pinned staging buffer now; the
+        returned ``launch(stream) -> IdsLaunch`` enqueues the kernel(s) that read them.
+        A caller that records a start marker between the two times the device's part
+        alone; ``launch.cancel()`` returns the buffer where nothing is launched."""
         n = len(src_ids)
         if n == 0:
-            self.last_launch = IdsLaunch(0, 0, 0, None)
-            return self.last_launch
+            return _Later(self, IdsLaunch(0, 0, 0, None))
         launch = self._plan(n)
-        if self.copy._pool is None:
-            self._interpret(np.concatenate((src_ids, dst_ids)).astype(np.int64, copy=False), launch)
-        else:
-            self._enqueue(src_ids, dst_ids, launch, stream)
-        self.last_launch = launch
-        return launch
+        if self.copy._pool is None:  # the interpreter copies at launch
+            return _Later(self, launch, np.concatenate((src_ids, dst_ids)).astype(np.int64))
+        entry = self.copy._pool.take(2 * n)
+        entry.view[:n] = src_ids
+        entry.view[n:2 * n] = dst_ids
+        return _Staged(self, entry, launch)
 
     def launch_only(self, n: int) -> bool:
         """Whether a call of ``n`` id pairs is only launches: the kernel reads the ids where
@@ -166,15 +172,12 @@ class CopyByIds:
                                            self.pieces, t.splits, JOBS=t.jobs, WORDS=t.words, ALIGN=t.align,
                                            CACHE=t.cache, num_warps=t.warps)
 
-    def _enqueue(self, src_ids: np.ndarray, dst_ids: np.ndarray, launch: IdsLaunch, stream: Any) -> None:
+    def _enqueue(self, entry: Any, launch: IdsLaunch, stream: Any) -> None:
         import torch
 
-        c, n = self.copy, launch.n
+        c = self.copy
         s = c._streams.get(stream)
-        entry = c._pool.take(2 * n)
         try:
-            entry.view[:n] = src_ids
-            entry.view[n:2 * n] = dst_ids
             if torch.cuda.current_device() == c.device_index:
                 self._launch(entry, launch, s, stream is None)
             else:
@@ -246,6 +249,46 @@ class CopyByIds:
             for n in counts:
                 self._variant(self._plan(int(n)).tile)
             _upload_variant(self.copy.device_index)
+
+
+class _Staged:
+    """A call's ids in a staging buffer, waiting for their launch (:meth:`CopyByIds.stage`)."""
+
+    __slots__ = ("fn", "entry", "launch")
+
+    def __init__(self, fn: CopyByIds, entry: Any, launch: IdsLaunch) -> None:
+        self.fn, self.entry, self.launch = fn, entry, launch
+
+    def __call__(self, stream: Any = None) -> IdsLaunch:
+        entry, self.entry = self.entry, None
+        if entry is None:
+            raise RuntimeError("these staged ids were already launched or cancelled")
+        self.fn._enqueue(entry, self.launch, stream)
+        self.fn.last_launch = self.launch
+        return self.launch
+
+    def cancel(self) -> None:
+        entry, self.entry = self.entry, None
+        if entry is not None:  # never launched: nothing reads it
+            self.fn.copy._pool.give(entry)
+
+
+class _Later:
+    """A call without a staging buffer: no ids, or the interpreter's (copied at launch)."""
+
+    __slots__ = ("fn", "launch", "ids")
+
+    def __init__(self, fn: CopyByIds, launch: IdsLaunch, ids: Optional[np.ndarray] = None) -> None:
+        self.fn, self.launch, self.ids = fn, launch, ids
+
+    def __call__(self, stream: Any = None) -> IdsLaunch:
+        if self.ids is not None:
+            self.fn._interpret(self.ids, self.launch)
+        self.fn.last_launch = self.launch
+        return self.launch
+
+    def cancel(self) -> None:
+        pass
 
 
 _COMPILED: dict[tuple, Variant] = {}

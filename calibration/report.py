@@ -181,7 +181,8 @@ def slowdown_lines(fitted: Fitted, interference: Sequence[dict] = ()) -> list[st
     """The compute slowdown per direction, route and SM count, and where it came from."""
     out = []
     for d, rows in fitted.slowdown_by_sms.items():
-        items = ", ".join(f"{r}{f'@{n}' if n else ''} {v:.0%}" for r, n, v in rows if "." in r)
+        items = ", ".join(f"{r[0]}{f'@{r[1]}' if r[1] else ''}{f' at {r[3] // 1024} KiB' if len(r) > 3 else ''} "
+                          f"{r[2]:.0%}" for r in rows if "." in r[0])
         out.append(f"{d}: compute slowdown beside each route: {items or '-'}")
     partial = [r for r in interference if r.get("covered") is False]
     if partial:

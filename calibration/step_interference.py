@@ -1,7 +1,8 @@
-"""Compute slowdown as an engine sees it: per direction, route and SM count.
+"""Compute slowdown as an engine sees it: per direction, route and SM count, and for the
+route that takes no SMs per block size.
 
-The step benchmark's procedure (:mod:`kvswap.calibration.step`) on one model-shaped
-workload: bf16 GEMMs launched on the compute stream, a BlockMover job submitted right
+The step benchmark's procedure (:mod:`kvswap.calibration.step`) on model-shaped workloads
+(every route on one, the batch route again on two with other chunk sizes): bf16 GEMMs launched on the compute stream, a BlockMover job submitted right
 after from the same thread, the two started together. The slowdown is the fraction of
 compute throughput lost, ``1 - (compute alone) / (compute beside the job)``, the median
 over repetitions that alternate with the compute alone; each job is sized to outlast the
@@ -33,6 +34,11 @@ SM_COUNTS = (4, 8, 12, 16, 32)
 # 16 KiB chunks, 56 a block: the block size the earlier GEMM-beside-copy numbers used.
 WORKLOAD = ("qwen2.5-7b", 1)
 POOL_BLOCKS = 3000
+# The route that takes no SMs measured again at 4 KiB and 32 KiB chunks: host to device,
+# the copy engines' compute slowdown depends on the block size (in the step benchmark on an
+# H100 and an H200: about 20% at 16-18 KiB, 5-13% at 4 KiB, under 1% at 32 KiB).
+SIZE_WORKLOADS = (("llama-3.1-8b", 8), ("llama-3.1-8b", 1))
+SIZE_POOL_BLOCKS = 1024
 COVER = 1.3  # a job sized for this many times the compute alone
 
 
@@ -43,40 +49,62 @@ def workload() -> KVCache:
 
 def measure(env: Any, dev: DeviceInfo, directions: Sequence[Direction], sm_counts: Sequence[int] = SM_COUNTS,
             reps: int = 5, *, host: Any = None, cache: Optional[KVCache] = None, num_blocks: int = POOL_BLOCKS,
-            progress: Optional[Progress] = None, seed: int = 0) -> list[dict[str, Any]]:
-    """One record per direction x route (the batch route, the kernel at each SM count)."""
+            progress: Optional[Progress] = None, seed: int = 0, by_size: Sequence[KVCache] = (),
+            size_blocks: int = SIZE_POOL_BLOCKS) -> list[dict[str, Any]]:
+    """One record per direction x route (the batch route, the kernel at each SM count) on
+    ``cache``, and one per direction for the batch route on each of ``by_size`` (other
+    block sizes; :func:`size_workloads`)."""
     cache = cache or workload()
     rng = np.random.default_rng(seed)
-    pools = StepPools(env, cache, num_blocks, seed)
     records = []
-    for d in directions:
-        pools.prepare(d)
-        src, dst = pools.sides(d)
-        batch, kernel = routes_available(d, dev.torch_device, host)
-        routes: list[tuple[str, str, int, Contender]] = []
-        if batch:
-            routes.append((batch, "batch", 0, Contender("batch", Policy(force=batch))))
-        if kernel:
-            cap = dev.compute_units or max(sm_counts)
-            routes += [(kernel, "kernel", k, Contender(f"kernel@{k}", Policy(force=kernel, max_sms=k), exact_sms=k))
-                       for k in sm_counts if k <= cap]
-        if progress is not None:
-            progress.add(len(routes))
-        for impl, kind, sms, c in routes:
-            rec: dict[str, Any] = {"direction": str(d), "route": impl, "kind": kind, "num_sms": sms,
-                                   "chunk_bytes": cache.chunk_bytes, "workload": cache.label}
+    plan = [(cache, num_blocks, True)] + [(c, size_blocks, False) for c in by_size]
+    for c, blocks, kernels in plan:
+        pools = StepPools(env, c, blocks, seed)
+        try:
+            for d in directions:
+                records += _measure_routes(env, dev, pools, d, sm_counts if kernels else (), reps, rng, host, progress)
+        finally:
+            del pools
+    return records
+
+
+def size_workloads() -> list[KVCache]:
+    """The workloads the batch route is measured on at other block sizes."""
+    return [get(name).at(tp) for name, tp in SIZE_WORKLOADS]
+
+
+def _measure_routes(env: Any, dev: DeviceInfo, pools: StepPools, d: Direction, sm_counts: Sequence[int], reps: int,
+                    rng: np.random.Generator, host: Any, progress: Optional[Progress]) -> list[dict[str, Any]]:
+    """The batch route and, at ``sm_counts``, the kernel, in direction ``d`` on ``pools``."""
+    cache = pools.cache
+    pools.prepare(d)
+    src, dst = pools.sides(d)
+    batch, kernel = routes_available(d, dev.torch_device, host)
+    routes: list[tuple[str, str, int, Contender]] = []
+    if batch:
+        routes.append((batch, "batch", 0, Contender("batch", Policy(force=batch))))
+    if kernel:
+        cap = dev.compute_units or max(sm_counts, default=0)
+        routes += [(kernel, "kernel", k, Contender(f"kernel@{k}", Policy(force=kernel, max_sms=k), exact_sms=k))
+                   for k in sm_counts if k <= cap]
+    if progress is not None:
+        progress.add(len(routes))
+    records = []
+    for impl, kind, sms, c in routes:
+        rec: dict[str, Any] = {"direction": str(d), "route": impl, "kind": kind, "num_sms": sms,
+                               "chunk_bytes": cache.chunk_bytes, "workload": cache.label}
+        try:
+            with env.context():
+                mover = make_mover(src, dst, d, cache.block_dim, c, dev)
             try:
-                with env.context():
-                    mover = make_mover(src, dst, d, cache.block_dim, c, dev)
-                try:
-                    rec.update(_measure_route(env, pools, mover, d, reps, rng))
-                finally:
-                    mover.close()
-            except Exception as e:
-                rec["error"] = f"{type(e).__name__}: {e}"
-            records.append(rec)
-            if progress is not None:
-                progress.step(f"{d} {c.name}")
+                rec.update(_measure_route(env, pools, mover, d, reps, rng))
+            finally:
+                mover.close()
+        except Exception as e:
+            rec["error"] = f"{type(e).__name__}: {e}"
+        records.append(rec)
+        if progress is not None:
+            progress.step(f"{d} {c.name} {cache.chunk_bytes // 1024} KiB")
     return records
 
 
@@ -108,15 +136,18 @@ def _measure_route(env: Any, pools: StepPools, mover: Any, d: Direction, reps: i
 def profile_rows(records: Sequence[dict[str, Any]]) -> dict[str, list[list[Any]]]:
     """A profile's ``slowdown_by_sms``: per direction, ``[route, num_sms, fraction]`` rows
     for each impl and, the same numbers, for its kind (what a route of that kind without
-    its own rows is judged by)."""
-    out: dict[str, dict[tuple[str, int], float]] = {}
+    its own rows is judged by). The batch route's rows name the block size they were
+    measured at (``[route, 0, fraction, block_bytes]``): it was measured at several."""
+    out: dict[str, dict[tuple, float]] = {}
     for r in records:
         if r.get("error") or "slowdown" not in r:
             continue
         rows = out.setdefault(r["direction"], {})
+        sized = r["kind"] == "batch" and r.get("chunk_bytes")
         for key in (r["route"], r["kind"]):
-            rows[(key, r["num_sms"])] = max(r["slowdown"], rows.get((key, r["num_sms"]), 0.0))
-    return {d: [[k, n, v] for (k, n), v in sorted(rows.items())] for d, rows in out.items()}
+            k = (key, r["num_sms"], r["chunk_bytes"]) if sized else (key, r["num_sms"])
+            rows[k] = max(r["slowdown"], rows.get(k, 0.0))
+    return {d: [[k[0], k[1], v, *k[2:]] for k, v in sorted(rows.items())] for d, rows in out.items()}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -125,11 +156,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from kvswap.plugins import plugin_host
 
     from .step import DeviceEnv
+    from .step_report import interference_markdown
     from .timing import on_host
 
     p = argparse.ArgumentParser(prog="python -m kvswap.calibration.step_interference",
-                                description="Compute slowdown per direction, route and SM count, measured "
-                                "beside bf16 GEMMs the way an engine sees it.")
+                                description="Compute slowdown per direction, route and SM count (and, for "
+                                "the route that takes no SMs, block size), measured beside bf16 GEMMs the way an "
+                                "engine sees it.")
     p.add_argument("--device", default=None)
     p.add_argument("--directions", type=parse_directions, default=[Direction.H2D, Direction.D2H])
     p.add_argument("--sms", default=",".join(map(str, SM_COUNTS)), help="kernel SM counts")
@@ -145,20 +178,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     progress = Progress.on_stderr("route")
     try:
         records = measure(DeviceEnv(dev, args.step_ms), dev, args.directions,
-                          [int(x) for x in args.sms.split(",") if x.strip()], args.reps, host=host, progress=progress)
+                          [int(x) for x in args.sms.split(",") if x.strip()], args.reps, host=host, progress=progress,
+                          by_size=size_workloads())
     finally:
         progress.close()
-    print(f"compute slowdown beside a BlockMover job ({records[0]['workload'] if records else '-'}), {dev.name}:")
-    print("| dir | route | SMs | blocks | slowdown | transfer ms | compute ms | covered |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in records:
-        if r.get("error"):
-            print(f"| {r['direction']} | {r['route']} | {r['num_sms']} | failed: {r['error']} |||||")
-            continue
-        print(f"| {r['direction']} | {r['route']} | {r['num_sms']} | {r['blocks']} | {r['slowdown']:.1%} | "
-              f"{r['transfer_beside_ms']:.2f} | {r['compute_beside_ms']:.2f} | {r['covered']} |")
     doc = {"kind": "kvswap step interference", "device": dev.name, "records": records,
            "slowdown_by_sms": profile_rows(records)}
+    print(interference_markdown(doc))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1) + "\n")

@@ -234,13 +234,16 @@ def interference_markdown(doc: dict[str, Any]) -> str:
     """The compute slowdown per direction, route and SM count (``step_interference``'s JSON)."""
     lines = [f"Compute slowdown beside a BlockMover job on {doc['device']} (fraction of GEMM throughput lost; "
              f"the job sized to outlast the compute):", "",
-             "| dir | route | SMs | blocks | slowdown | transfer ms | compute ms | covered |", "|---|---|---|---|---|---|---|---|"]
+             "| dir | route | SMs | chunk | blocks | slowdown | transfer ms | compute ms | covered |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in doc["records"]:
+        chunk = f"{r['chunk_bytes'] // 1024} KiB" if r.get("chunk_bytes") else "-"
+        where = f"| {r['direction']} | {r['route']} | {r['num_sms'] or '-'} | {chunk} |"
         if r.get("error"):
-            lines.append(f"| {r['direction']} | {r['route']} | {r['num_sms'] or '-'} | failed: {r['error'][:60]} | | | | |")
+            lines.append(f"{where} failed: {r['error'][:60]} | | | | |")
             continue
-        lines.append(f"| {r['direction']} | {r['route']} | {r['num_sms'] or '-'} | {r['blocks']} | {r['slowdown']:.1%} | "
-                     f"{r['transfer_beside_ms']:.2f} | {r['compute_beside_ms']:.2f} | {'yes' if r['covered'] else 'no'} |")
+        lines.append(f"{where} {r['blocks']} | {r['slowdown']:.1%} | {r['transfer_beside_ms']:.2f} | "
+                     f"{r['compute_beside_ms']:.2f} | {'yes' if r['covered'] else 'no'} |")
     return "\n".join(lines) + "\n"
 
 

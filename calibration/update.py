@@ -99,12 +99,15 @@ def measure(which: Sequence[str], dev: DeviceInfo, spec: Any, host: Any, directi
         small = on_host(dev)
         sms = step_interference.SM_COUNTS
         out.settings["interference"] = {"workload": list(step_interference.WORKLOAD), "sm_counts": list(sms),
+                                        "size_workloads": [] if small else [list(w) for w in
+                                                                             step_interference.SIZE_WORKLOADS],
                                         "step_ms": STEP_MS}
         try:
             out.interference = step_interference.measure(
                 env, dev, directions, sms, reps=3 if quick else 5, host=host, progress=progress,
                 cache=host_interference_cache() if small else None,
-                num_blocks=200 if small else step_interference.POOL_BLOCKS)
+                num_blocks=200 if small else step_interference.POOL_BLOCKS,
+                by_size=() if small else step_interference.size_workloads())
         except Exception as e:
             out.failures.add(where, INTERFERENCE, None, None, e)
     return out

@@ -156,12 +156,12 @@ def paying_tiers(tiers: tuple[tuple[int, int], ...], cal: Calibration, direction
     base = cal.predict(name, kind, direction, size, knee)
     if not base:
         return tiers
-    base_slow = cal.slowdown_at(name, kind, direction, knee)
+    base_slow = cal.slowdown_at(name, kind, direction, knee, size)
     out = []
     for start, k in tiers:
         if k > knee:
             gbps = cal.predict(name, kind, direction, size, k)
-            if gbps is None or gbps / base - 1.0 <= cal.slowdown_at(name, kind, direction, k) - base_slow:
+            if gbps is None or gbps / base - 1.0 <= cal.slowdown_at(name, kind, direction, k, size) - base_slow:
                 k = knee
         out.append((start, k))
     return tiers_at(out, knee)
@@ -199,7 +199,7 @@ def rank(
         g = predicted(impl, cal, direction, size, num_sms, own)
         score = g
         if score is not None and policy.prefer == "low_interference":
-            score *= 1.0 - cal.slowdown_at(impl.name, impl.kind, direction, num_sms if impl.uses_sms else None)
+            score *= 1.0 - cal.slowdown_at(impl.name, impl.kind, direction, num_sms if impl.uses_sms else None, size)
         rows.append((rank_key(score, impl.uses_sms, impl.name, kernel_margin=m, builtin=own), impl, g))
     rows.sort(key=lambda r: r[0])
     return [(impl, g) for _, impl, g in rows]
@@ -301,7 +301,11 @@ def quiet_costs(route: Route, kernel: CopyImpl, num_sms: int, others: Iterable[C
     bytes (``nbytes`` in all): ``((kernel seconds, kernel slowdown), ((name, seconds,
     slowdown), ...))`` for ``kernel`` at ``num_sms`` and for every implementation among
     ``others`` that takes no SMs; seconds predicted from the speed curve and the host cost,
-    slowdown as measured by SM count. None where the kernel's time is not predicted."""
+    slowdown as measured by SM count (and block size, where measured so). The two times
+    are added, though the curve's includes the call's host work on the calibration's
+    layout: where the call and the copy overlap that overestimates the route, which then
+    costs the step a kernel's slowdown; underestimating a route that takes no SMs can let
+    its copy end the step late. None where the kernel's time is not predicted."""
 
     def seconds(impl: CopyImpl, sms: Optional[int]) -> Optional[float]:
         gbps = predicted(impl, cal, direction, size, sms)
@@ -319,8 +323,8 @@ def quiet_costs(route: Route, kernel: CopyImpl, num_sms: int, others: Iterable[C
             continue
         t = seconds(other, None)
         if t is not None:
-            quiet.append((other.name, t, cal.slowdown_at(other.name, other.kind, direction)))
-    return (t_kernel, cal.slowdown_at(kernel.name, kernel.kind, direction, num_sms)), tuple(quiet)
+            quiet.append((other.name, t, cal.slowdown_at(other.name, other.kind, direction, size=size)))
+    return (t_kernel, cal.slowdown_at(kernel.name, kernel.kind, direction, num_sms, size)), tuple(quiet)
 
 
 def quieter_route(costs: Optional[tuple], within: float) -> Optional[str]:

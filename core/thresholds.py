@@ -64,6 +64,26 @@ class Curve:
         return at_log_size(self.points, block_bytes)
 
 
+def _slowdown_row(row: Sequence[Any]) -> tuple:
+    """One ``slowdown_by_sms`` row, typed: ``(route, num_sms, fraction)``, with
+    ``block_bytes`` last where the row names one."""
+    if len(row) not in (3, 4):
+        raise ValueError(row)
+    r, n, v = str(row[0]), int(row[1]), float(row[2])
+    return (r, n, v) if len(row) == 3 else (r, n, v, int(row[3]))
+
+
+def _over_sms(pts: list[tuple[int, float]], num_sms: Optional[int]) -> float:
+    """A slowdown at ``num_sms`` from ``(num_sms, fraction)`` points sorted by SMs: linear
+    between measured counts, the nearest end beyond (the first point without a count)."""
+    if num_sms is None or len(pts) == 1 or num_sms <= pts[0][0]:
+        return pts[0][1]
+    for (n0, v0), (n1, v1) in zip(pts, pts[1:]):
+        if num_sms <= n1:
+            return v0 + (v1 - v0) * (num_sms - n0) / (n1 - n0)
+    return pts[-1][1]
+
+
 @dataclass(frozen=True)
 class Calibration:
     """Tuned numbers for one device (or a family, or a whole platform).
@@ -95,9 +115,12 @@ class Calibration:
     :param slowdown_by_sms: per direction, the same fraction measured the way an engine sees
         it (compute launched, the transfer submitted right after, beside it):
         ``((route, num_sms, fraction), ...)`` with ``route`` an impl name or a kind and
-        ``num_sms`` 0 for routes that take no SMs. Where it has rows for a route, it is
-        what :meth:`slowdown_at` answers (over SM counts: linear between measured ones,
-        the nearest end beyond); otherwise ``slowdown`` is.
+        ``num_sms`` 0 for routes that take no SMs. A row may name a fourth item, the block
+        size it was measured at (``(route, num_sms, fraction, block_bytes)``): a route with
+        such rows is judged at a block size by those of the nearest measured size (over
+        log sizes); rows without one apply at every size. Where it has rows for a route,
+        it is what :meth:`slowdown_at` answers (over SM counts: linear between measured
+        ones, the nearest end beyond); otherwise ``slowdown`` is.
     :param host_cost: per direction, how long one call of a route holds the calling thread,
         fitted as ``host_us(n) = a_us + b_us * n`` over ``n`` descriptors spread across many
         per-layer tensors (an engine's layout), with the transfer stream busy so only host
@@ -119,7 +142,7 @@ class Calibration:
     min_batch_by_size: Mapping[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
     kernel_sms_by_batch: Mapping[str, tuple[tuple[int, tuple[tuple[int, int], ...]], ...]] = field(default_factory=dict)
     slowdown: Mapping[str, float] = field(default_factory=dict)
-    slowdown_by_sms: Mapping[str, tuple[tuple[str, int, float], ...]] = field(default_factory=dict)
+    slowdown_by_sms: Mapping[str, tuple[tuple, ...]] = field(default_factory=dict)
     ceiling_gbps: Mapping[str, float] = field(default_factory=dict)
     host_cost: Mapping[str, tuple[tuple[str, float, float], ...]] = field(default_factory=dict)
     calibrated: bool = True
@@ -161,11 +184,11 @@ class Calibration:
         by_sms = {}
         for k, rows in dict(self.slowdown_by_sms).items():
             try:
-                checked = tuple(sorted((str(r), int(n), float(v)) for r, n, v in rows))
+                checked = tuple(sorted(_slowdown_row(r) for r in rows))
             except (TypeError, ValueError):
-                raise bad("slowdown_by_sms values must be (route, num_sms, fraction) rows") from None
-            if any(n < 0 or not 0 <= v < 1 for _, n, v in checked):
-                raise bad("slowdown_by_sms rows need num_sms >= 0 and a fraction in [0, 1)")
+                raise bad("slowdown_by_sms values must be (route, num_sms, fraction[, block_bytes]) rows") from None
+            if any(r[1] < 0 or not 0 <= r[2] < 1 or (len(r) > 3 and r[3] < 1) for r in checked):
+                raise bad("slowdown_by_sms rows need num_sms >= 0, a fraction in [0, 1) and block_bytes >= 1")
             by_sms[str(Direction.parse(k))] = checked
         object.__setattr__(self, "slowdown_by_sms", by_sms)
         host = {}
@@ -225,23 +248,26 @@ class Calibration:
     def slowdown_of(self, impl: str, kind: str) -> float:
         return float(self.slowdown.get(impl, self.slowdown.get(kind, 0.0)))
 
-    def slowdown_at(self, impl: str, kind: str, direction: Direction, num_sms: Optional[int] = None) -> float:
-        """The compute slowdown of ``impl`` copying in ``direction`` on ``num_sms`` SMs:
-        from :attr:`slowdown_by_sms` where it has rows for the impl (else its kind), else
-        :meth:`slowdown_of`."""
+    def slowdown_at(self, impl: str, kind: str, direction: Direction, num_sms: Optional[int] = None,
+                    size: Optional[int] = None) -> float:
+        """The compute slowdown of ``impl`` copying blocks of ``size`` bytes in ``direction``
+        on ``num_sms`` SMs: from :attr:`slowdown_by_sms` where it has rows for the impl
+        (else its kind), else :meth:`slowdown_of`. Rows measured at several block sizes
+        answer by the nearest of them to ``size``; without a size, by the size whose rows
+        say the most (the cautious answer)."""
         rows = self.slowdown_by_sms.get(str(Direction.parse(direction)), ())
         for key in (impl, kind):
-            pts = [(n, v) for r, n, v in rows if r == key]
-            if not pts:
+            mine = [r for r in rows if r[0] == key]
+            if not mine:
                 continue
-            if num_sms is None or len(pts) == 1:
-                return pts[0][1]
-            if num_sms <= pts[0][0]:
-                return pts[0][1]
-            for (n0, v0), (n1, v1) in zip(pts, pts[1:]):
-                if num_sms <= n1:
-                    return v0 + (v1 - v0) * (num_sms - n0) / (n1 - n0)
-            return pts[-1][1]
+            sizes = sorted({r[3] for r in mine if len(r) > 3})
+            if not sizes:
+                return _over_sms([(r[1], r[2]) for r in mine], num_sms)
+            if size is None or size < 1:
+                return max(_over_sms([(r[1], r[2]) for r in mine if len(r) > 3 and r[3] == b], num_sms)
+                           for b in sizes)
+            b = min(sizes, key=lambda b: abs(math.log2(b / size)))
+            return _over_sms([(r[1], r[2]) for r in mine if len(r) > 3 and r[3] == b], num_sms)
         return self.slowdown_of(impl, kind)
 
     def host_line(self, impl: str, kind: str, direction: Direction) -> Optional[tuple[float, float]]:

@@ -33,6 +33,23 @@ def test_measure_on_host_records_each_route_and_checks_its_bytes():
     assert {tuple(x[:2]) for x in rows["h2d"]} == {("batch", 0), ("host.reference", 0)}
 
 
+def test_the_batch_route_is_measured_again_at_other_block_sizes_and_its_rows_name_them():
+    env = HostEnv(lambda: sum(range(3000)))
+    dev = detect(plugin_host(), "cpu")
+    main, other = models.ModelShape("t", 2, 2, 16).at(1), models.ModelShape("u", 2, 1, 128).at(1)
+    assert (main.chunk_bytes, other.chunk_bytes) == (1 * KiB, 4 * KiB)
+    records = step_interference.measure(env, dev, [Direction.H2D], reps=2, cache=main, num_blocks=40,
+                                        by_size=[other], size_blocks=30)
+    assert [(r["route"], r["kind"], r["chunk_bytes"]) for r in records] == [
+        ("host.reference", "batch", 1 * KiB), ("host.reference", "batch", 4 * KiB)]
+    assert all("error" not in r and r["bytes_checked"] > 0 for r in records)
+    assert records[1]["bytes_checked"] == 2 * records[1]["blocks"] * other.block_bytes
+    rows = step_interference.profile_rows(records)["h2d"]
+    assert sorted((r[0], r[3]) for r in rows) == [("batch", 1 * KiB), ("batch", 4 * KiB),
+                                                  ("host.reference", 1 * KiB), ("host.reference", 4 * KiB)]
+    assert all(len(r) == 4 and r[1] == 0 for r in rows)
+
+
 def test_profile_rows_keep_the_worse_of_a_repeated_route_and_skip_failures():
     recs = [
         {"direction": "h2d", "route": "triton.kernel", "kind": "kernel", "num_sms": 4, "slowdown": 0.1},
@@ -44,6 +61,11 @@ def test_profile_rows_keep_the_worse_of_a_repeated_route_and_skip_failures():
         "h2d": [["kernel", 4, 0.2], ["triton.kernel", 4, 0.2]],
         "d2h": [["batch", 0, 0.03], ["cuda.batch", 0, 0.03]],
     }
+    sized = [{"direction": "h2d", "route": "cuda.batch", "kind": "batch", "num_sms": 0, "slowdown": s,
+              "chunk_bytes": b} for s, b in ((0.2, 16 * KiB), (0.25, 16 * KiB), (0.01, 32 * KiB))]
+    assert step_interference.profile_rows(sized) == {"h2d": [
+        ["batch", 0, 0.25, 16 * KiB], ["batch", 0, 0.01, 32 * KiB],
+        ["cuda.batch", 0, 0.25, 16 * KiB], ["cuda.batch", 0, 0.01, 32 * KiB]]}
 
 
 def cal(by_sms, slowdown=None):
@@ -67,7 +89,51 @@ def test_slowdown_at_reads_per_direction_and_sm_count_and_falls_back():
     with pytest.raises(InvalidImplError, match="slowdown_by_sms"):
         cal({"h2d": [["kernel", 4, 1.5]]})
     with pytest.raises(InvalidImplError, match="slowdown_by_sms"):
+        cal({"h2d": [["batch", 0, 0.1, 0]]})  # a block size of 0 bytes
+    with pytest.raises(InvalidImplError, match="slowdown_by_sms"):
         cal({"h2d": [["kernel", "x"]]})
+
+
+def test_rows_measured_at_block_sizes_answer_by_the_nearest_size():
+    """The copy engines slowed host-to-device compute 20% at 16 KiB and 1% at 32 KiB: a
+    size answers by the nearest measured (over log sizes); rows without a size by SMs."""
+    c = cal({"h2d": [["cuda.batch", 0, 0.08, 4 * KiB], ["cuda.batch", 0, 0.2, 16 * KiB],
+                     ["cuda.batch", 0, 0.01, 32 * KiB], ["kernel", 4, 0.3], ["kernel", 8, 0.4]]})
+    at = lambda size: c.slowdown_at("cuda.batch", "batch", "h2d", size=size)  # noqa: E731
+    assert [at(s * KiB) for s in (1, 4, 7, 9, 16, 18, 22, 23, 32, 512)] == pytest.approx(
+        [0.08, 0.08, 0.08, 0.2, 0.2, 0.2, 0.2, 0.01, 0.01, 0.01])
+    assert at(None) == pytest.approx(0.2)  # no size: the most any size measured
+    assert c.slowdown_at("triton.kernel", "kernel", "h2d", 6, 32 * KiB) == pytest.approx(0.35)
+    both = cal({"h2d": [["kernel", 4, 0.1, 4 * KiB], ["kernel", 8, 0.3, 4 * KiB], ["kernel", 4, 0.5, 64 * KiB]]})
+    assert both.slowdown_at("triton.kernel", "kernel", "h2d", 6, 4 * KiB) == pytest.approx(0.2)
+    assert both.slowdown_at("triton.kernel", "kernel", "h2d", 6, 64 * KiB) == pytest.approx(0.5)
+
+
+def test_within_weighs_the_batch_route_at_the_block_size_it_was_measured_at():
+    """The same job shape at 16 and 32 KiB blocks: the copy engines' slowdown measured at
+    each decides whether the route that takes no SMs ends the step sooner."""
+    from kvswap.routing import quiet_costs, quieter_route
+
+    class Impl:
+        def __init__(self, name, kind):
+            self.name, self.kind, self.uses_sms = name, kind, kind == "kernel"
+
+        def accepts_size(self, size):
+            return True
+
+    class Route:
+        def held_us(self, name, count):
+            return 100.0
+
+    # The batch route at 40 GB/s, the kernel at 48 on 8 SMs: at 16 KiB the batch route
+    # slows the compute as much as the kernel and runs longer; at 32 KiB it slows it by 0.5%.
+    c = cal({"h2d": [["cuda.batch", 0, 0.3, 16 * KiB], ["cuda.batch", 0, 0.005, 32 * KiB], ["kernel", 8, 0.3]]})
+    kernel, batch = Impl("triton.kernel", "kernel"), Impl("cuda.batch", "batch")
+    n = 2048
+    for size, want in ((16 * KiB, None), (32 * KiB, "cuda.batch")):
+        costs = quiet_costs(Route(), kernel, 8, [kernel, batch], c, Direction.H2D, size, n, n * size)
+        assert costs[1][0][2] == (0.3 if size == 16 * KiB else 0.005)
+        assert quieter_route(costs, 0.020) == want
 
 
 def test_low_interference_uses_slowdown_by_sms():
@@ -101,16 +167,18 @@ def test_render_prints_the_slowdown_table(tmp_path):
     import sys
 
     recs = [{"direction": "h2d", "route": "triton.kernel", "kind": "kernel", "num_sms": 4, "slowdown": 0.125,
-             "blocks": 900, "transfer_beside_ms": 21.0, "compute_beside_ms": 20.5, "covered": True},
-            {"direction": "d2h", "route": "cuda.batch", "kind": "batch", "num_sms": 0, "error": "DriverError: x"}]
+             "blocks": 900, "transfer_beside_ms": 21.0, "compute_beside_ms": 20.5, "covered": True,
+             "chunk_bytes": 16 * KiB},
+            {"direction": "d2h", "route": "cuda.batch", "kind": "batch", "num_sms": 0, "error": "DriverError: x",
+             "chunk_bytes": 4 * KiB}]
     f = tmp_path / "i.json"
     f.write_text(json.dumps({"kind": "kvswap step interference", "device": "NVIDIA H200", "records": recs,
                              "slowdown_by_sms": step_interference.profile_rows(recs)}))
     out = subprocess.run([sys.executable, "-m", "kvswap", "bench", "--render", str(f)], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "| h2d | triton.kernel | 4 | 900 | 12.5% | 21.00 | 20.50 | yes |" in out.stdout
-    assert "| d2h | cuda.batch | - | failed: DriverError: x |" in out.stdout
+    assert "| h2d | triton.kernel | 4 | 16 KiB | 900 | 12.5% | 21.00 | 20.50 | yes |" in out.stdout
+    assert "| d2h | cuda.batch | - | 4 KiB | failed: DriverError: x |" in out.stdout
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     out = subprocess.run([sys.executable, "-m", "kvswap", "bench", "--render", str(bad)], capture_output=True,

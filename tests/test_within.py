@@ -55,6 +55,10 @@ def test_the_batch_route_where_it_finishes_in_time_the_kernel_where_it_would_not
     assert fn.quieter(4 * KiB, n, nbytes, 0.020) == "acme.dma"
     assert fn.quieter(4 * KiB, n, nbytes, 0.001) is None  # 1 ms: the batch route would end last
     assert fn.quieter(4 * KiB, n, nbytes, 0.0) is None
+    # 2.2 ms: the bytes alone (1.68 ms) would fit, but the call's host cost is added to them
+    # (2.7 ms): the kernel, whose slowdown costs less than a copy that ends the step late.
+    assert fn.quieter(4 * KiB, n, nbytes, 0.0022) is None
+    assert fn.quieter(4 * KiB, n, nbytes, 0.0028) == "acme.dma"
 
 
 def test_a_forced_route_or_a_calibration_without_host_cost_never_switches():

@@ -85,6 +85,18 @@ class Pool:
         return all(torch.equal(f.cpu(), e) for f, e in zip(self.flats, expected))
 
 
+def pool_pair(layout: Layout, seed: int, src_blocks: int, dst_blocks: int) -> tuple[Pool, Pool]:
+    """Host pools of ``layout`` filled from one seeded generator: (source, destination)."""
+    gen = torch.Generator().manual_seed(seed)
+    return Pool(layout, src_blocks, gen), Pool(layout, dst_blocks, gen)
+
+
+def random_ids(rng: np.random.Generator, n: int, src: Pool, dst: Pool) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` distinct random source and destination block ids (int64)."""
+    return (rng.choice(src.num_blocks, n, replace=False).astype(np.int64),
+            rng.choice(dst.num_blocks, n, replace=False).astype(np.int64))
+
+
 def expected_after(dst: Pool, before: list[torch.Tensor], src_snapshot: list[torch.Tensor], src: Pool,
                    jobs: list[tuple[np.ndarray, np.ndarray]]) -> list[torch.Tensor]:
     """What ``dst``'s allocations hold after ``jobs`` (in order), by torch indexing:

@@ -23,19 +23,14 @@ from kvswap.errors import (
 from kvswap.plugins import create_plugin_host, reset_plugin_host
 from kvswap.regions import block_regions
 from fakes import DeferredStream
-from mover_layouts import Pool, expected_after, layouts
+from mover_layouts import Pool, expected_after, layouts, pool_pair, random_ids
 
 LAYOUTS = layouts()
 
 
 def _pools(name: str, seed: int, src_blocks: int = 40, dst_blocks: int = 56) -> tuple[Pool, Pool]:
-    gen = torch.Generator().manual_seed(seed)
-    return Pool(LAYOUTS[name], src_blocks, gen), Pool(LAYOUTS[name], dst_blocks, gen)
+    return pool_pair(LAYOUTS[name], seed, src_blocks, dst_blocks)
 
-
-def _ids(rng: np.random.Generator, n: int, src: Pool, dst: Pool) -> tuple[np.ndarray, np.ndarray]:
-    return (rng.choice(src.num_blocks, n, replace=False).astype(np.int64),
-            rng.choice(dst.num_blocks, n, replace=False).astype(np.int64))
 
 
 # -- layouts -----------------------------------------------------------------------------
@@ -78,7 +73,7 @@ def test_random_transfers_match_torch_indexing(name, direction):
         assert {r.impl for r in mover.swap_fn.plan.routes} == {"host.reference"}
         ids = []
         for n in (1, 5, 17, 40, 0, 9):
-            sid, did = _ids(rng, n, src, dst)
+            sid, did = random_ids(rng, n, src, dst)
             ids.append(mover.submit(sid, did))
             jobs.append((sid, did))
         results = mover.poll()
@@ -94,7 +89,7 @@ def test_ids_as_lists_numpy_and_cpu_tensors_agree():
     rng = np.random.default_rng(3)
     src, dst = _pools("flash", 2)
     before, src_before = dst.snapshot(), src.snapshot()
-    sid, did = _ids(rng, 12, src, dst)
+    sid, did = random_ids(rng, 12, src, dst)
     forms = [(sid.tolist(), did.tolist()), (sid.astype(np.uint32), did.astype(np.int16)),
              (torch.from_numpy(sid), torch.from_numpy(did).to(torch.int32))]
     mover = BlockMover(src.tensors, dst.tensors, "h2d", block_dim=1)
@@ -192,7 +187,7 @@ def test_many_jobs_in_flight_keep_their_buffers_until_complete():
     def submit(k: int) -> list[int]:
         out = []
         for _ in range(k):
-            sid, did = _ids(rng, int(rng.integers(1, 9)), src, dst)
+            sid, did = random_ids(rng, int(rng.integers(1, 9)), src, dst)
             out.append(mover.submit(sid, did))
             jobs.append((sid, did))
         return out

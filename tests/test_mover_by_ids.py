@@ -14,12 +14,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
 import kvswap
 from kvswap import BlockMover, CopyImpl, Direction, Policy, hookimpl
 from kvswap.plugins import create_plugin_host, reset_plugin_host
-from mover_layouts import Pool, expected_after, layouts
+from mover_layouts import Pool, expected_after, layouts, pool_pair
 
 pytest.importorskip("triton")
 from kvswap.backends.triton_generic.by_ids import KernelCopyByIds  # noqa: E402
@@ -69,8 +68,7 @@ def _install(transfer: Any, **impl_kw: Any) -> None:
 
 
 def _pools(name: str, seed: int, src_blocks: int = 40, dst_blocks: int = 56) -> tuple[Pool, Pool]:
-    gen = torch.Generator().manual_seed(seed)
-    return Pool(LAYOUTS[name], src_blocks, gen), Pool(LAYOUTS[name], dst_blocks, gen)
+    return pool_pair(LAYOUTS[name], seed, src_blocks, dst_blocks)
 
 
 @pytest.mark.parametrize("direction", ["h2d", "d2h"])

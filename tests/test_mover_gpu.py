@@ -14,7 +14,7 @@ import torch
 import kvswap
 from kvswap import BlockMover, Policy
 from kvswap.errors import TensorPlacementError, UnpinnedMemoryError
-from mover_layouts import Pool, expected_after, layouts, random_bytes
+from mover_layouts import Pool, expected_after, layouts, random_bytes, random_ids
 
 pytestmark = pytest.mark.gpu
 
@@ -34,10 +34,6 @@ def _pair(name: str, direction: str, seed: int, src_blocks: int = 96, dst_blocks
     return src, dst
 
 
-def _ids(rng: np.random.Generator, n: int, src: Pool, dst: Pool) -> tuple[np.ndarray, np.ndarray]:
-    return (rng.choice(src.num_blocks, n, replace=False).astype(np.int64),
-            rng.choice(dst.num_blocks, n, replace=False).astype(np.int64))
-
 
 @pytest.mark.parametrize("by_ids", [True, False], ids=["ids", "descriptors"])
 @pytest.mark.parametrize("route", ROUTES, ids=lambda r: r or "default")
@@ -47,7 +43,7 @@ def test_layouts_both_directions_on_each_route(name, direction, route, by_ids):
     rng = np.random.default_rng(zlib.crc32(f"{name}/{direction}/{route}".encode()))
     src, dst = _pair(name, direction, seed=1)
     before, src_before = dst.snapshot(), src.snapshot()
-    jobs = [_ids(rng, n, src, dst) for n in (1, 7, 33, 64)]
+    jobs = [random_ids(rng, n, src, dst) for n in (1, 7, 33, 64)]
     jobs.append((np.arange(20, 36), np.arange(90, 106)))   # a run that coalesces
     policy = Policy(force=route) if route else None
     with BlockMover(src.tensors, dst.tensors, direction, block_dim=src.layout.block_dim, policy=policy,
@@ -81,7 +77,7 @@ def test_copy_runs_after_work_already_queued_on_the_compute_stream(direction):
     src, dst = _pair("flash", direction, seed=2)
     device_side = dst if direction == "h2d" else src
     mover = BlockMover(src.tensors, dst.tensors, direction, block_dim=1)
-    sid, did = _ids(np.random.default_rng(4), 48, src, dst)
+    sid, did = random_ids(np.random.default_rng(4), 48, src, dst)
     fresh = [random_bytes(f.numel(), gen).to("cuda") for f in device_side.flats]
     host_before = dst.snapshot() if direction == "d2h" else None
     torch.cuda.synchronize()
@@ -104,7 +100,7 @@ def test_jobs_in_flight_keep_pinned_buffers_until_their_events_complete():
     src, dst = _pair("mla", "h2d", seed=6)
     # Descriptors for every job: a by-id job holds no descriptor buffer of the mover.
     mover = BlockMover(src.tensors, dst.tensors, "h2d", device_descriptors=False)
-    jobs = [_ids(rng, int(rng.integers(1, 9)), src, dst) for _ in range(64)]
+    jobs = [random_ids(rng, int(rng.integers(1, 9)), src, dst) for _ in range(64)]
     # Warm up first, so the spin below outlasts the 64 submits: compile and load every route
     # and launch shape these jobs use (a new Triton shape compiles on first use, ~1 s), and
     # grow the pinned pool to 64 buffers while the stream is held (a new pinned allocation
@@ -128,7 +124,7 @@ def test_jobs_in_flight_keep_pinned_buffers_until_their_events_complete():
     results = mover.poll()
     assert [r.job_id for r in results] == ids and all(r.ok for r in results)
     assert (mover.pool.in_use, mover.pool.allocated) == (0, max(64, warm))
-    more = [_ids(rng, 4, src, dst) for _ in range(8)]
+    more = [random_ids(rng, 4, src, dst) for _ in range(8)]
     for sid, did in more:
         mover.submit(sid, did)
     mover.close()

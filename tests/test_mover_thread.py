@@ -21,20 +21,15 @@ from kvswap.errors import BlockIdError, ConfigurationError, InvalidTransferError
 from kvswap.plugins import create_plugin_host, reset_plugin_host
 from kvswap.reference import host_copy
 from fakes import DeferredStream
-from mover_layouts import Pool, expected_after, layouts
+from mover_layouts import Pool, expected_after, layouts, pool_pair, random_ids
 
 LAYOUTS = layouts()
 HOLD_S = 10.0  # a gate that was never opened fails the test instead of hanging it
 
 
 def _pools(name: str, seed: int, src_blocks: int = 40, dst_blocks: int = 24) -> tuple[Pool, Pool]:
-    gen = torch.Generator().manual_seed(seed)
-    return Pool(LAYOUTS[name], src_blocks, gen), Pool(LAYOUTS[name], dst_blocks, gen)
+    return pool_pair(LAYOUTS[name], seed, src_blocks, dst_blocks)
 
-
-def _ids(rng: np.random.Generator, n: int, src: Pool, dst: Pool) -> tuple[np.ndarray, np.ndarray]:
-    return (rng.choice(src.num_blocks, n, replace=False).astype(np.int64),
-            rng.choice(dst.num_blocks, n, replace=False).astype(np.int64))
 
 
 class Gated:
@@ -123,7 +118,7 @@ def test_jobs_run_in_submission_order_on_the_thread(name, direction):
     mover = _gated_mover(src, dst, route, direction)
     jobs, ids = [], []
     for _ in range(60):
-        sid, did = _ids(rng, int(rng.integers(1, 9)), src, dst)
+        sid, did = random_ids(rng, int(rng.integers(1, 9)), src, dst)
         jobs.append((sid.copy(), did.copy()))
         ids.append(mover.submit(sid, did))
         sid[:] = 0
@@ -147,7 +142,7 @@ def test_an_error_on_the_thread_fails_that_job_and_the_next_jobs_still_run():
     before, src_before = dst.snapshot(), src.snapshot()
     route = Gated(fail_on=(2, 5))
     mover = _gated_mover(src, dst, route)
-    jobs = [_ids(rng, 3, src, dst) for _ in range(7)]
+    jobs = [random_ids(rng, 3, src, dst) for _ in range(7)]
     ids = [mover.submit(*job) for job in jobs]
     route.gate.set()
     mover.wait()
@@ -169,7 +164,7 @@ def test_close_issues_every_queued_job_then_stops_the_thread():
     before, src_before = dst.snapshot(), src.snapshot()
     route = Gated()
     mover = _gated_mover(src, dst, route)
-    jobs = [_ids(rng, 4, src, dst) for _ in range(20)]
+    jobs = [random_ids(rng, 4, src, dst) for _ in range(20)]
     ids = [mover.submit(*job) for job in jobs]
     timer = _open_later(route)
     mover.close()                      # returns only once all twenty have been copied
@@ -185,7 +180,7 @@ def test_wait_on_a_job_the_thread_has_not_issued_yet():
     before, src_before = dst.snapshot(), src.snapshot()
     route = Gated()
     mover = _gated_mover(src, dst, route)
-    jobs = [_ids(rng, 5, src, dst) for _ in range(4)]
+    jobs = [random_ids(rng, 5, src, dst) for _ in range(4)]
     ids = [mover.submit(*job) for job in jobs]
     assert all(job.end is None for job in mover._inflight)  # none issued: the gate is shut
     timer = _open_later(route)
@@ -214,7 +209,7 @@ def test_descriptor_buffers_stay_with_their_jobs_until_the_copy_ran():
     mover = BlockMover(src.tensors, dst.tensors, "h2d", block_dim=1, policy=Policy(force="test.gated"),
                        issuing_thread=True)
     mover._completion = stream         # before the first submit starts the thread
-    jobs = [_ids(rng, int(rng.integers(1, 9)), src, dst) for _ in range(40)]
+    jobs = [random_ids(rng, int(rng.integers(1, 9)), src, dst) for _ in range(40)]
     first = [mover.submit(*job) for job in jobs[:30]]
     mover.wait_issued()
     assert (mover.in_flight, mover.pool.in_use, mover.pool.allocated) == (30, 30, 30)
@@ -256,7 +251,7 @@ def test_a_mover_nobody_closed_is_collected_and_its_thread_ends():
     src, dst = _pools("flash", 16)
     before, src_before = dst.snapshot(), src.snapshot()
     mover = BlockMover(src.tensors, dst.tensors, "h2d", block_dim=1, issuing_thread=True)
-    jobs = [_ids(rng, 6, src, dst) for _ in range(5)]
+    jobs = [random_ids(rng, 6, src, dst) for _ in range(5)]
     for job in jobs:
         mover.submit(*job)
     thread = mover._issuer._thread
@@ -280,7 +275,7 @@ def test_descriptors_asked_while_the_thread_builds_leave_the_pool_whole():
     route.gate.set()
     jobs, ids, results = [], [], []
     for k in range(120):
-        sid, did = _ids(rng, int(rng.integers(1, 17)), src, dst)
+        sid, did = random_ids(rng, int(rng.integers(1, 17)), src, dst)
         jobs.append((sid, did))
         ids.append(mover.submit(sid, did))
         s, d, n = mover.descriptors(sid, did)

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from kvswap import BlockMover, Policy
-from mover_layouts import Pool, expected_after, random_bytes
-from test_mover_gpu import ROUTES, SPIN, _ids
+from mover_layouts import Pool, expected_after, random_bytes, random_ids
+from test_mover_gpu import ROUTES, SPIN
 from test_mover_gpu import _pair as pinned_pair
 
 pytestmark = pytest.mark.gpu
@@ -36,7 +36,7 @@ def _mover(src: Pool, dst: Pool, direction: str, route, **kw) -> BlockMover:
 def _warm(mover: BlockMover, src: Pool, dst: Pool, rng: np.random.Generator, sizes=(1, 4, 8, 16)) -> None:
     """Compile and load every launch shape the test's jobs use, before a spin must outlast them."""
     for n in sizes:
-        mover.submit(*_ids(rng, n, src, dst), after=None)
+        mover.submit(*random_ids(rng, n, src, dst), after=None)
     mover.wait()
     mover.poll()
 
@@ -47,7 +47,7 @@ def _fifo_behind_a_spin(mover: BlockMover, src: Pool, dst: Pool, rng: np.random.
     every block. Returns the results."""
     _warm(mover, src, dst, rng)
     before, src_before = dst.snapshot(), src.snapshot()
-    jobs = [_ids(rng, int(rng.choice([1, 4, 8, 16])), src, dst) for _ in range(96)]
+    jobs = [random_ids(rng, int(rng.choice([1, 4, 8, 16])), src, dst) for _ in range(96)]
     with torch.cuda.stream(mover.stream):
         torch.cuda._sleep(SPIN)
     ids = [mover.submit(sid, did, after=None) for sid, did in jobs]
@@ -95,7 +95,7 @@ def test_by_id_launches_in_submit_and_jobs_on_the_thread_keep_submission_order(d
     mover._ids_steps = ((0, 8 * mover.chunks_per_block), (None, fns[0]))
     _fifo_behind_a_spin(mover, src, dst, rng)
     # With the thread idle, a by-id job is on the stream when submit returns.
-    sid, did = _ids(rng, 16, src, dst)
+    sid, did = random_ids(rng, 16, src, dst)
     job = mover.submit(sid, did, after=None)
     assert mover._inflight[-1].job_id == job and mover._inflight[-1].end is not None
     mover.wait()
@@ -111,7 +111,7 @@ def test_an_offload_sees_what_the_compute_stream_wrote_before_submit(route):
     src, dst = _pair("flash", "d2h", seed=2)
     mover = _mover(src, dst, "d2h", route)
     _warm(mover, src, dst, rng, sizes=(48,))
-    sid, did = _ids(rng, 48, src, dst)
+    sid, did = random_ids(rng, 48, src, dst)
     fresh = [random_bytes(f.numel(), gen).to("cuda") for f in src.flats]
     before = dst.snapshot()
     torch.cuda.synchronize()
@@ -132,7 +132,7 @@ def test_an_offload_waits_for_the_event_it_was_given(route):
     src, dst = _pair("mla", "d2h", seed=3)
     mover = _mover(src, dst, "d2h", route)
     _warm(mover, src, dst, rng, sizes=(32,))
-    sid, did = _ids(rng, 32, src, dst)
+    sid, did = random_ids(rng, 32, src, dst)
     fresh = [random_bytes(f.numel(), gen).to("cuda") for f in src.flats]
     before = dst.snapshot()
     side, written = torch.cuda.Stream(), torch.cuda.Event()
@@ -157,7 +157,7 @@ def test_a_load_with_after_none_does_not_wait_for_the_compute_stream(route):
     src, dst = _pair("flash", "h2d", seed=4)
     mover = _mover(src, dst, "h2d", route)
     _warm(mover, src, dst, rng, sizes=(40,))
-    sid, did = _ids(rng, 40, src, dst)
+    sid, did = random_ids(rng, 40, src, dst)
     before, src_before = dst.snapshot(), src.snapshot()
     compute, compute_done = torch.cuda.Stream(), torch.cuda.Event()
     torch.cuda.synchronize()
@@ -183,7 +183,7 @@ def test_compute_ordered_after_an_issued_load_reads_the_loaded_blocks(route):
     src, dst = _pair("mla", "h2d", seed=5)
     mover = _mover(src, dst, "h2d", route)
     _warm(mover, src, dst, rng, sizes=(24,))
-    sid, did = _ids(rng, 24, src, dst)
+    sid, did = random_ids(rng, 24, src, dst)
     before, src_before = dst.snapshot(), src.snapshot()
     with torch.cuda.stream(mover.stream):
         torch.cuda._sleep(SPIN)
@@ -205,7 +205,7 @@ def test_without_the_thread_the_caller_issues_as_before(direction):
     before, src_before = dst.snapshot(), src.snapshot()
     mover = _mover(src, dst, direction, None, issuing_thread=False)
     assert not mover.issuing_thread
-    jobs = [_ids(rng, n, src, dst) for n in (3, 17, 33)]
+    jobs = [random_ids(rng, n, src, dst) for n in (3, 17, 33)]
     for job in jobs:
         mover.submit(*job)
     assert mover._issuer is None and all(j.end is not None for j in mover._inflight)

@@ -27,16 +27,27 @@ CURRENT_STREAM: Any = _CurrentStream()
 queued on the current stream."""
 
 
+# The kind of each type of ``after`` seen so far: a failed hasattr raises inside, which a
+# submit on a cold thread pays for every time.
+_KINDS: dict[type, str] = {}
+
+
 def _after_kind(after: Any) -> str:
     """``"current"``, ``"none"``, ``"stream"`` or ``"event"``; refuses anything else."""
     if after is CURRENT_STREAM:
         return "current"
     if after is None:
         return "none"
+    kind = _KINDS.get(type(after))
+    if kind is not None:
+        return kind
     if hasattr(after, "wait_stream") and hasattr(after, "cuda_stream"):
-        return "stream"
-    if hasattr(after, "record") and hasattr(after, "query") and hasattr(after, "synchronize"):
-        return "event"
+        kind = "stream"
+    elif hasattr(after, "record") and hasattr(after, "query") and hasattr(after, "synchronize"):
+        kind = "event"
+    if kind is not None:
+        _KINDS[type(after)] = kind
+        return kind
     raise ConfigurationError(
         f"after={after!r} must be omitted (the current stream), None (wait for nothing), "
         f"a torch.cuda.Stream or a torch.cuda.Event"

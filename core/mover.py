@@ -455,7 +455,9 @@ class BlockMover:
     def _quieter(self, ids: list, within: Any) -> Optional[SwapFn]:
         """The function of the route that takes no SMs where this job, with ``within``
         seconds beside compute, ends the step sooner on it (:meth:`SwapFn.quieter`)."""
-        if isinstance(within, bool) or not isinstance(within, numbers.Real) or not within >= 0:
+        # A float or an int skips the abstract-class check, slow on a cold thread.
+        if (type(within) not in (float, int) and (isinstance(within, bool) or not isinstance(within, numbers.Real))
+                or not within >= 0):
             raise ConfigurationError(f"within={within!r} must be a number of seconds >= 0, or None")
         size = self._one_size
         if size is None:

@@ -2,7 +2,7 @@
 (:mod:`kvswap.issuing`), when it is complete, and what its result says."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from . import deferred
@@ -13,7 +13,7 @@ from .staging import Staged
 from .swapfn import SwapFn
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Job:
     job_id: int
     nbytes: int
@@ -23,7 +23,7 @@ class Job:
     descriptors: int = 0
     error: Optional[str] = None
     staged: Optional[Staged] = None
-    issued: list = field(default_factory=list)  # work left to other threads (kvswap.deferred)
+    issued: Optional[list] = None  # work left to other threads (kvswap.deferred), once issued
     ids: Any = None  # the checked ids, until the issuing thread builds the job
     fn: Any = None  # the SwapFn of the route this job takes instead of the mover's (``within``)
 

@@ -20,6 +20,7 @@ from kvswap.errors import (
     TensorPlacementError,
     UnpinnedMemoryError,
 )
+from kvswap.mover_inputs import SMALL_IDS
 from kvswap.plugins import create_plugin_host, reset_plugin_host
 from kvswap.regions import block_regions
 from fakes import DeferredStream
@@ -380,3 +381,31 @@ def test_a_submit_validates_its_batch_once(monkeypatch):
     assert calls == []
     assert torch.equal(dst[[0, 9, 4]], src[[3, 1, 7]])
     assert not dst[[i for i in range(16) if i not in (0, 9, 4)]].any()
+
+
+@pytest.mark.parametrize("n", [2, SMALL_IDS, SMALL_IDS + 1, 600])
+def test_id_checks_agree_on_both_sides_of_the_small_batch_path(n):
+    # Up to SMALL_IDS ids are checked with Python's builtins, beyond with numpy: the same
+    # verdicts and messages, and nothing copied on a refusal.
+    rng = np.random.default_rng(n)
+    src = torch.from_numpy(rng.integers(0, 256, (700, 48), dtype=np.uint8))
+    dst = torch.full((650, 48), 0xA5, dtype=torch.uint8)
+    with BlockMover(src, dst, "h2d") as mover:
+        sid = rng.choice(700, n, replace=False).astype(np.int64)
+        did = rng.choice(650, n, replace=False).astype(np.int64)
+        i, j = sorted(rng.choice(n, 2, replace=False).tolist())
+        bad = {
+            f"src_block_ids\\[{j}\\]=700 is out of range": (np.where(np.arange(n) == j, 700, sid), did),
+            f"dst_block_ids\\[{i}\\]=-3 is out of range": (sid, np.where(np.arange(n) == i, -3, did)),
+            f"dst_block_ids\\[{i}\\] and dst_block_ids\\[{j}\\] are both {did[i]}":
+                (sid, np.where(np.arange(n) == j, did[i], did)),
+        }
+        for message, (s, d) in bad.items():
+            with pytest.raises(BlockIdError, match=message):
+                mover.submit(s, d)
+        assert (dst == 0xA5).all() and mover.in_flight == 0
+        mover.submit(sid, did)
+        mover.wait()
+    expected = torch.full_like(dst, 0xA5)
+    expected[torch.from_numpy(did)] = src[torch.from_numpy(sid)]
+    assert torch.equal(dst, expected)

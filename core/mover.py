@@ -215,8 +215,9 @@ class BlockMover:
         self._quiet_fns: dict[str, SwapFn] = {}
         self._one_size = block_bytes[0] if len(templates) == 1 and len(block_bytes) == 1 else None
         if on_device and self._one_size is not None:
-            for name in self._fn.quiet_impls:  # bound now, not on the engine's first step
+            for name in self._fn.quiet_impls:  # bound and predicted now, not on the engine's steps
                 self._quiet_fn(name)
+            self._fn.prepare_quieter(self._one_size)
         host = [] if self.direction is Direction.D2D else (all_src if self.direction.src_is_host else all_dst)
         self._stager: Optional[Stager] = stager_for(host, self._fn, self.direction, policy or Policy(), on_device,
                                                     grouped)

@@ -70,9 +70,15 @@ class Route:
     def held_us(self, impl: str, count: int) -> Optional[float]:
         """Microseconds a call of ``impl`` on this route's blocks is predicted to hold the
         calling thread for ``count`` descriptors (None: not measured)."""
+        line = self.host_line(impl)
+        return None if line is None else line[0] + line[1] * count
+
+    def host_line(self, impl: str) -> Optional[tuple[float, float]]:
+        """``(a_us, b_us)``: a call of ``impl`` holds the calling thread ``a_us + b_us * n``
+        microseconds for ``n`` descriptors (None: not measured)."""
         for name, a, b in self.host_cost:
             if name == impl and a is not None and b is not None:
-                return a + b * count
+                return a, b
         return None
 
     def sms_for(self, batch: int) -> Optional[int]:

@@ -294,6 +294,37 @@ def step_cost(seconds: float, slowdown: float, within: float) -> float:
     return max(within + slowdown * min(seconds, within), seconds)
 
 
+def quiet_rates(route: Route, kernel: CopyImpl, num_sms: int, others: Iterable[CopyImpl], cal: Calibration,
+                direction: Direction, size: int) -> Optional[tuple[tuple, ...]]:
+    """What :func:`quiet_costs` needs that does not depend on the batch's length, for
+    blocks of ``size`` bytes: ``(name, GB/s, a_us, b_us, slowdown)`` for ``kernel`` at
+    ``num_sms`` first, then for every implementation among ``others`` that takes no SMs and
+    is predicted (speed curve, host cost ``a_us + b_us * n``, compute slowdown by SM count
+    and block size). None where the kernel is not predicted."""
+
+    def rate(impl: CopyImpl, sms: Optional[int]) -> Optional[tuple]:
+        gbps = predicted(impl, cal, direction, size, sms)
+        line = route.host_line(impl.name)
+        if not gbps or line is None:
+            return None
+        return (impl.name, gbps, *line, cal.slowdown_at(impl.name, impl.kind, direction, sms, size))
+
+    mine = rate(kernel, num_sms)
+    if mine is None:
+        return None
+    quiet = (rate(o, None) for o in others if not o.uses_sms and o.accepts_size(size))
+    return (mine, *(q for q in quiet if q is not None))
+
+
+def costs_at(rates: Optional[tuple[tuple, ...]], count: int,
+             nbytes: int) -> Optional[tuple[tuple[float, float], tuple[tuple[str, float, float], ...]]]:
+    """:func:`quiet_costs` from :func:`quiet_rates`, for ``count`` descriptors and ``nbytes``."""
+    if rates is None:
+        return None
+    out = [(name, nbytes / (gbps * 1e9) + (a + b * count) * 1e-6, slow) for name, gbps, a, b, slow in rates]
+    return out[0][1:], tuple(out[1:])
+
+
 def quiet_costs(route: Route, kernel: CopyImpl, num_sms: int, others: Iterable[CopyImpl], cal: Calibration,
                 direction: Direction, size: int, count: int, nbytes: int
                 ) -> Optional[tuple[tuple[float, float], tuple[tuple[str, float, float], ...]]]:
@@ -306,25 +337,7 @@ def quiet_costs(route: Route, kernel: CopyImpl, num_sms: int, others: Iterable[C
     layout: where the call and the copy overlap that overestimates the route, which then
     costs the step a kernel's slowdown; underestimating a route that takes no SMs can let
     its copy end the step late. None where the kernel's time is not predicted."""
-
-    def seconds(impl: CopyImpl, sms: Optional[int]) -> Optional[float]:
-        gbps = predicted(impl, cal, direction, size, sms)
-        held = route.held_us(impl.name, count)
-        if not gbps or held is None:
-            return None
-        return nbytes / (gbps * 1e9) + held * 1e-6
-
-    t_kernel = seconds(kernel, num_sms)
-    if t_kernel is None:
-        return None
-    quiet = []
-    for other in others:
-        if other.uses_sms or not other.accepts_size(size):
-            continue
-        t = seconds(other, None)
-        if t is not None:
-            quiet.append((other.name, t, cal.slowdown_at(other.name, other.kind, direction, size=size)))
-    return (t_kernel, cal.slowdown_at(kernel.name, kernel.kind, direction, num_sms, size)), tuple(quiet)
+    return costs_at(quiet_rates(route, kernel, num_sms, others, cal, direction, size), count, nbytes)
 
 
 def quieter_route(costs: Optional[tuple], within: float) -> Optional[str]:

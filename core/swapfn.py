@@ -10,7 +10,7 @@ from .descriptors import coalesce, run_starts, validate
 from .errors import DriverError, InvalidTransferError
 from .impl import CopyImpl, TransferFn
 from .plan import Plan, Route
-from .routing import quiet_costs, quieter_route
+from .routing import costs_at, quiet_rates, quieter_route
 from .thresholds import Calibration
 
 
@@ -45,7 +45,7 @@ class SwapFn:
         self.plan = plan
         self._cal = calibration
         self._usable = tuple(usable)
-        self._quiet_costs: dict[tuple[int, int, int], Optional[tuple]] = {}
+        self._quiet_rates: dict[tuple[int, str, Optional[int]], Optional[tuple]] = {}
         self._impls = impls
         self._fns = bound
         self._sms = {name: plan.params.get(name, {}).get("num_sms") for name in impls}
@@ -199,18 +199,32 @@ class SwapFn:
         for a forced route."""
         if self._cal is None or self.plan.forced:
             return None
-        key = (size, count, nbytes)
-        costs = self._quiet_costs.get(key, False)
-        if costs is False:  # predicted once per batch shape: a few dict hits and float ops after
-            r = bisect_right(self._low_list, size) - 1
-            name, sms = self._choose(r, count)
-            kernel = self._impls[name]
-            costs = None if not kernel.uses_sms else quiet_costs(
-                self._routes[r], kernel, sms, self._usable, self._cal, self.plan.direction, size, count, nbytes)
-            if len(self._quiet_costs) >= 4096:
-                self._quiet_costs.clear()
-            self._quiet_costs[key] = costs
+        # A few float operations per call, on what is predicted once per size and batch tier.
+        r = bisect_right(self._low_list, size) - 1
+        costs = costs_at(self._rates(r, *self._choose(r, count), size), count, nbytes)
         return quieter_route(costs, within)
+
+    def prepare_quieter(self, size: int) -> None:
+        """Predict now what :meth:`quieter` weighs for blocks of ``size`` bytes at every batch
+        tier, so that an engine's step pays only a few float operations per new batch length."""
+        if self._cal is None or self.plan.forced:
+            return
+        r = bisect_right(self._low_list, size) - 1
+        for name, sms in self._steps[r][3]:
+            self._rates(r, name, sms, size)
+
+    def _rates(self, r: int, name: str, sms: Optional[int], size: int) -> Optional[tuple]:
+        """:func:`kvswap.routing.quiet_rates` of route ``r``'s ``name`` at ``sms``, remembered."""
+        key = (size, name, sms)
+        rates = self._quiet_rates.get(key, False)
+        if rates is False:
+            kernel = self._impls[name]
+            rates = None if not kernel.uses_sms else quiet_rates(
+                self._routes[r], kernel, sms, self._usable, self._cal, self.plan.direction, size)
+            if len(self._quiet_rates) >= 4096:
+                self._quiet_rates.clear()
+            self._quiet_rates[key] = rates
+        return rates
 
     def whole_batch_steps(self, smallest: int,
                           largest: int) -> Optional[tuple[tuple[int, ...], tuple[Optional[TransferFn], ...]]]:

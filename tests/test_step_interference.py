@@ -122,8 +122,8 @@ def test_within_weighs_the_batch_route_at_the_block_size_it_was_measured_at():
             return True
 
     class Route:
-        def held_us(self, name, count):
-            return 100.0
+        def host_line(self, name):
+            return 100.0, 0.0
 
     # The batch route at 40 GB/s, the kernel at 48 on 8 SMs: at 16 KiB the batch route
     # slows the compute as much as the kernel and runs longer; at 32 KiB it slows it by 0.5%.

@@ -61,6 +61,23 @@ def test_the_batch_route_where_it_finishes_in_time_the_kernel_where_it_would_not
     assert fn.quieter(4 * KiB, n, nbytes, 0.0028) == "acme.dma"
 
 
+def test_predictions_made_up_front_serve_every_batch_length(monkeypatch):
+    # A mover predicts once per size and batch tier when it is built; a step then pays a
+    # few float operations per new batch length, with the same verdicts as predicting then.
+    fresh = kvswap.resolve("h2d", device="cpu", host=_host(), block_bytes=[4 * KiB])
+    ready = kvswap.resolve("h2d", device="cpu", host=_host(), block_bytes=[4 * KiB])
+    ready.prepare_quieter(4 * KiB)
+    lengths = [1, 7, 64, 512, 2048, 8192, 100_000]
+    want = {(n, w): fresh.quieter(4 * KiB, n, n * 4 * KiB, w) for n in lengths for w in (0.0, 0.0022, 0.02, 1.0)}
+    assert set(want.values()) == {None, "acme.dma"}
+
+    def no_more(*a, **k):
+        raise AssertionError("predicted again during a step")
+
+    monkeypatch.setattr(kvswap.swapfn, "quiet_rates", no_more)
+    assert {(n, w): ready.quieter(4 * KiB, n, n * 4 * KiB, w) for n, w in want} == want
+
+
 def test_a_forced_route_or_a_calibration_without_host_cost_never_switches():
     forced = kvswap.resolve("h2d", device="cpu", host=_host(), block_bytes=[4 * KiB],
                             policy=Policy(force="acme.kern"))

@@ -45,7 +45,7 @@ class SwapFn:
         self.plan = plan
         self._cal = calibration
         self._usable = tuple(usable)
-        self._quiet_rates: dict[tuple[int, str, Optional[int]], Optional[tuple]] = {}
+        self._quiet_tables: dict[int, tuple] = {}
         self._impls = impls
         self._fns = bound
         self._sms = {name: plan.params.get(name, {}).get("num_sms") for name in impls}
@@ -199,32 +199,29 @@ class SwapFn:
         for a forced route."""
         if self._cal is None or self.plan.forced:
             return None
-        # A few float operations per call, on what is predicted once per size and batch tier.
-        r = bisect_right(self._low_list, size) - 1
-        costs = costs_at(self._rates(r, *self._choose(r, count), size), count, nbytes)
-        return quieter_route(costs, within)
+        table = self._quiet_tables.get(size)
+        if table is None:
+            table = self.prepare_quieter(size)
+        # A few float operations per call, on what was predicted once per size and tier.
+        rates = table[1][bisect_right(table[0], count) - 1]
+        return quieter_route(costs_at(rates, count, nbytes), within)
 
-    def prepare_quieter(self, size: int) -> None:
+    def prepare_quieter(self, size: int) -> Optional[tuple]:
         """Predict now what :meth:`quieter` weighs for blocks of ``size`` bytes at every batch
-        tier, so that an engine's step pays only a few float operations per new batch length."""
+        tier (:func:`kvswap.routing.quiet_rates`), so that an engine's step pays only a few
+        float operations per batch: ``(tier starts, rates per tier)``, remembered per size
+        (up to 4096 sizes); None for a forced route or without a calibration."""
         if self._cal is None or self.plan.forced:
-            return
+            return None
         r = bisect_right(self._low_list, size) - 1
-        for name, sms in self._steps[r][3]:
-            self._rates(r, name, sms, size)
-
-    def _rates(self, r: int, name: str, sms: Optional[int], size: int) -> Optional[tuple]:
-        """:func:`kvswap.routing.quiet_rates` of route ``r``'s ``name`` at ``sms``, remembered."""
-        key = (size, name, sms)
-        rates = self._quiet_rates.get(key, False)
-        if rates is False:
-            kernel = self._impls[name]
-            rates = None if not kernel.uses_sms else quiet_rates(
-                self._routes[r], kernel, sms, self._usable, self._cal, self.plan.direction, size)
-            if len(self._quiet_rates) >= 4096:
-                self._quiet_rates.clear()
-            self._quiet_rates[key] = rates
-        return rates
+        starts, _, _, keys = self._steps[r]
+        route, usable, cal, direction = self._routes[r], self._usable, self._cal, self.plan.direction
+        rates = tuple(quiet_rates(route, self._impls[name], sms, usable, cal, direction, size)
+                      if self._impls[name].uses_sms else None for name, sms in keys)
+        table = (starts, rates)
+        if len(self._quiet_tables) < 4096:
+            self._quiet_tables[size] = table
+        return table
 
     def whole_batch_steps(self, smallest: int,
                           largest: int) -> Optional[tuple[tuple[int, ...], tuple[Optional[TransferFn], ...]]]:

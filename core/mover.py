@@ -10,8 +10,6 @@ blocks and the copy route's call run on the mover's issuing thread (:mod:`kvswap
 """
 from __future__ import annotations
 
-import dataclasses
-import numbers
 import warnings
 from collections import deque
 from typing import Any, Optional, Sequence, Union
@@ -30,6 +28,7 @@ from .mover_inputs import (
     paired_sides, stager_for,
 )
 from .mover_types import GroupLayout, KVGroup, Tensors, TransferResult
+from .mover_within import QuietChoice, check_within
 from .regions import BlockDim, DescriptorTemplate
 from .resolver import resolve
 from .staging import Stager
@@ -209,15 +208,11 @@ class BlockMover:
         block_bytes = sorted({c for t in templates for c in t.chunk_sizes})
         self._resolve_args = dict(device="cpu" if not on_device else str(device), block_bytes=block_bytes,
                                   **resolve_kw)
-        self._policy = policy or Policy()
         self._fn: SwapFn = resolve(self.direction, policy=policy, **self._resolve_args)
-        # Per job with ``within``: the route that takes no SMs, where it ends the step sooner.
-        self._quiet_fns: dict[str, SwapFn] = {}
-        self._one_size = block_bytes[0] if len(templates) == 1 and len(block_bytes) == 1 else None
-        if on_device and self._one_size is not None:
-            for name in self._fn.quiet_impls:  # bound and predicted now, not on the engine's steps
-                self._quiet_fn(name)
-            self._fn.prepare_quieter(self._one_size)
+        # Per job with ``within``: the route that takes no SMs, where it ends the step sooner
+        # (on a device bound and predicted now, not on the engine's steps).
+        self._within = QuietChoice(self._fn, self.direction, policy or Policy(), self._resolve_args, templates,
+                                   block_bytes, on_device)
         host = [] if self.direction is Direction.D2D else (all_src if self.direction.src_is_host else all_dst)
         self._stager: Optional[Stager] = stager_for(host, self._fn, self.direction, policy or Policy(), on_device,
                                                     grouped)
@@ -364,7 +359,8 @@ class BlockMover:
             it finishes in time and leaves the compute every SM (predicted from the
             calibration's speed, host cost and compute slowdown by SM count). None (the
             default): the fastest route, as resolved. Used for movers of one KV group with
-            one chunk size whose route is not forced.
+            one chunk size whose route is not forced; for a job handed to the issuing
+            thread, that thread decides.
         :return: the job id :meth:`poll` and :meth:`wait` refer to.
         :raises BlockIdError: ids out of range or negative, unequal in number, not
             integers, or a destination id repeated.
@@ -377,15 +373,22 @@ class BlockMover:
         ids = self._checked_ids(src_block_ids, dst_block_ids)
         c = self._completion
         c.check_after(after)
-        quiet = None if within is None else self._quieter(ids, within)
+        if within is not None:
+            check_within(within)
         q = self._inflight
         if q and complete(q[0], c):
             self._reap()
         if not self._threaded:
-            return self._submit_here(ids, after, quiet)
-        by_ids = self._desc.by_ids(ids) if quiet is None else None
+            return self._submit_here(ids, after, None if within is None else self._within(len(ids[0][0]), within))
+        # The route for ``within`` is decided here only for a job that may be launched here;
+        # otherwise the issuing thread decides it, off the engine's thread.
+        quiet = None
+        by_ids = self._desc.by_ids(ids)
         if by_ids is not None and self._launches_here(by_ids, len(ids[0][0])):
-            return self._launch_here(by_ids, ids, after)
+            if within is not None:
+                quiet, within = self._within(len(ids[0][0]), within), None
+            if quiet is None:
+                return self._launch_here(by_ids, ids, after)
         if len(ids) == 1:
             (sid, did), = ids
             nbytes = len(sid) * self._templates[0].block_bytes
@@ -397,7 +400,7 @@ class BlockMover:
         # stream's own device, and entering one costs the engine's thread ~10 us cold.
         c.order_after(after)
         start = c.mark()
-        job = Job(self._next_id, nbytes, start, ids=ids, fn=quiet)
+        job = Job(self._next_id, nbytes, start, ids=ids, fn=quiet, within=within)
         (self._issuer or self._start_issuer()).put(job)
         self._last_handed = job
         self._next_id += 1
@@ -453,30 +456,6 @@ class BlockMover:
             raise error
         return job_id
 
-    def _quieter(self, ids: list, within: Any) -> Optional[SwapFn]:
-        """The function of the route that takes no SMs where this job, with ``within``
-        seconds beside compute, ends the step sooner on it (:meth:`SwapFn.quieter`)."""
-        # A float or an int skips the abstract-class check, slow on a cold thread.
-        if (type(within) not in (float, int) and (isinstance(within, bool) or not isinstance(within, numbers.Real))
-                or not within >= 0):
-            raise ConfigurationError(f"within={within!r} must be a number of seconds >= 0, or None")
-        size = self._one_size
-        if size is None:
-            return None
-        n = len(ids[0][0])
-        if not n:
-            return None
-        t = self._templates[0]
-        name = self._fn.quieter(size, n * t.count, n * t.block_bytes, float(within))
-        return None if name is None else self._quiet_fn(name)
-
-    def _quiet_fn(self, name: str) -> SwapFn:
-        fn = self._quiet_fns.get(name)
-        if fn is None:
-            policy = dataclasses.replace(self._policy, force=name)
-            fn = self._quiet_fns[name] = resolve(self.direction, policy=policy, **self._resolve_args)
-        return fn
-
     def _launches_here(self, by_ids: Any, n: int) -> bool:
         """A by-id call of ``n`` ids that is only a launch, for a job large enough that
         submit's budget covers it, with no earlier job left on the issuing thread (the
@@ -520,7 +499,7 @@ class BlockMover:
 
     def _start_issuer(self) -> IssuingThread:
         c = self._completion
-        self._issuer = IssuingThread(issue_with(self._desc, self._fn, c), name=f"kvswap-{self.direction}-mover",
+        self._issuer = IssuingThread(issue_with(self._desc, self._fn, c, self._within), name=f"kvswap-{self.direction}-mover",
                                      prepare=c.bind_thread)
         return self._issuer
 

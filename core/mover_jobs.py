@@ -26,6 +26,7 @@ class Job:
     issued: Optional[list] = None  # work left to other threads (kvswap.deferred), once issued
     ids: Any = None  # the checked ids, until the issuing thread builds the job
     fn: Any = None  # the SwapFn of the route this job takes instead of the mover's (``within``)
+    within: Optional[float] = None  # seconds beside compute, where the issuing thread picks ``fn``
 
 
 def complete(job: Job, c: Any) -> bool:
@@ -54,16 +55,20 @@ def result(job: Job, c: Any) -> TransferResult:
                           job.descriptors, error)
 
 
-def issue_with(desc: JobDescriptors, fn: SwapFn, c: Any) -> Callable[[Job], None]:
+def issue_with(desc: JobDescriptors, fn: SwapFn, c: Any,
+               choose: Callable[[int, float], Optional[SwapFn]]) -> Callable[[Job], None]:
     """What the issuing thread does with each job (it holds no reference to the mover):
-    build, call the route with the mover's device current, record the end marker, also
-    after a failure (part of a batch may be enqueued). Errors stay on the job."""
+    pick the route for the job's ``within`` (``choose``), build, call the route with the
+    mover's device current, record the end marker, also after a failure (part of a batch
+    may be enqueued). Errors stay on the job."""
 
     def issue(job: Job) -> None:
         ids, job.ids = job.ids, None
         error = None
         with c.device_guard():
             try:
+                if job.fn is None and job.within is not None:
+                    job.fn = choose(len(ids[0][0]), job.within)
                 by_ids = desc.by_ids(ids) if job.fn is None else None
                 buf, m = desc.build(ids) if by_ids is None else desc.ids_buffer(ids)
                 job.buffer, job.descriptors = buf, m

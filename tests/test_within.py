@@ -3,12 +3,15 @@ job that would run on a kernel takes the route that uses no SMs when that is pre
 end the step sooner (hand-built calibrations and routes, on the CPU)."""
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
 
 import kvswap
 from kvswap import BlockMover, ConfigurationError, Policy
+from kvswap.mover_within import QuietChoice
 from kvswap.plugins import create_plugin_host, reset_plugin_host
 from kvswap.routing import step_cost
 
@@ -89,16 +92,28 @@ def test_a_forced_route_or_a_calibration_without_host_cost_never_switches():
     assert bare.quieter(4 * KiB, 2048, 8 * 2**20, 0.02) is None  # no host cost: not predicted
 
 
+@pytest.mark.parametrize("threaded", [False, True])
 @pytest.mark.parametrize("direction", ["h2d", "d2h"])
-def test_a_job_with_time_to_spare_runs_on_the_batch_route_and_every_byte_lands(installed, direction):
+def test_a_job_with_time_to_spare_runs_on_the_batch_route_and_every_byte_lands(installed, direction, threaded,
+                                                                                monkeypatch):
+    # With an issuing thread, that thread decides the route for within, off the engine's.
+    decided_on = []
+    choose = QuietChoice.__call__
+
+    def recording(self, n, within):
+        decided_on.append(threading.current_thread())
+        return choose(self, n, within)
+
+    monkeypatch.setattr(QuietChoice, "__call__", recording)
     layout = layouts(bs=16, heads=4, head_dim=32, layers=2)["flash"]  # 4 KiB chunks
     gen = torch.Generator().manual_seed(3)
     src, dst = Pool(layout, 96, gen), Pool(layout, 80, gen)
     before, src_before = dst.snapshot(), src.snapshot()
     rng = np.random.default_rng(4)
     jobs = [(rng.permutation(96)[:64].astype(np.int64), rng.permutation(80)[:64].astype(np.int64)) for _ in range(3)]
-    with BlockMover(src.tensors, dst.tensors, direction, block_dim=layout.block_dim) as mover:
-        assert "acme.kern" in mover.swap_fn.impls
+    with BlockMover(src.tensors, dst.tensors, direction, block_dim=layout.block_dim,
+                    issuing_thread=threaded) as mover:
+        assert "acme.kern" in mover.swap_fn.impls and mover.issuing_thread == threaded
         LOG.clear()
         mover.submit(*jobs[0])  # no within: the resolved kernel
         mover.submit(*jobs[1], within=0.020)
@@ -106,6 +121,8 @@ def test_a_job_with_time_to_spare_runs_on_the_batch_route_and_every_byte_lands(i
         mover.wait()
         results = mover.poll()
     assert [name for name, _ in LOG] == ["acme.kern", "acme.dma", "acme.kern"]
+    assert len(decided_on) == 2
+    assert all((t is threading.main_thread()) != threaded for t in decided_on)
     assert all(r.ok for r in results)
     assert dst.matches(expected_after(dst, before, src_before, src, jobs))
     assert src.matches(src_before)

@@ -2,7 +2,7 @@
 # The step benchmark over every built-in model x TP {1, and 8 where the KV heads split}
 # x direction x B {32, 512}, the BlockMover ceiling case (h2d 4 KiB x 10,000), and the
 # compute slowdown per route and SM count; then the bars (a pass/fail table, no asserts)
-# and the markdown section for docs/benchmarks.md. About 2 minutes on an H200 with REPS=3.
+# and the markdown section for docs/benchmarks.md. About 2.5 minutes on an H200 with REPS=5.
 #
 #   OUT=results tests/bench/step_all.sh          (REPS=5 by default; PYTHON=python3)
 set -euo pipefail

@@ -499,8 +499,8 @@ class BlockMover:
 
     def _start_issuer(self) -> IssuingThread:
         c = self._completion
-        self._issuer = IssuingThread(issue_with(self._desc, self._fn, c, self._within), name=f"kvswap-{self.direction}-mover",
-                                     prepare=c.bind_thread)
+        self._issuer = IssuingThread(issue_with(self._desc, self._fn, c, self._within),
+                                     name=f"kvswap-{self.direction}-mover", prepare=c.bind_thread)
         return self._issuer
 
     def descriptors(self, src_block_ids: Any, dst_block_ids: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

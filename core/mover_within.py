@@ -39,15 +39,15 @@ class QuietChoice:
                  templates: list[DescriptorTemplate], chunk_sizes: list[int], bind: bool) -> None:
         self._fn, self._direction, self._policy, self._resolve_args = fn, direction, policy, resolve_args
         self._fns: dict[str, SwapFn] = {}
-        self.size = chunk_sizes[0] if len(templates) == 1 and len(chunk_sizes) == 1 else None
+        self._size = chunk_sizes[0] if len(templates) == 1 and len(chunk_sizes) == 1 else None
         self._count, self._bytes = templates[0].count, templates[0].block_bytes
-        if bind and self.size is not None:
+        if bind and self._size is not None:
             for name in fn.quiet_impls:
                 self._quiet_fn(name)
-            fn.prepare_quieter(self.size)
+            fn.prepare_quieter(self._size)
 
     def __call__(self, n: int, within: float) -> Optional[SwapFn]:
-        size = self.size
+        size = self._size
         if size is None or not n:
             return None
         name = self._fn.quieter(size, n * self._count, n * self._bytes, float(within))

@@ -296,7 +296,7 @@ def step_cost(seconds: float, slowdown: float, within: float) -> float:
 
 def quiet_rates(route: Route, kernel: CopyImpl, num_sms: int, others: Iterable[CopyImpl], cal: Calibration,
                 direction: Direction, size: int) -> Optional[tuple[tuple, ...]]:
-    """What :func:`quiet_costs` needs that does not depend on the batch's length, for
+    """What :func:`costs_at` needs that does not depend on the batch's length, for
     blocks of ``size`` bytes: ``(name, GB/s, a_us, b_us, slowdown)`` for ``kernel`` at
     ``num_sms`` first, then for every implementation among ``others`` that takes no SMs and
     is predicted (speed curve, host cost ``a_us + b_us * n``, compute slowdown by SM count
@@ -318,32 +318,23 @@ def quiet_rates(route: Route, kernel: CopyImpl, num_sms: int, others: Iterable[C
 
 def costs_at(rates: Optional[tuple[tuple, ...]], count: int,
              nbytes: int) -> Optional[tuple[tuple[float, float], tuple[tuple[str, float, float], ...]]]:
-    """:func:`quiet_costs` from :func:`quiet_rates`, for ``count`` descriptors and ``nbytes``."""
+    """What :func:`quieter_route` weighs, from :func:`quiet_rates`, for a batch of ``count``
+    descriptors (``nbytes`` in all): ``((kernel seconds, kernel slowdown), ((name, seconds,
+    slowdown), ...))``; seconds are the bytes at the predicted speed plus the host cost.
+    The two times are added, though the curve's includes the call's host work on the
+    calibration's layout: where the call and the copy overlap that overestimates the route,
+    which then costs the step a kernel's slowdown; underestimating a route that takes no
+    SMs can let its copy end the step late. None where the kernel's time is not predicted."""
     if rates is None:
         return None
     out = [(name, nbytes / (gbps * 1e9) + (a + b * count) * 1e-6, slow) for name, gbps, a, b, slow in rates]
     return out[0][1:], tuple(out[1:])
 
 
-def quiet_costs(route: Route, kernel: CopyImpl, num_sms: int, others: Iterable[CopyImpl], cal: Calibration,
-                direction: Direction, size: int, count: int, nbytes: int
-                ) -> Optional[tuple[tuple[float, float], tuple[tuple[str, float, float], ...]]]:
-    """What :func:`quieter_route` weighs, for a batch of ``count`` descriptors of ``size``
-    bytes (``nbytes`` in all): ``((kernel seconds, kernel slowdown), ((name, seconds,
-    slowdown), ...))`` for ``kernel`` at ``num_sms`` and for every implementation among
-    ``others`` that takes no SMs; seconds predicted from the speed curve and the host cost,
-    slowdown as measured by SM count (and block size, where measured so). The two times
-    are added, though the curve's includes the call's host work on the calibration's
-    layout: where the call and the copy overlap that overestimates the route, which then
-    costs the step a kernel's slowdown; underestimating a route that takes no SMs can let
-    its copy end the step late. None where the kernel's time is not predicted."""
-    return costs_at(quiet_rates(route, kernel, num_sms, others, cal, direction, size), count, nbytes)
-
-
 def quieter_route(costs: Optional[tuple], within: float) -> Optional[str]:
     """The implementation that takes no SMs, by name, on which a batch with ``within``
     seconds beside the engine's compute before anything waits for it is predicted to end
-    the step sooner than on the kernel (:func:`step_cost` over :func:`quiet_costs`); None
+    the step sooner than on the kernel (:func:`step_cost` over :func:`costs_at`); None
     where none is, or nothing was predicted."""
     if costs is None:
         return None

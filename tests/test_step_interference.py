@@ -112,7 +112,7 @@ def test_rows_measured_at_block_sizes_answer_by_the_nearest_size():
 def test_within_weighs_the_batch_route_at_the_block_size_it_was_measured_at():
     """The same job shape at 16 and 32 KiB blocks: the copy engines' slowdown measured at
     each decides whether the route that takes no SMs ends the step sooner."""
-    from kvswap.routing import quiet_costs, quieter_route
+    from kvswap.routing import costs_at, quiet_rates, quieter_route
 
     class Impl:
         def __init__(self, name, kind):
@@ -131,7 +131,7 @@ def test_within_weighs_the_batch_route_at_the_block_size_it_was_measured_at():
     kernel, batch = Impl("triton.kernel", "kernel"), Impl("cuda.batch", "batch")
     n = 2048
     for size, want in ((16 * KiB, None), (32 * KiB, "cuda.batch")):
-        costs = quiet_costs(Route(), kernel, 8, [kernel, batch], c, Direction.H2D, size, n, n * size)
+        costs = costs_at(quiet_rates(Route(), kernel, 8, [kernel, batch], c, Direction.H2D, size), n, n * size)
         assert costs[1][0][2] == (0.3 if size == 16 * KiB else 0.005)
         assert quieter_route(costs, 0.020) == want
 

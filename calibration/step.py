@@ -280,6 +280,9 @@ def run_case(env: Any, pools: StepPools, dev: DeviceInfo, direction: Direction, 
     routes: dict[str, str] = {}
     beside_routes: dict[str, Optional[str]] = {}
     sid, did = pools.draw(rng, blocks)
+    # The link's ceiling: the faster of a contiguous copy timed before the case and after
+    # it, so that a moment when the machine was slow does not flatter the contenders.
+    link = pools.ceiling(direction, blocks * cache.block_bytes) if ceiling else None
     try:
         for c in measured:
             try:
@@ -341,7 +344,7 @@ def run_case(env: Any, pools: StepPools, dev: DeviceInfo, direction: Direction, 
         model=cache.model.name, layout=cache.model.layout, tp=cache.tp, direction=str(direction), blocks=blocks,
         chunk_bytes=cache.chunk_bytes, descriptors=blocks * cache.descriptors_per_block, bytes=nbytes,
         compute_alone_ms=_ms(computes) or 0.0,
-        ceiling_gbps=_sig(pools.ceiling(direction, nbytes)) if ceiling else None,
+        ceiling_gbps=_sig(max(link, pools.ceiling(direction, nbytes))) if link is not None else None,
         reps=reps, contenders=results,
     )
 

@@ -109,3 +109,61 @@ def test_block_mover_on_the_kernel_route_sends_only_ids(direction):
     assert r.ok and r.descriptors == 700 * mover.chunks_per_block
     poisoned = [torch.full_like(f.cpu(), 0x3C) for f in dst.flats]
     assert dst.matches(expected_after(dst, poisoned, src_before, src, [(sid, did)]))
+
+
+
+def test_each_call_on_the_stream_it_names():
+    """The launch arguments are resolved when the ids are staged and the stream's handle
+    is remembered between calls: calls alternating between two streams, a raw handle and
+    the current stream each land after a fill of the destinations queued (behind a spin)
+    on the stream they name, and before a snapshot queued after them."""
+    rng = np.random.default_rng(5)
+    src, dst = _pair("flash", "h2d", seed=4, src_blocks=2048, dst_blocks=2048)
+    fn = _bound(src, dst, "h2d", num_sms=16)  # 16 programs: ids read from pinned memory
+    src_before = src.snapshot()
+    a, b = torch.cuda.Stream(), torch.cuda.Stream()
+    current = torch.cuda.current_stream()
+    calls = [(a, a), (b, b), (a.cuda_stream, a), (None, current), (b, b), (a, a)]
+    for i, (given, on) in enumerate(calls):
+        fill = 0x11 * (i + 1)
+        with torch.cuda.stream(on):
+            torch.cuda._sleep(SPIN // 4)  # a copy on any other stream would land before the fill
+            for f in dst.flats:
+                f.fill_(fill)
+        sid = rng.integers(0, 2048, 300).astype(np.int64)
+        did = rng.permutation(2048)[:300].astype(np.int64)
+        assert fn(sid, did, given).ids == "host"
+        with torch.cuda.stream(on):  # queued behind the copy: sees its bytes
+            snaps = [f.clone() for f in dst.flats]
+        on.synchronize()
+        poisoned = [torch.full_like(f.cpu(), fill) for f in dst.flats]
+        want = expected_after(dst, poisoned, src_before, src, [(sid, did)])
+        assert all(torch.equal(s.cpu(), w) for s, w in zip(snaps, want)), f"call {i}"
+        assert dst.matches(want), f"call {i}"
+
+
+@pytest.mark.parametrize("n", [8, 2000], ids=["ids-from-host", "ids-uploaded"])
+def test_launch_hook_sees_the_by_id_launches(n):
+    """With a profiler's launch hook set (Triton's knobs), a by-id call launches with
+    Triton's metadata, the hook sees the copy kernel, and the bytes are right."""
+    knobs = pytest.importorskip("triton.knobs")
+    chain = knobs.runtime.launch_enter_hook
+    if not hasattr(chain, "add"):
+        pytest.skip("this Triton keeps one launch hook, not a chain")
+    rng = np.random.default_rng(6)
+    src, dst = _pair("flash", "h2d", seed=5, src_blocks=2048, dst_blocks=2048)
+    fn = _bound(src, dst, "h2d", num_sms=4)
+    src_before, before = src.snapshot(), dst.snapshot()
+    sid = rng.integers(0, 2048, n).astype(np.int64)
+    did = rng.permutation(2048)[:n].astype(np.int64)
+    seen = []
+    hook = seen.append
+    chain.add(hook)
+    try:
+        launch = fn(sid, did, torch.cuda.current_stream())
+    finally:
+        chain.remove(hook)
+    torch.cuda.synchronize()
+    assert launch.ids == ("host" if n == 8 else "device")
+    assert [h.get()["name"] for h in seen] == ["copy_by_ids_kernel"]
+    assert dst.matches(expected_after(dst, before, src_before, src, [(sid, did)]))

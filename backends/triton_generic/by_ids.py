@@ -100,13 +100,16 @@ class CopyByIds:
         self._launches: dict[int, IdsLaunch] = {}
         self._variants: dict[tuple, Variant] = {}
         self._runtime: Any = None
+        self._last_stream: Optional[tuple] = None  # (stream given, torch stream, raw handle)
         self.last_launch: Optional[IdsLaunch] = None
         if copy.device_index is None:
             self._tmpl: Any = None
             self._tmpl_ptr = 0
+            self._cuda: Any = None
         else:
             import torch
 
+            self._cuda = torch.cuda
             self._tmpl = torch.from_numpy(packed).to(f"cuda:{copy.device_index}")  # uploaded once
             self._tmpl_ptr = self._tmpl.data_ptr()
         self.note = (f"addresses derived on the device from {p} piece(s) (base, stride, size) uploaded once; "
@@ -134,8 +137,9 @@ class CopyByIds:
         return self.stage(src_ids, dst_ids)(stream)
 
     def stage(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> Any:
-        """The host half of a call: the ids packed into a pinned staging buffer now; the
-        returned ``launch(stream) -> IdsLaunch`` enqueues the kernel(s) that read them.
+        """The host half of a call: the ids packed into a pinned staging buffer and the
+        launch arguments resolved now; the returned ``launch(stream) -> IdsLaunch``
+        enqueues the kernel(s) that read them.
         A caller that records a start marker between the two times the device's part
         alone; ``launch.cancel()`` returns the buffer where nothing is launched."""
         n = len(src_ids)
@@ -147,7 +151,12 @@ class CopyByIds:
         entry = self.copy._pool.take(2 * n)
         entry.view[:n] = src_ids
         entry.view[n:2 * n] = dst_ids
-        return _Staged(self, entry, launch)
+        try:
+            calls = self._direct_calls(entry, launch)
+        except BaseException:
+            self.copy._pool.give(entry)
+            raise
+        return _Staged(self, entry, launch, calls)
 
     def launch_only(self, n: int) -> bool:
         """Whether a call of ``n`` id pairs is only launches: the kernel reads the ids where
@@ -172,23 +181,68 @@ class CopyByIds:
                                            self.pieces, t.splits, JOBS=t.jobs, WORDS=t.words, ALIGN=t.align,
                                            CACHE=t.cache, num_warps=t.warps)
 
-    def _enqueue(self, entry: Any, launch: IdsLaunch, stream: Any) -> None:
-        import torch
-
+    def _direct_calls(self, entry: Any, launch: IdsLaunch) -> Optional[tuple]:
+        """The launches of a staged call, every argument but the stream resolved now
+        (before the caller's start marker): ``(run, grid, function, metadata, args)`` each,
+        ids upload first where the kernel reads them from the device. None where a launch
+        is not direct or a launch hook is set (the call then goes through :meth:`_launch`)."""
         c = self.copy
-        s = c._streams.get(stream)
+        variant = self._variant(launch.tile)
+        if not variant.direct or self._hooked():
+            return None
+        if launch.ids == "host":
+            ptr, calls = entry.host_ptr, ()
+        else:
+            upload = _upload_variant(c.device_index)
+            if not upload.direct:
+                return None
+            c._pool.device_buffer(entry)  # made on first need
+            ptr, m = entry.dev_ptr, 2 * launch.n
+            calls = ((upload.run, -(-m // UPLOAD_BLOCK), upload.function, upload.metadata,
+                      (entry.host_ptr, ptr, m, UPLOAD_BLOCK)),)
+        return calls + ((variant.run, launch.grid, variant.function, variant.metadata, self._args(launch, ptr)),)
+
+    def _args(self, launch: IdsLaunch, ids_ptr: int) -> tuple:
+        """The copy kernel's arguments, constexprs last, for ids at ``ids_ptr``."""
+        t = launch.tile
+        return self._tmpl_ptr, ids_ptr, launch.n, self.pieces, t.splits, t.jobs, t.words, t.align, t.cache
+
+    def _enqueue(self, entry: Any, launch: IdsLaunch, calls: Optional[tuple], stream: Any) -> None:
+        """Enqueue a staged call on ``stream`` with the copy's device current; between the
+        caller's start marker and a pre-resolved launch (``calls``), only the stream's
+        handle, the device check and the launcher run."""
+        c = self.copy
+        last = self._last_stream
+        if last is not None and last[0] is stream:
+            s, handle = last[1], last[2]
+        else:
+            s = c._streams.get(stream)
+            handle = s.cuda_stream
+            if stream is not None:  # None means the current stream, which may change
+                self._last_stream = (stream, s, handle)
+        cuda = self._cuda
         try:
-            if torch.cuda.current_device() == c.device_index:
-                self._launch(entry, launch, s, stream is None)
+            if cuda.current_device() == c.device_index:
+                self._issue(entry, launch, calls, s, handle, stream is None)
             else:
-                with torch.cuda.device(c.device_index):
-                    self._launch(entry, launch, s, stream is None)
+                with cuda.device(c.device_index):
+                    self._issue(entry, launch, calls, s, handle, stream is None)
         finally:
             # Also on failure: the upload may already be in flight.
             entry.done.record(s)
             c._pool.give(entry)
 
+    def _issue(self, entry: Any, launch: IdsLaunch, calls: Optional[tuple], s: Any, handle: int,
+               current: bool) -> None:
+        if calls is None:
+            self._launch(entry, launch, s, current)
+            return
+        for run, grid, function, metadata, args in calls:
+            run(grid, 1, 1, handle, function, metadata, None, None, None, *args)
+
     def _launch(self, entry: Any, launch: IdsLaunch, s: Any, current: bool) -> None:
+        """A launch with nothing resolved ahead: through Triton's JIT where this Triton has
+        no direct launch, or with a launch hook (a profiler) set."""
         import torch
 
         c, tile = self.copy, launch.tile
@@ -198,18 +252,13 @@ class CopyByIds:
         else:
             ids, ptr = c._pool.device_buffer(entry), entry.dev_ptr
             m = 2 * launch.n
-            upload = _upload_variant(c.device_index)
-            if variant.direct and upload.direct and not self._hooked():
-                # The ids' upload is a kernel launched the same way: no stream switch here.
-                upload.run(-(-m // UPLOAD_BLOCK), 1, 1, s.cuda_stream, upload.function, upload.metadata, None, None,
-                           None, entry.host_ptr, ptr, m, UPLOAD_BLOCK)
-            elif current:
+            if current:
                 ids[:m].copy_(entry.host[:m], non_blocking=True)
             else:
                 with torch.cuda.stream(s):
                     ids[:m].copy_(entry.host[:m], non_blocking=True)
-        args = (self._tmpl_ptr, ptr, launch.n, self.pieces, tile.splits, tile.jobs, tile.words, tile.align, tile.cache)
-        if variant.direct:
+        args = self._args(launch, ptr)
+        if variant.direct:  # with a launch hook set (a profiler): the launch carries Triton's metadata
             rt = self._runtime
             enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
             if hook_is_set(enter) or hook_is_set(leave):
@@ -254,16 +303,16 @@ class CopyByIds:
 class _Staged:
     """A call's ids in a staging buffer, waiting for their launch (:meth:`CopyByIds.stage`)."""
 
-    __slots__ = ("fn", "entry", "launch")
+    __slots__ = ("fn", "entry", "launch", "calls")
 
-    def __init__(self, fn: CopyByIds, entry: Any, launch: IdsLaunch) -> None:
-        self.fn, self.entry, self.launch = fn, entry, launch
+    def __init__(self, fn: CopyByIds, entry: Any, launch: IdsLaunch, calls: Optional[tuple]) -> None:
+        self.fn, self.entry, self.launch, self.calls = fn, entry, launch, calls
 
     def __call__(self, stream: Any = None) -> IdsLaunch:
         entry, self.entry = self.entry, None
         if entry is None:
             raise RuntimeError("these staged ids were already launched or cancelled")
-        self.fn._enqueue(entry, self.launch, stream)
+        self.fn._enqueue(entry, self.launch, self.calls, stream)
         self.fn.last_launch = self.launch
         return self.launch
 

@@ -282,7 +282,8 @@ def run_case(env: Any, pools: StepPools, dev: DeviceInfo, direction: Direction, 
     sid, did = pools.draw(rng, blocks)
     # The link's ceiling: the faster of a contiguous copy timed before the case and after
     # it, so that a moment when the machine was slow does not flatter the contenders.
-    link = pools.ceiling(direction, blocks * cache.block_bytes) if ceiling else None
+    nbytes = blocks * cache.block_bytes
+    link = pools.ceiling(direction, nbytes) if ceiling else None
     try:
         for c in measured:
             try:
@@ -321,7 +322,6 @@ def run_case(env: Any, pools: StepPools, dev: DeviceInfo, direction: Direction, 
     finally:
         for m in movers.values():
             m.close()
-    nbytes = blocks * cache.block_bytes
     results = []
     for c in contenders:
         who = c.same_as or c.name

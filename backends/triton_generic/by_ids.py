@@ -161,14 +161,8 @@ class CopyByIds:
     def launch_only(self, n: int) -> bool:
         """Whether a call of ``n`` id pairs is only launches: the kernel reads the ids where
         the call staged them, in pinned host memory, or an upload kernel copies them to the
-        device first (launched directly, as the copy is; no profiler hook set)."""
-        if self.copy._pool is None or n <= 0:
-            return False
-        launch = self._plan(n)
-        if launch.ids == "host":
-            return True
-        return (self._variant(launch.tile).direct and _upload_variant(self.copy.device_index).direct
-                and not self._hooked())
+        device first; every launch direct, no profiler hook set (:meth:`_direct`)."""
+        return self.copy._pool is not None and n > 0 and self._direct(self._plan(n)) is not None
 
     # -- launching ---------------------------------------------------------------------------
     def _interpret(self, ids: np.ndarray, launch: IdsLaunch) -> None:
@@ -181,22 +175,31 @@ class CopyByIds:
                                            self.pieces, t.splits, JOBS=t.jobs, WORDS=t.words, ALIGN=t.align,
                                            CACHE=t.cache, num_warps=t.warps)
 
-    def _direct_calls(self, entry: Any, launch: IdsLaunch) -> Optional[tuple]:
-        """The launches of a staged call, every argument but the stream resolved now
-        (before the caller's start marker): ``(run, grid, function, metadata, args)`` each,
-        ids upload first where the kernel reads them from the device. None where a launch
-        is not direct or a launch hook is set (the call then goes through :meth:`_launch`)."""
-        c = self.copy
+    def _direct(self, launch: IdsLaunch) -> Optional[tuple[Variant, Optional[Variant]]]:
+        """The compiled copy and, where the kernel reads the ids from the device, the ids'
+        upload, when every launch of the call is direct and no launch hook is set; else None
+        (the call goes through :meth:`_launch`)."""
         variant = self._variant(launch.tile)
         if not variant.direct or self._hooked():
             return None
         if launch.ids == "host":
+            return variant, None
+        upload = _upload_variant(self.copy.device_index)
+        return (variant, upload) if upload.direct else None
+
+    def _direct_calls(self, entry: Any, launch: IdsLaunch) -> Optional[tuple]:
+        """The launches of a staged call, every argument but the stream resolved now
+        (before the caller's start marker): ``(run, grid, function, metadata, args)`` each,
+        ids upload first where the kernel reads them from the device. None where they are
+        not direct (:meth:`_direct`)."""
+        direct = self._direct(launch)
+        if direct is None:
+            return None
+        variant, upload = direct
+        if upload is None:
             ptr, calls = entry.host_ptr, ()
         else:
-            upload = _upload_variant(c.device_index)
-            if not upload.direct:
-                return None
-            c._pool.device_buffer(entry)  # made on first need
+            self.copy._pool.device_buffer(entry)  # made on first need
             ptr, m = entry.dev_ptr, 2 * launch.n
             calls = ((upload.run, -(-m // UPLOAD_BLOCK), upload.function, upload.metadata,
                       (entry.host_ptr, ptr, m, UPLOAD_BLOCK)),)

@@ -184,9 +184,6 @@ def slowdown_lines(fitted: Fitted, interference: Sequence[dict] = ()) -> list[st
         items = ", ".join(f"{r[0]}{f'@{r[1]}' if r[1] else ''}{f' at {r[3] // 1024} KiB' if len(r) > 3 else ''} "
                           f"{r[2]:.0%}" for r in rows if "." in r[0])
         out.append(f"{d}: compute slowdown beside each route: {items or '-'}")
-    partial = [r for r in interference if r.get("covered") is False]
-    if partial:
-        out.append(f"({len(partial)} of them from jobs that ended before the compute did: an underestimate)")
     for r in interference:
         if r.get("error"):
             out.append(f"interference not measured for {r['direction']} {r['route']}@{r['num_sms']}: {r['error']}")

@@ -4,9 +4,9 @@ route that takes no SMs per block size.
 The step benchmark's procedure (:mod:`kvswap.calibration.step`) on model-shaped workloads
 (every route on one, the batch route again on two with other chunk sizes): bf16 GEMMs launched on the compute stream, a BlockMover job submitted right
 after from the same thread, the two started together. The slowdown is the fraction of
-compute throughput lost, ``1 - (compute alone) / (compute beside the job)``, the median
-over repetitions that alternate with the compute alone; each job is sized to outlast the
-compute (``covered`` says whether it did), every byte checked.
+compute throughput lost while the job runs (:func:`lost_fraction`), the median over
+repetitions that alternate with the compute alone; each job is sized to outlast the
+compute alone (``covered`` says whether it outlasted the slowed compute), every byte checked.
 
 :func:`profile_rows` turns the records into a profile's ``slowdown_by_sms`` (read into
 :attr:`kvswap.Calibration.slowdown_by_sms`, which ``Policy(prefer="low_interference")``
@@ -108,6 +108,18 @@ def _measure_routes(env: Any, dev: DeviceInfo, pools: StepPools, d: Direction, s
     return records
 
 
+def lost_fraction(alone: float, beside: float, transfer: float) -> float:
+    """The fraction of compute throughput a transfer of ``transfer`` seconds took while it
+    ran beside compute that takes ``alone`` seconds alone and ``beside`` with it, both
+    started together: the compute lost ``beside - alone`` seconds of work over the
+    ``min(transfer, beside)`` they overlapped (where the transfer ends first, the compute's
+    tail runs at full speed; timing against the whole compute would dilute the loss)."""
+    overlap = min(transfer, beside)
+    if overlap <= 0 or alone <= 0:
+        return 0.0
+    return min(max((beside - alone) / overlap, 0.0), 0.99)
+
+
 def _measure_route(env: Any, pools: StepPools, mover: Any, d: Direction, reps: int,
                    rng: np.random.Generator) -> dict[str, Any]:
     probe = min(64, pools.num_blocks // 2)
@@ -116,7 +128,7 @@ def _measure_route(env: Any, pools: StepPools, mover: Any, d: Direction, reps: i
     t_probe = transfer_alone(env, pools, mover, d, sid, did)
     compute = compute_alone(env)
     blocks = max(probe, min(pools.num_blocks // 2, math.ceil(probe * COVER * compute / max(t_probe, 1e-9))))
-    ratios, beside, comp = [], [], []
+    ratios, lost, beside, comp = [], [], [], []
     checked = 0
     for _ in range(reps):
         sid, did = pools.draw(rng, blocks)
@@ -124,11 +136,11 @@ def _measure_route(env: Any, pools: StepPools, mover: Any, d: Direction, reps: i
         _, t, c, _ = one_step(env, pools, mover, d, sid, did)
         checked += pools.check(d, sid, did)
         ratios.append(c / alone_c if alone_c > 0 else 1.0)
+        lost.append(lost_fraction(alone_c, c, t))
         beside.append(t)
         comp.append(c)
-    ratio = median(ratios)
-    return {"blocks": blocks, "slowdown": round(min(max(1.0 - 1.0 / ratio, 0.0), 0.99), 4),
-            "compute_ratio": round(ratio, 4), "transfer_beside_ms": round(median(beside) * 1e3, 4),
+    return {"blocks": blocks, "slowdown": round(median(lost), 4),
+            "compute_ratio": round(median(ratios), 4), "transfer_beside_ms": round(median(beside) * 1e3, 4),
             "compute_beside_ms": round(median(comp) * 1e3, 4), "covered": median(beside) >= median(comp),
             "bytes_checked": checked}
 

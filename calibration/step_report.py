@@ -232,8 +232,8 @@ def merge(docs: Iterable[dict[str, Any]]) -> dict[str, Any]:
 
 def interference_markdown(doc: dict[str, Any]) -> str:
     """The compute slowdown per direction, route and SM count (``step_interference``'s JSON)."""
-    lines = [f"Compute slowdown beside a BlockMover job on {doc['device']} (fraction of GEMM throughput lost; "
-             f"the job sized to outlast the compute):", "",
+    lines = [f"Compute slowdown beside a BlockMover job on {doc['device']} (fraction of GEMM throughput lost "
+             f"while the job runs; the job sized to outlast the compute alone):", "",
              "| dir | route | SMs | chunk | blocks | slowdown | transfer ms | compute ms | covered |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in doc["records"]:

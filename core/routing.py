@@ -290,8 +290,10 @@ def _no_zero_from(tiers: Sequence[tuple[int, int]], start: int, knee: int) -> tu
 
 def step_cost(seconds: float, slowdown: float, within: float) -> float:
     """When both are done: the engine's compute, ``within`` seconds alone, and a copy of
-    ``seconds`` beside it that slows it by ``slowdown`` (a fraction) while they overlap."""
-    return max(within + slowdown * min(seconds, within), seconds)
+    ``seconds`` beside it that takes ``slowdown`` (a fraction) of the compute's throughput
+    while they overlap: the compute ends ``slowdown * seconds`` late, unless the copy
+    outlasts it, and then the copy ends the step."""
+    return max(within + slowdown * seconds, seconds)
 
 
 def quiet_rates(route: Route, kernel: CopyImpl, num_sms: int, others: Iterable[CopyImpl], cal: Calibration,

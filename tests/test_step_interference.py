@@ -33,6 +33,17 @@ def test_measure_on_host_records_each_route_and_checks_its_bytes():
     assert {tuple(x[:2]) for x in rows["h2d"]} == {("batch", 0), ("host.reference", 0)}
 
 
+def test_the_slowdown_is_the_throughput_lost_while_the_transfer_runs():
+    # A 21 ms transfer beside 20 ms of compute that ends at 34 ms: over the 21 ms they
+    # overlapped the compute did 7 ms of its work, so it ran at a third of its speed.
+    assert step_interference.lost_fraction(0.020, 0.034, 0.021) == pytest.approx(14 / 21)
+    # A transfer that outlasts the slowed compute overlapped all of it.
+    assert step_interference.lost_fraction(0.020, 0.025, 0.030) == pytest.approx(0.2)
+    assert step_interference.lost_fraction(0.020, 0.019, 0.010) == 0.0  # faster beside: no loss
+    assert step_interference.lost_fraction(0.020, 0.080, 0.001) == 0.99  # capped below 1
+    assert step_interference.lost_fraction(0.020, 0.030, 0.0) == 0.0
+
+
 def test_the_batch_route_is_measured_again_at_other_block_sizes_and_its_rows_name_them():
     env = HostEnv(lambda: sum(range(3000)))
     dev = detect(plugin_host(), "cpu")

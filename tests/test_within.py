@@ -45,7 +45,11 @@ def test_step_cost_is_the_later_of_the_slowed_compute_and_the_copy():
     assert step_cost(0.004, 0.3, 0.020) == pytest.approx(0.020 + 0.3 * 0.004)
     assert step_cost(0.030, 0.3, 0.020) == pytest.approx(0.030)  # the copy ends last
     assert step_cost(0.030, 0.0, 0.020) == pytest.approx(0.030)
-    assert step_cost(0.021, 0.3, 0.020) == pytest.approx(0.026)  # overlaps the whole compute
+    # The copy outlasts the compute alone, but not the slowed compute: 6.3 ms late.
+    assert step_cost(0.021, 0.3, 0.020) == pytest.approx(0.020 + 0.3 * 0.021)
+    assert step_cost(0.027, 0.5, 0.020) == pytest.approx(0.0335)
+    # It outlasts the slowed compute (20 ms of work at 70% is done at 28.6 ms).
+    assert step_cost(0.029, 0.3, 0.020) == pytest.approx(0.029)
 
 
 def test_the_batch_route_where_it_finishes_in_time_the_kernel_where_it_would_not():

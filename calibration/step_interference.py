@@ -2,8 +2,9 @@
 route that takes no SMs per block size.
 
 The step benchmark's procedure (:mod:`kvswap.calibration.step`) on model-shaped workloads
-(every route on one, the batch route again on two with other chunk sizes): bf16 GEMMs launched on the compute stream, a BlockMover job submitted right
-after from the same thread, the two started together. The slowdown is the fraction of
+(every route on one, the batch route again on two with other chunk sizes): bf16 GEMMs
+launched on the compute stream, a BlockMover job submitted right after from the same
+thread, the two started together. The slowdown is the fraction of
 compute throughput lost while the job runs (:func:`lost_fraction`), the median over
 repetitions that alternate with the compute alone; each job is sized to outlast the
 compute alone (``covered`` says whether it outlasted the slowed compute), every byte checked.

@@ -171,9 +171,10 @@ def groups_share_destinations(sides: list[tuple[list, list]]) -> bool:
 # step's launches (32 ids on an H100 host: 50-75 us through numpy, 25-35 us this way).
 SMALL_IDS = 256
 # Beyond that, repeats are found by marking each destination block in a bitmap where the
-# destination holds up to this many blocks (5,000 ids of 10,000 blocks: 18 us cold against
-# 57 us for a sort), else by sorting.
-BITMAP_MAX_BLOCKS = 1 << 20
+# destination holds at most this many blocks per id (5,000 ids of 10,000 blocks: 18 us cold
+# against 57 us for a sort), else by sorting: a few ids into a large pool would otherwise
+# pay for zeroing and scanning a bitmap far larger than the ids.
+BITMAP_BLOCKS_PER_ID = 32
 
 
 def checked_groups(templates: list[DescriptorTemplate], src_block_ids: Any,
@@ -216,7 +217,7 @@ def checked_pair(t: DescriptorTemplate, src_block_ids: Any, dst_block_ids: Any,
     else:
         in_range(sid, f"src_block_ids{at}", t.src_blocks, "source")
         in_range(did, f"dst_block_ids{at}", t.dst_blocks, "destination")
-        if t.dst_blocks <= BITMAP_MAX_BLOCKS:  # a mark per destination block: no sort
+        if t.dst_blocks <= BITMAP_BLOCKS_PER_ID * n:  # a mark per destination block: no sort
             seen = np.zeros(t.dst_blocks, dtype=np.bool_)
             seen[did] = True
             repeated = int(np.count_nonzero(seen)) != n

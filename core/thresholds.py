@@ -263,11 +263,12 @@ class Calibration:
             sizes = sorted({r[3] for r in mine if len(r) > 3})
             if not sizes:
                 return _over_sms([(r[1], r[2]) for r in mine], num_sms)
+            def at(b: int) -> float:  # the rows measured at block size b
+                return _over_sms([(r[1], r[2]) for r in mine if len(r) > 3 and r[3] == b], num_sms)
+
             if size is None or size < 1:
-                return max(_over_sms([(r[1], r[2]) for r in mine if len(r) > 3 and r[3] == b], num_sms)
-                           for b in sizes)
-            b = min(sizes, key=lambda b: abs(math.log2(b / size)))
-            return _over_sms([(r[1], r[2]) for r in mine if len(r) > 3 and r[3] == b], num_sms)
+                return max(at(b) for b in sizes)
+            return at(min(sizes, key=lambda b: abs(math.log2(b / size))))
         return self.slowdown_of(impl, kind)
 
     def host_line(self, impl: str, kind: str, direction: Direction) -> Optional[tuple[float, float]]:

@@ -387,10 +387,10 @@ def test_a_submit_validates_its_batch_once(monkeypatch):
 @pytest.mark.parametrize("n", [2, SMALL_IDS, SMALL_IDS + 1, 600])
 def test_id_checks_agree_on_both_sides_of_the_small_batch_path(n, sort, monkeypatch):
     # Up to SMALL_IDS ids are checked with Python's builtins, beyond with numpy (repeats by
-    # a bitmap of the destination blocks, or by sorting for larger pools): the same
-    # verdicts and messages, and nothing copied on a refusal.
+    # a bitmap of the destination blocks, or by sorting for pools large against the ids):
+    # the same verdicts and messages, and nothing copied on a refusal.
     if sort:
-        monkeypatch.setattr(kvswap.mover_inputs, "BITMAP_MAX_BLOCKS", 0)
+        monkeypatch.setattr(kvswap.mover_inputs, "BITMAP_BLOCKS_PER_ID", 0)
     rng = np.random.default_rng(n)
     src = torch.from_numpy(rng.integers(0, 256, (700, 48), dtype=np.uint8))
     dst = torch.full((650, 48), 0xA5, dtype=torch.uint8)

@@ -147,7 +147,7 @@ class CopyByIds:
             return _Later(self, IdsLaunch(0, 0, 0, None))
         launch = self._plan(n)
         if self.copy._pool is None:  # the interpreter copies at launch
-            return _Later(self, launch, np.concatenate((src_ids, dst_ids)).astype(np.int64))
+            return _Later(self, launch, np.concatenate((src_ids, dst_ids)).astype(np.int64, copy=False))
         entry = self.copy._pool.take(2 * n)
         entry.view[:n] = src_ids
         entry.view[n:2 * n] = dst_ids

@@ -20,7 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(
         "step benchmark (--model, or a custom shape): BlockMover jobs on a model's per-layer KV tensors "
         "beside bf16 GEMMs, per contender (default, low_interference, batch, kernel@12, vllm): submit host "
-        "time, transfer alone and beside compute, compute slowdown, step makespan, bytes checked")
+        "time, transfer alone and beside compute, compute slowdown, step makespan (also over the compute "
+        "alone of its repetition), bytes checked")
     g.add_argument("--model", type=_names, metavar="NAME[,NAME...]",
                    help="built-in model shape(s) (kvswap models), or all")
     g.add_argument("--tp", type=block_list, default=[1], metavar="N[,N...]",

@@ -23,7 +23,7 @@ BAR_CEILING = 0.90  # h2d 4 KiB x 10,000 through BlockMover, over the contiguous
 CEILING_POINT = ("h2d", 4 * KiB, 10_000)
 
 COLUMNS = ("model", "tp", "dir", "B", "chunk", "desc", "contender", "route", "submit us", "alone ms",
-           "beside ms", "GB/s beside", "slowdown", "makespan ms", "checked")
+           "beside ms", "GB/s beside", "slowdown", "makespan ms", "span/compute", "checked")
 
 
 def _size(b: int) -> str:
@@ -47,11 +47,12 @@ def rows(doc: dict[str, Any]) -> list[list[str]]:
         for c in case["contenders"]:
             route = c["route"] + (f" (= {c['same_as']})" if c["same_as"] else "")
             if c["error"]:
-                cells = ["failed: " + c["error"][:60]] + [""] * 6
+                cells = ["failed: " + c["error"][:60]] + [""] * 7
             else:
                 cells = [_f(c["submit_us"], ".0f"), _f(c["transfer_alone_ms"], ".3f"),
                          _f(c["transfer_beside_ms"], ".3f"), _f(c["gbps_beside"], ".1f"),
-                         _f(c["slowdown"], ".3f"), _f(c["makespan_ms"], ".2f"), _bytes(c["bytes_checked"])]
+                         _f(c["slowdown"], ".3f"), _f(c["makespan_ms"], ".2f"), _f(stretch(case, c), ".3f"),
+                         _bytes(c["bytes_checked"])]
             out.append([case["model"], str(case["tp"]), case["direction"], str(case["blocks"]),
                         _size(case["chunk_bytes"]), str(case["descriptors"]), c["name"], route, *cells])
     return out
@@ -84,6 +85,15 @@ def _contender(case: dict[str, Any], name: str) -> Optional[dict[str, Any]]:
     return c if c is not None and not c["error"] and c["makespan_ms"] is not None else None
 
 
+def stretch(case: dict[str, Any], c: dict[str, Any]) -> Optional[float]:
+    """The step's makespan over the compute alone: the median of the per-repetition ratios
+    where the document has them (``makespan_over_compute``), else the medians' ratio."""
+    r = c.get("makespan_over_compute")
+    if r is None and c["makespan_ms"] is not None and case["compute_alone_ms"]:
+        r = c["makespan_ms"] / case["compute_alone_ms"]
+    return r
+
+
 def _case_label(case: dict[str, Any]) -> str:
     return f"{case['model']} tp{case['tp']} {case['direction']} x{case['blocks']}"
 
@@ -110,10 +120,12 @@ def bars(docs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         default = _contender(case, "default")
         others = [c for c in case["contenders"] if _contender(case, c["name"])]
         if default and others:
-            best = min(c["makespan_ms"] for c in others)
-            r = default["makespan_ms"] / best
+            # Each makespan over the compute alone of its own repetition: the GEMMs' time
+            # drifts between repetitions with the GPU's clock, more than a route moves it.
+            best = min(stretch(case, c) for c in others)
+            r = stretch(case, default) / best
             judged.append((_case_label(case), r, r <= BAR_MAKESPAN))
-    bar(f"default makespan <= {BAR_MAKESPAN} x best contender's", judged, worst_is_min=False)
+    bar(f"default makespan / compute alone <= {BAR_MAKESPAN} x best contender's", judged, worst_is_min=False)
 
     judged, geo = [], []
     for case in cases:
@@ -197,7 +209,8 @@ def plot(doc: dict[str, Any], path: Path) -> Path:
                     if c is None:
                         ys.append(float("nan"))
                     elif key == "makespan_over_compute":
-                        ys.append(c["makespan_ms"] / case["compute_alone_ms"] if case["compute_alone_ms"] else math.nan)
+                        r = stretch(case, c)
+                        ys.append(math.nan if r is None else r)
                     else:
                         ys.append(c[key])
                 xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(cases))]

@@ -136,6 +136,8 @@ def test_run_on_host_measures_every_contender_and_checks_every_byte():
             assert c["bytes_checked"] == 2 * case["reps"] * case["bytes"]
             assert c["submit_us"] > 0 and c["transfer_alone_ms"] > 0 and c["transfer_beside_ms"] > 0
             assert c["makespan_ms"] >= c["compute_beside_ms"] > 0 and c["slowdown"] > 0
+            # per repetition the makespan holds the compute, so its ratio to the compute alone does too
+            assert c["makespan_over_compute"] >= c["slowdown"]
             assert math.isclose(c["gbps_beside"], case["bytes"] / (c["transfer_beside_ms"] / 1e3) / 1e9, rel_tol=1e-2)
         by = {c["name"]: c for c in case["contenders"]}
         assert by["vllm"]["same_as"] == "batch"
@@ -189,6 +191,22 @@ def test_bars_pass_and_fail_where_they_should():
     assert (submit["passed"], submit["ok"]) == (2, False) and submit["worst"] == pytest.approx(400 / 151.2, abs=1e-4)
     assert (ceil["cases"], ceil["ok"]) == (1, True) and ceil["worst"] == pytest.approx(0.92, abs=1e-4)
     assert "FAIL" in step_report.bars_table(by) and "PASS" in step_report.bars_table(by)
+
+
+def test_the_makespan_bar_compares_each_repetitions_ratio_to_its_compute_alone():
+    # Raw medians from repetitions whose GEMMs ran at different clocks: the default looks 5%
+    # later, but over the compute alone of their own repetitions the two are 1% apart.
+    drift = case(default=(21.0, 2.0), batch=(20.0, 3.0), vllm=(20.0, 3.0, 50.0, "batch"))
+    by = {c["name"]: c for c in drift["contenders"]}
+    by["default"]["makespan_over_compute"], by["batch"]["makespan_over_compute"] = 1.01, 1.0
+    by["vllm"]["makespan_over_compute"] = 1.0
+    makespan = step_report.bars([{"cases": [drift]}])[0]
+    assert makespan["ok"] is True and makespan["worst"] == pytest.approx(1.01)
+    # ... and the other way round: medians 0.5% apart, a default 5% later in its own repetitions
+    by["default"]["makespan_ms"], by["default"]["makespan_over_compute"] = 20.1, 1.05
+    makespan = step_report.bars([{"cases": [drift]}])[0]
+    assert makespan["ok"] is False and makespan["worst"] == pytest.approx(1.05)
+    assert "1.050" in step_report.text_table({"cases": [drift]})  # the table shows the ratio
 
 
 def test_bench_model_on_a_cpu_fails_saying_it_needs_a_gpu():

@@ -162,7 +162,7 @@ class Runs:
     compute: list[float] = field(default_factory=list)
     slowdown: list[float] = field(default_factory=list)
     makespan: list[float] = field(default_factory=list)
-    stretch: list[float] = field(default_factory=list)  # makespan / compute alone, same repetition
+    over_compute: list[float] = field(default_factory=list)  # makespan / compute alone, same repetition
     bytes_checked: int = 0
 
 
@@ -321,7 +321,7 @@ def run_case(env: Any, pools: StepPools, dev: DeviceInfo, direction: Direction, 
                 got.compute.append(comp)
                 got.slowdown.append(comp / alone_c if alone_c > 0 else 1.0)
                 got.makespan.append(span)
-                got.stretch.append(span / alone_c if alone_c > 0 else 1.0)
+                got.over_compute.append(span / alone_c if alone_c > 0 else 1.0)
                 if progress is not None:
                     progress.step(f"{cache.label} {direction} x{blocks}")
     finally:
@@ -341,7 +341,7 @@ def run_case(env: Any, pools: StepPools, dev: DeviceInfo, direction: Direction, 
             res.transfer_alone_ms, res.transfer_beside_ms = _ms(got.alone), _ms(got.beside)
             res.compute_beside_ms, res.makespan_ms = _ms(got.compute), _ms(got.makespan)
             res.slowdown = round(median(got.slowdown), 4)
-            res.makespan_over_compute = round(median(got.stretch), 4)
+            res.makespan_over_compute = round(median(got.over_compute), 4)
             res.gbps_alone = _sig(nbytes / alone / 1e9) if alone > 0 else None
             res.gbps_beside = _sig(nbytes / beside / 1e9) if beside > 0 else None
             res.bytes_checked = got.bytes_checked

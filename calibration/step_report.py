@@ -51,8 +51,8 @@ def rows(doc: dict[str, Any]) -> list[list[str]]:
             else:
                 cells = [_f(c["submit_us"], ".0f"), _f(c["transfer_alone_ms"], ".3f"),
                          _f(c["transfer_beside_ms"], ".3f"), _f(c["gbps_beside"], ".1f"),
-                         _f(c["slowdown"], ".3f"), _f(c["makespan_ms"], ".2f"), _f(stretch(case, c), ".3f"),
-                         _bytes(c["bytes_checked"])]
+                         _f(c["slowdown"], ".3f"), _f(c["makespan_ms"], ".2f"),
+                         _f(makespan_over_compute(case, c), ".3f"), _bytes(c["bytes_checked"])]
             out.append([case["model"], str(case["tp"]), case["direction"], str(case["blocks"]),
                         _size(case["chunk_bytes"]), str(case["descriptors"]), c["name"], route, *cells])
     return out
@@ -85,7 +85,7 @@ def _contender(case: dict[str, Any], name: str) -> Optional[dict[str, Any]]:
     return c if c is not None and not c["error"] and c["makespan_ms"] is not None else None
 
 
-def stretch(case: dict[str, Any], c: dict[str, Any]) -> Optional[float]:
+def makespan_over_compute(case: dict[str, Any], c: dict[str, Any]) -> Optional[float]:
     """The step's makespan over the compute alone: the median of the per-repetition ratios
     where the document has them (``makespan_over_compute``), else the medians' ratio."""
     r = c.get("makespan_over_compute")
@@ -122,8 +122,8 @@ def bars(docs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         if default and others:
             # Each makespan over the compute alone of its own repetition: the GEMMs' time
             # drifts between repetitions with the GPU's clock, more than a route moves it.
-            best = min(stretch(case, c) for c in others)
-            r = stretch(case, default) / best
+            best = min(makespan_over_compute(case, c) for c in others)
+            r = makespan_over_compute(case, default) / best
             judged.append((_case_label(case), r, r <= BAR_MAKESPAN))
     bar(f"default makespan / compute alone <= {BAR_MAKESPAN} x best contender's", judged, worst_is_min=False)
 
@@ -209,7 +209,7 @@ def plot(doc: dict[str, Any], path: Path) -> Path:
                     if c is None:
                         ys.append(float("nan"))
                     elif key == "makespan_over_compute":
-                        r = stretch(case, c)
+                        r = makespan_over_compute(case, c)
                         ys.append(math.nan if r is None else r)
                     else:
                         ys.append(c[key])

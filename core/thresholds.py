@@ -263,6 +263,7 @@ class Calibration:
             sizes = sorted({r[3] for r in mine if len(r) > 3})
             if not sizes:
                 return _over_sms([(r[1], r[2]) for r in mine], num_sms)
+
             def at(b: int) -> float:  # the rows measured at block size b
                 return _over_sms([(r[1], r[2]) for r in mine if len(r) > 3 and r[3] == b], num_sms)
 

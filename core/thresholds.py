@@ -347,9 +347,10 @@ def _kind_curves(batch: list[tuple[int, float]], kernel: list[tuple[int, float]]
 KiB = 1024
 
 # Conservative guesses for an uncalibrated accelerator: the batch copy pays per descriptor
-# and falls far below the link under ~32 KiB blocks (docs/design.md, "Two ways to copy"),
-# while a kernel on 8 SMs is assumed to reach only ~60% of a PCIe Gen5 link. The slowdowns
-# are guesses on the low side of what a copy beside compute costs (docs/benchmarks.md).
+# and falls far below the link under ~32 KiB blocks (docs/design.md, "Two ways to copy, and
+# neither wins"), while a kernel on 8 SMs is assumed to reach only ~60% of a PCIe Gen5 link.
+# The slowdowns are guesses on the low side of what a copy beside compute costs
+# (docs/benchmarks.md).
 FALLBACK = Calibration(
     source="built-in conservative fallback (no profile, no backend defaults)",
     platform="*",

@@ -40,6 +40,7 @@ from .swapfn import SwapFn  # noqa: E402
 from .mover import BlockMover, GroupLayout, KVGroup, TransferResult  # noqa: E402
 from .staging import PageableMemoryWarning  # noqa: E402
 from .host_memory import host_empty  # noqa: E402
+from .block_major import HostCache, host_cache  # noqa: E402
 from .numa import NumaWarning  # noqa: E402
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "Direction",
     "DriverError",
     "GroupLayout",
+    "HostCache",
     "InvalidImplError",
     "InvalidTransferError",
     "KVGroup",
@@ -76,6 +78,7 @@ __all__ = [
     "UnpinnedMemoryError",
     "coalesce",
     "hookimpl",
+    "host_cache",
     "host_empty",
     "resolve",
 ]

@@ -48,9 +48,11 @@ class BlockMover:
     """Copy blocks from ``src_tensors[k]`` to ``dst_tensors[k]`` for every k, by block id.
 
     :param src_tensors: a tensor or a sequence of tensors (one per layer, or per K/V).
-    :param dst_tensors: as many tensors; each may differ from its source in shape and
-        block count, but a block must be the same chunks of the same sizes on both sides,
-        or k whole blocks of the other side (below).
+    :param dst_tensors: as many tensors; each may differ from its source in block count
+        and layout: blocks of one dtype and shape pair element by element (a FlashAttention
+        device cache with a block-major host cache from :func:`kvswap.host_cache`), a
+        ``torch.uint8`` byte pool takes the other side's chunks in order, and one side's
+        blocks may be k whole blocks of the other side's (below).
     :param direction: ``"h2d"`` (sources on the host), ``"d2h"`` (destinations on the
         host) or ``"d2d"`` (both sides on one device). The device side may also be host
         memory: the host reference then copies.
@@ -76,7 +78,8 @@ class BlockMover:
     :param calibration: passed to :func:`kvswap.resolve`: decide by this calibration
         instead of looking one up.
     :param profiles: passed to :func:`kvswap.resolve`: False skips measured profiles.
-    :raises BlockLayoutError: blocks that are not contiguous chunks, or chunks that differ.
+    :raises BlockLayoutError: blocks that are not contiguous chunks, or blocks that do not
+        hold the same elements (or bytes) on both sides.
     :raises TensorPlacementError: tensors on the wrong device for ``direction``.
     :raises UnpinnedMemoryError: pageable host tensors with ``Policy(require_pinned=True)``.
 

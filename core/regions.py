@@ -8,6 +8,7 @@ into the caller's (pinned) buffer: no per-layer or per-block Python work.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence, Union
 
@@ -300,11 +301,9 @@ def _split_dim(big: Any, bdim: int, small: Any, sdim: int, small_r: BlockRegions
 
 
 def _refine(a: BlockRegions, b: BlockRegions) -> tuple[list[int], list[int], int]:
-    """Cut the chunks of two descriptions of one block (same bytes in the same order) to
-    a common size: ``(a offsets, b offsets, chunk bytes)``."""
-    g = min(a.chunk_bytes, b.chunk_bytes)
-    if a.chunk_bytes % g or b.chunk_bytes % g:
-        raise BlockLayoutError("no common chunk")
+    """Cut the chunks of two descriptions of one block's bytes, each read in its chunks'
+    order, to their greatest common size: ``(a offsets, b offsets, chunk bytes)``."""
+    g = math.gcd(a.chunk_bytes, b.chunk_bytes)
 
     def cut(r: BlockRegions) -> list[int]:
         return [o + m * g for o in r.offsets for m in range(r.chunk_bytes // g)]
@@ -312,25 +311,70 @@ def _refine(a: BlockRegions, b: BlockRegions) -> tuple[list[int], list[int], int
     return cut(a), cut(b), g
 
 
+def _block_dims(t: Any, block_dim: int) -> list[tuple[int, int]]:
+    """``(size, byte stride)`` of each dimension of one block of ``t``, in logical order,
+    size-1 dimensions dropped (as :func:`block_regions` drops them)."""
+    b, item = block_dim % t.dim(), t.element_size()
+    return [(n, st * item) for i, (n, st) in enumerate(zip(t.shape, t.stride())) if i != b and n > 1]
+
+
+def _paired_elements(s: Any, sdim: int, d: Any, ddim: int) -> tuple[list[int], list[int], int]:
+    """Pieces that pair each element of a src block with the same element of the dst block,
+    for blocks of one dtype and one logical shape stored in any two layouts.
+
+    A piece is the innermost run of dimensions that is contiguous, in the same order, on
+    both sides; every other dimension is enumerated in logical order, each side stepping by
+    its own strides. A FlashAttention block (K and V planes apart) against a block-major
+    host block (K and V adjacent) pairs as two pieces of one plane each.
+    """
+    src, dst = _block_dims(s, sdim), _block_dims(d, ddim)
+    item = s.element_size()
+    run, inner = item, set()
+    for j in sorted(range(len(src)), key=lambda j: src[j][1]):
+        if src[j][1] != run or dst[j][1] != run:
+            break
+        run *= src[j][0]
+        inner.add(j)
+    so, do = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
+    for j in range(len(src)):
+        if j in inner:
+            continue
+        steps = np.arange(src[j][0], dtype=np.int64)
+        so = (so[:, None] + steps[None, :] * src[j][1]).ravel()
+        do = (do[:, None] + steps[None, :] * dst[j][1]).ravel()
+    return so.tolist(), do.tolist(), run
+
+
 def _pair(k: int, s: Any, d: Any, sdim: int, ddim: int) -> tuple[BlockRegions, BlockRegions, list[int], list[int], int]:
-    """Regions of one pair, its chunk offsets on each side, and the chunk size."""
+    """Regions of one pair, its piece offsets on each side, and the piece size.
+
+    Blocks of one size pair by element where both sides have one dtype and one logical
+    block shape (however each side lays its block out), else by byte in the order of each
+    side's chunks (a ``torch.uint8`` byte pool on one side, or shapes that differ but chunk
+    alike); chunks are cut to the size the two sides have in common.
+    """
     rs = block_regions(s, sdim, f"src_tensors[{k}]")
     rd = block_regions(d, ddim, f"dst_tensors[{k}]")
     mismatch = BlockLayoutError(
-        f"pair {k}: a src block is {_describe(rs)} but a dst block is {_describe(rd)}; chunk sizes must match, "
-        f"or one side's blocks must be k whole times the other's, cut along one dimension (not the innermost) "
-        f"into blocks of the other side's shape (src shape {tuple(s.shape)}, dst shape {tuple(d.shape)})"
+        f"pair {k}: a src block is {_describe(rs)} but a dst block is {_describe(rd)}; the blocks must hold "
+        f"the same elements (one dtype and block shape, in any layout), the same chunks, or one side's blocks "
+        f"must be k whole times the other's, cut along one dimension (not the innermost) into blocks of the "
+        f"other side's shape (src shape {tuple(s.shape)}, dst shape {tuple(d.shape)})"
     )
     if rs.block_bytes == rd.block_bytes:
-        if len(rs.offsets) != len(rd.offsets) or rs.chunk_bytes != rd.chunk_bytes:
-            raise mismatch
-        if rs.shape == rd.shape and rs.order != rd.order:
-            raise BlockLayoutError(
-                f"pair {k}: src and dst blocks have the same shape {rs.shape} but store its elements in "
-                f"different orders (strides {tuple(s.stride())} vs {tuple(d.stride())}); a byte copy would "
-                f"scramble them"
-            )
-        return rs, rd, list(rs.offsets), list(rd.offsets), rs.chunk_bytes
+        if s.dtype == d.dtype and rs.shape == rd.shape:
+            so, do, size = _paired_elements(s, sdim, d, ddim)
+            if size < min(rs.chunk_bytes, rd.chunk_bytes):
+                raise BlockLayoutError(
+                    f"pair {k}: src and dst blocks have the same shape {rs.shape} but store its elements in "
+                    f"different orders (strides {tuple(s.stride())} vs {tuple(d.stride())}); pairing them "
+                    f"element by element would cut each chunk into runs of {size} bytes"
+                )
+            return rs, rd, so, do, size
+        if s.dtype != d.dtype or (len(rs.offsets), rs.chunk_bytes) == (len(rd.offsets), rd.chunk_bytes):
+            so, do, size = _refine(rs, rd)
+            return rs, rd, so, do, size
+        raise mismatch
     big_is_src = rs.block_bytes > rd.block_bytes
     big, small = (rs, rd) if big_is_src else (rd, rs)
     if big.block_bytes % small.block_bytes:
@@ -356,8 +400,8 @@ def pair_regions(src_tensors: Sequence[Any], dst_tensors: Sequence[Any], block_d
     both sides count the smaller block. Every pair must have the same k on the same side.
 
     :raises BlockLayoutError: a tensor's blocks are not contiguous chunks; a pair differs
-        in dtype (other than a ``torch.uint8`` byte pool on one side), in chunk sizes (and
-        is no whole multiple) or in the order a block's elements are stored; tensors on
+        in dtype (other than a ``torch.uint8`` byte pool on one side), in block shape with
+        other chunks (and is no whole multiple), or in the order a block's elements are stored; tensors on
         one side hold different numbers of blocks; or two destination tensors share memory.
     """
     dims = block_dims(block_dim, len(src_tensors))

@@ -99,8 +99,8 @@ def test_larger_blocks_on_either_side_and_byte_pools():
 def test_sizes_that_are_no_whole_multiple_or_cut_the_innermost_dim_are_refused():
     flash = torch.empty(2, 10, 4, 2, 16, dtype=torch.bfloat16)
     cases = [
-        (torch.empty(2, 10, 6, 2, 16, dtype=torch.bfloat16), "chunk sizes must match"),        # 1.5 x
-        (torch.empty(2, 10, 4, 2, 32, dtype=torch.bfloat16), "chunk sizes must match"),        # only head_dim 2 x
+        (torch.empty(2, 10, 6, 2, 16, dtype=torch.bfloat16), "must hold the same elements"),  # 1.5 x
+        (torch.empty(2, 10, 4, 2, 32, dtype=torch.bfloat16), "must hold the same elements"),  # only head_dim 2 x
         (torch.empty(2, 5, 8, 2, 16, dtype=torch.float16), "is torch.float16"),
     ]
     for other, message in cases:

@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from kvswap import deferred
 from kvswap.descriptors import coalesce
 from kvswap.impl import BindContext, CopyImpl, TransferFn
 from kvswap.runs import SLOT_ALIGN, Runs, host_runs
@@ -172,7 +173,12 @@ class StagedCopy:
 
     def _link(self, staged: np.ndarray, host: np.ndarray, sizes: np.ndarray, stream: Any) -> None:
         a, b, z = coalesce(staged, host, sizes) if self.to_host else coalesce(host, staged, sizes)
-        self.link(a, b, z, stream)
+        # These arrays live for this call only: a link that issues later must copy them
+        # (not stable), and whatever it leaves to another thread still reaches the caller's job.
+        with deferred.collect(stable=False) as issued:
+            self.link(a, b, z, stream)
+        for item in issued:
+            deferred.report(item)
 
     def by_ids(self, template: Any) -> Optional[StagedByIds]:
         """Copy a mover's blocks by id through the staging buffer, or None where the

@@ -180,8 +180,8 @@ def resolve(
             link, reason = _link_for(usable, bound, builtin, policy)
         if reason is None:
             p = {"num_sms": num_sms} if impl.uses_sms else {}
-            if impl.kind == "staged":
-                p = {"num_sms": policy.max_sms or dev.compute_units or 8, "staging_bytes": policy.staging_bytes}
+            if impl.kind == "staged":  # the policy's SM cap where it sets one; else the backend's choice
+                p = {"staging_bytes": policy.staging_bytes, **({"num_sms": policy.max_sms} if policy.max_sms else {})}
             try:
                 fn = impl.factory(BindContext(direction, dev, p, translate, link))
                 if not callable(fn):

@@ -36,6 +36,10 @@ from .by_ids import KernelCopyByIds
 from .launch import DEFAULT_PLANS, TilePlan, interpreting
 
 NAME = "triton.staged"
+# SMs of the device-side gather or scatter. On an H100 (512 blocks of 4-32 KiB chunks), 16 to
+# 132 of them kept the route within a few % of the link's ceiling and cost bf16 GEMMs beside
+# it about the same (tests/bench/bench_staged.py); fewer leave more SMs to the compute.
+DEVICE_SMS = 32
 
 
 class _Halves:
@@ -267,12 +271,14 @@ def bind_staged(staged: StagedCopy, template: Any) -> Optional[StagedByIds]:
 
 
 def bind(ctx: BindContext) -> StagedCopy:
-    """The factory: the device-side kernel on ``num_sms`` SMs and the link (``ctx.link``)."""
+    """The factory: the device-side kernel on ``num_sms`` SMs (default :data:`DEVICE_SMS`,
+    at most the device's) and the link (``ctx.link``)."""
     from .kernel import _device_index
 
     if ctx.link is None:
         raise ValueError("triton.staged needs a batch route for the link (BindContext.link)")
-    kernel = KernelCopyByIds(num_sms=int(ctx.params.get("num_sms", 32)), device_index=_device_index(ctx.device),
+    sms = int(ctx.params.get("num_sms") or min(DEVICE_SMS, ctx.device.compute_units or DEVICE_SMS))
+    kernel = KernelCopyByIds(num_sms=sms, device_index=_device_index(ctx.device),
                              tiles=TilePlan.from_params(ctx.params, DEFAULT_PLANS["d2d"]))
     return StagedCopy(kernel, ctx.link, ctx.direction, int(ctx.params.get("staging_bytes", 64 << 20)))
 

@@ -42,6 +42,9 @@ POOL_BLOCKS = 3000
 SIZE_WORKLOADS = (("llama-3.1-8b", 8), ("llama-3.1-8b", 1))
 SIZE_POOL_BLOCKS = 1024
 COVER = 1.3  # a job sized for this many times the compute alone
+# The staged route's block-major pools hold at least this many bytes: at about 50 GB/s its job
+# needs some 1.3 GB to outlast 20 ms of compute, and a job takes at most half the pool.
+STAGED_POOL_BYTES = 3 << 30
 
 
 def workload() -> KVCache:
@@ -52,12 +55,13 @@ def workload() -> KVCache:
 def measure(env: Any, dev: DeviceInfo, directions: Sequence[Direction], sm_counts: Sequence[int] = SM_COUNTS,
             reps: int = 5, *, host: Any = None, cache: Optional[KVCache] = None, num_blocks: int = POOL_BLOCKS,
             progress: Optional[Progress] = None, seed: int = 0, by_size: Sequence[KVCache] = (),
-            size_blocks: int = SIZE_POOL_BLOCKS, staged: bool = False) -> list[dict[str, Any]]:
+            size_blocks: int = SIZE_POOL_BLOCKS, staged: bool = False,
+            staged_pool_bytes: int = STAGED_POOL_BYTES) -> list[dict[str, Any]]:
     """One record per direction x route (the batch route, the kernel at each SM count) on
     ``cache``, and one per direction for the batch route on each of ``by_size`` (other
     block sizes; :func:`size_workloads`), all with per-layer host tensors; with ``staged``,
     also one per direction for the staged route on each of them with a block-major host
-    cache (where a staged route is available)."""
+    cache (where a staged route is available), its pool at least ``staged_pool_bytes``."""
     cache = cache or workload()
     rng = np.random.default_rng(seed)
     records = []
@@ -67,7 +71,8 @@ def measure(env: Any, dev: DeviceInfo, directions: Sequence[Direction], sm_count
         if staged:
             kinds["block-major"] = ("staged",)
         for layout, measured in kinds.items():
-            pools = StepPools(env, c, blocks, seed, layout)
+            n = blocks if layout == "per-layer" else max(blocks, staged_pool_bytes // c.block_bytes)
+            pools = StepPools(env, c, n, seed, layout)
             try:
                 for d in directions:
                     records += _measure_routes(env, dev, pools, d, sm_counts if kernels else (), reps, rng, host,

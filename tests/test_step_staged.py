@@ -95,13 +95,15 @@ def test_step_interference_measures_the_staged_route_on_a_block_major_host(stage
     dev = detect(plugin_host(), "cpu")
     cache = models.ModelShape("t", 2, 2, 16).at(1)
     records = step_interference.measure(env, dev, [Direction.H2D, Direction.D2H], reps=2, cache=cache,
-                                        num_blocks=40, staged=True)
+                                        num_blocks=40, staged=True, staged_pool_bytes=50 * cache.block_bytes)
     assert [(r["direction"], r["route"], r["kind"], r["host_layout"]) for r in records] == [
         ("h2d", "host.reference", "batch", "per-layer"), ("d2h", "host.reference", "batch", "per-layer"),
         ("h2d", "triton.staged", "staged", "block-major"), ("d2h", "triton.staged", "staged", "block-major")]
     for r in records:
         assert "error" not in r, r
         assert r["bytes_checked"] == 2 * r["blocks"] * cache.block_bytes
+        # a job of half its pool (the probe, at least): 40 blocks per layer, 50 block-major (sized by bytes)
+        assert r["blocks"] == (25 if r["kind"] == "staged" else 20)
     # the staged route's device side runs on the SMs it was bound with
     assert all(r["num_sms"] >= 1 for r in records if r["kind"] == "staged")
     plain = step_interference.measure(env, dev, [Direction.H2D], reps=1, cache=cache, num_blocks=40)

@@ -190,6 +190,8 @@ def resolve(
                 reason = f"factory raised {type(e).__name__}: {e}"
             else:
                 bound[impl.name], usable = fn, usable + [impl]
+                if impl.kind == "staged" and isinstance(getattr(fn, "num_sms", None), int):
+                    p["num_sms"] = fn.num_sms  # the SMs its device side was bound with
                 if p:
                     params[impl.name] = p
                 note = getattr(fn, "note", None)

@@ -136,6 +136,11 @@ class StagedCopy:
         self.note = (f"device side on {kernel.num_sms} SMs, link on the copy engines, "
                      f"{staging_bytes / 2**20:g} MiB of device staging in two halves")
 
+    @property
+    def num_sms(self) -> int:
+        """The SMs the device-side gather or scatter runs on."""
+        return self.kernel.num_sms
+
     def halves(self) -> _Halves:
         if self._halves is None:
             self._halves = _Halves(self.staging_bytes, self.kernel.device_index)

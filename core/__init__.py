@@ -14,10 +14,12 @@ hookspec = pluggy.HookspecMarker(PROJECT)
 __version__ = "0.1.0"
 
 from .errors import (  # noqa: E402
+    AllocationError,
     BlockIdError,
     BlockLayoutError,
     ConfigurationError,
     DriverError,
+    ForkedProcessError,
     InvalidImplError,
     InvalidTransferError,
     KvSwapError,
@@ -43,6 +45,7 @@ from .host_memory import host_empty  # noqa: E402
 from .numa import NumaWarning  # noqa: E402
 
 __all__ = [
+    "AllocationError",
     "BindContext",
     "BlockIdError",
     "BlockLayoutError",
@@ -54,6 +57,7 @@ __all__ = [
     "DeviceInfo",
     "Direction",
     "DriverError",
+    "ForkedProcessError",
     "GroupLayout",
     "InvalidImplError",
     "InvalidTransferError",

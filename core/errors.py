@@ -52,14 +52,15 @@ class AllocationError(KvSwapError, MemoryError):
 
     :ivar what: what the memory was for (``"BlockMover descriptor buffer for 1024
         descriptors"``).
-    :ivar nbytes: how many bytes were asked for.
+    :ivar nbytes: how many bytes were asked for (0: not known, as for a stream).
     :ivar memory: ``"device"``, ``"page-locked host"`` or ``"host"``.
     """
 
     def __init__(self, what: str, nbytes: int, memory: str, cause: str = "") -> None:
         self.what, self.nbytes, self.memory = what, int(nbytes), memory
         detail = f": {cause}" if cause else ""
-        super().__init__(f"could not allocate {self.nbytes:,} bytes of {memory} memory for {what}{detail}")
+        size = f"{self.nbytes:,} bytes of " if self.nbytes > 0 else ""
+        super().__init__(f"could not allocate {size}{memory} memory for {what}{detail}")
 
 
 class ForkedProcessError(KvSwapError, RuntimeError):

@@ -19,6 +19,7 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 
 from . import deferred, numa, process
+from .allocation import allocating
 from .completion import CURRENT_STREAM, CudaCompletion, HostCompletion
 from .errors import ConfigurationError, ForkedProcessError, InvalidTransferError, MoverClosedError
 from .issuing import IssuingThread
@@ -268,7 +269,8 @@ class BlockMover:
                 raise ConfigurationError(f"stream={stream!r}: a mover between host tensors has no stream")
             self._completion: Any = HostCompletion()
         else:
-            self._completion = CudaCompletion(device.index or 0, stream)
+            with allocating("a BlockMover's transfer stream", 0, "device"):
+                self._completion = CudaCompletion(device.index or 0, stream)
         self.pool = DescriptorPool(pinned=on_device)
         self.pool.release(self.pool.acquire(1))  # its first buffer now: running out is an error here, not in a step
         self._check_across = grouped and groups_share_destinations(sides)

@@ -273,7 +273,7 @@ def run(cfg: Config) -> Report:
     count = 0
 
     def settle(key: str, results: list) -> None:
-        mover, tally, (direction, layout, _) = movers[key], tallies[key], key.split("/")
+        tally, (direction, layout, _) = tallies[key], key.split("/")
         ts = sets[direction, layout]
         for r in results:
             sid, did, full = pending[key].pop(r.job_id)

@@ -14,10 +14,12 @@ hookspec = pluggy.HookspecMarker(PROJECT)
 __version__ = "0.1.0"
 
 from .errors import (  # noqa: E402
+    AllocationError,
     BlockIdError,
     BlockLayoutError,
     ConfigurationError,
     DriverError,
+    ForkedProcessError,
     InvalidImplError,
     InvalidTransferError,
     KvSwapError,
@@ -44,6 +46,7 @@ from .block_major import HostCache, host_cache  # noqa: E402
 from .numa import NumaWarning  # noqa: E402
 
 __all__ = [
+    "AllocationError",
     "BindContext",
     "BlockIdError",
     "BlockLayoutError",
@@ -55,6 +58,7 @@ __all__ = [
     "DeviceInfo",
     "Direction",
     "DriverError",
+    "ForkedProcessError",
     "GroupLayout",
     "HostCache",
     "InvalidImplError",

@@ -44,6 +44,32 @@ class MoverClosedError(InvalidTransferError):
     """A submit after :meth:`~kvswap.BlockMover.close`."""
 
 
+class AllocationError(KvSwapError, MemoryError):
+    """Memory kvswap needs could not be allocated: device memory, or page-locked host memory.
+
+    Nothing allocated for that purpose is kept; the mover or call that asked for it is left
+    as it was, and other movers are not affected.
+
+    :ivar what: what the memory was for (``"BlockMover descriptor buffer for 1024
+        descriptors"``).
+    :ivar nbytes: how many bytes were asked for (0: not known, as for a stream).
+    :ivar memory: ``"device"``, ``"page-locked host"`` or ``"host"``.
+    """
+
+    def __init__(self, what: str, nbytes: int, memory: str, cause: str = "") -> None:
+        self.what, self.nbytes, self.memory = what, int(nbytes), memory
+        detail = f": {cause}" if cause else ""
+        size = f"{self.nbytes:,} bytes of " if self.nbytes > 0 else ""
+        super().__init__(f"could not allocate {size}{memory} memory for {what}{detail}")
+
+
+class ForkedProcessError(KvSwapError, RuntimeError):
+    """A BlockMover used in a process forked after it was built, or a device mover built in
+    a child forked after CUDA was initialised: neither the mover's threads nor a device
+    context survive ``fork()``. Build movers in the process that uses them (start workers
+    with ``multiprocessing``'s ``spawn`` method where they use the device)."""
+
+
 class ResolutionError(KvSwapError, RuntimeError):
     """No implementation can serve the request, or a forced one cannot be honoured."""
 

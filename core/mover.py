@@ -10,15 +10,18 @@ blocks and the copy route's call run on the mover's issuing thread (:mod:`kvswap
 """
 from __future__ import annotations
 
+import functools
+import threading
 import warnings
 from collections import deque
 from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
-from . import deferred, numa
+from . import deferred, numa, process
+from .allocation import allocating
 from .completion import CURRENT_STREAM, CudaCompletion, HostCompletion
-from .errors import ConfigurationError, InvalidTransferError, MoverClosedError
+from .errors import ConfigurationError, ForkedProcessError, InvalidTransferError, MoverClosedError
 from .issuing import IssuingThread
 from .pinned_pool import DescriptorPool
 from .mover_descriptors import JobDescriptors, by_ids_steps, enqueue, stage_ids
@@ -41,6 +44,8 @@ from .types import Direction, DirectionLike, Policy
 # issuing thread (measured cold, beside queued GEMMs, on an H100); submit's budget of
 # 100 us + 10 ns per descriptor covers that from about this many descriptors on.
 LAUNCH_HERE_MIN_DESCRIPTORS = 8192
+# The error of a job whose submit an interrupt cut short after it may have enqueued a copy.
+INTERRUPTED = "KeyboardInterrupt: submit was interrupted; the job may have copied some of its blocks"
 
 __all__ = ["BlockMover", "GroupLayout", "KVGroup", "TransferResult"]
 
@@ -48,6 +53,24 @@ __all__ = ["BlockMover", "GroupLayout", "KVGroup", "TransferResult"]
 def _keep_route(n: int, within: float) -> None:
     """``within``'s choice where the mover's route is already the quiet one: keep it."""
     return None
+
+
+def _serialized(method: Any) -> Any:
+    """One call at a time on a mover, from any thread, in the process that built it."""
+    @functools.wraps(method)
+    def call(self: BlockMover, *args: Any, **kwargs: Any) -> Any:
+        if self._pid != process.pid:
+            raise _forked(self)
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return call
+
+
+def _forked(mover: BlockMover) -> ForkedProcessError:
+    return ForkedProcessError(
+        f"this BlockMover was built in process {mover._pid}; this is process {process.pid}, forked from it, "
+        f"which inherits neither the mover's threads nor its device context; build a new mover here"
+    )
 
 
 class BlockMover:
@@ -134,7 +157,22 @@ class BlockMover:
     needs the built descriptors before anything is enqueued) and movers that stage
     pageable memory issue on the caller's thread.
 
-    Not thread-safe: one engine thread submits and polls.
+    **Threads and processes.** Every method may be called from any thread: calls on one
+    mover run one at a time (a lock; :meth:`wait` and :meth:`wait_issued` do not hold it
+    while they block), so two threads submitting and polling get distinct job ids, each
+    result once, and jobs on the stream in the order their ``submit`` calls took the lock.
+    A mover belongs to the process that built it: in a child made by ``fork()`` every call
+    raises :class:`ForkedProcessError` (``close`` only marks it closed), and a device mover
+    cannot be built in a child forked after CUDA was initialised (start such workers with
+    the ``spawn`` method); movers between host tensors built in the child work.
+
+    **Interrupts and close.** A ``KeyboardInterrupt`` inside ``submit`` leaves the mover
+    consistent: the job was either never created (nothing enqueued, no id used) or it was,
+    and the next call on the mover completes its hand-off, or, where it was copying on the
+    caller's thread, records its end marker then and reports it failed (some blocks may
+    have been copied). No descriptor buffer goes back to the pool before the stream has
+    passed its job. :meth:`close` with jobs in flight waits for them; interrupted, it can
+    be called again, and a mover collected with jobs in flight waits for them first.
     """
 
     def __init__(
@@ -199,6 +237,7 @@ class BlockMover:
                policy: Optional[Policy], stream: Any, resolve_kw: dict[str, Any],
                issuing_thread: Optional[bool]) -> None:
         self._closed = True  # until built: __del__ and close() have nothing to wait for
+        self._pid, self._lock = process.pid, threading.RLock()
         self._issuer: Optional[IssuingThread] = None
         self._last_handed: Optional[Job] = None  # the last job given to the issuing thread
         if issuing_thread not in (None, True, False):
@@ -214,6 +253,11 @@ class BlockMover:
         self._templates: list[DescriptorTemplate] = templates
         self._per_block = np.array([t.count for t in templates], dtype=np.int64)
         on_device = device.type != "cpu"
+        if on_device and process.cuda_forked():
+            raise ForkedProcessError(
+                f"cannot build a mover on {device}: CUDA was initialised in the parent of this process before it "
+                f"forked, and a forked child cannot use it; start workers with multiprocessing's 'spawn' method"
+            )
         block_bytes = sorted({c for t in templates for c in t.chunk_sizes})
         self._resolve_args = dict(device="cpu" if not on_device else str(device), block_bytes=block_bytes,
                                   **resolve_kw)
@@ -234,8 +278,10 @@ class BlockMover:
                 raise ConfigurationError(f"stream={stream!r}: a mover between host tensors has no stream")
             self._completion: Any = HostCompletion()
         else:
-            self._completion = CudaCompletion(device.index or 0, stream)
+            with allocating("a BlockMover's transfer stream", 0, "device"):
+                self._completion = CudaCompletion(device.index or 0, stream)
         self.pool = DescriptorPool(pinned=on_device)
+        self.pool.release(self.pool.acquire(1))  # its first buffer now: running out is an error here, not in a step
         self._check_across = grouped and groups_share_destinations(sides)
         # With device_descriptors, where the kernel route derives addresses itself (ByIdsFn), a
         # job sends only ids. Its templates are base + id * stride: sub-blocks (a block-size
@@ -354,6 +400,7 @@ class BlockMover:
         self._desc.ids_steps = steps
 
     # -- per step ------------------------------------------------------------------------
+    @_serialized
     def submit(self, src_block_ids: Any, dst_block_ids: Any, *, after: Any = CURRENT_STREAM,
                within: Optional[float] = None) -> int:
         """Copy block ``src_block_ids[i]`` to block ``dst_block_ids[i]`` in every tensor pair.
@@ -389,11 +436,13 @@ class BlockMover:
         if self._closed:
             raise MoverClosedError("submit() after close(): this BlockMover no longer moves blocks")
         ids = self._checked_ids(src_block_ids, dst_block_ids)
+        q = self._inflight
+        if q and q[-1].job_id >= self._next_id:
+            self._settle()
         c = self._completion
         c.check_after(after)
         if within is not None:
             check_within(within)
-        q = self._inflight
         if q and complete(q[0], c):
             self._reap()
         if not self._threaded:
@@ -418,12 +467,27 @@ class BlockMover:
         # stream's own device, and entering one costs the engine's thread ~10 us cold.
         c.order_after(after)
         start = c.mark()
-        job = Job(self._next_id, nbytes, start, ids=ids, fn=quiet, within=within)
-        (self._issuer or self._start_issuer()).put(job)
-        self._last_handed = job
-        self._next_id += 1
-        q.append(job)
+        job = Job(self._next_id, nbytes, start, ids=ids, fn=quiet, within=within, thread=True)
+        q.append(job)  # the job exists from here on; _settle hands it over (again, after an interrupt)
+        self._settle()
         return job.job_id
+
+    def _settle(self) -> None:
+        """Finish the hand-off of the newest job where ``submit`` did not (an interrupt cut
+        it short; ``submit`` itself ends with this for a job for the issuing thread). Each
+        step may run twice: the thread issues a job it is given twice once."""
+        q = self._inflight
+        if not q or q[-1].job_id < self._next_id:
+            return
+        job = q[-1]
+        if job.thread:
+            self._last_handed = job
+            if job.ids is not None and job.end is None:  # not yet taken by the thread
+                (self._issuer or self._start_issuer()).put(job)
+        elif job.end is None:  # cut short on this thread: whatever it enqueued ends before this marker
+            job.error = job.error or INTERRUPTED
+            job.end = self._completion.mark()
+        self._next_id = job.job_id + 1
 
     def _submit_here(self, ids: list, after: Any, fn: Optional[SwapFn] = None) -> int:
         """Build, order and issue the job on the caller's thread (on ``fn`` where given)."""
@@ -440,6 +504,7 @@ class BlockMover:
         error = None
         n = len(ids[0][0])
         launch = None
+        nbytes = sum(len(s) * t.block_bytes for (s, _), t in zip(ids, self._templates))
         with c.device_guard():
             try:
                 # Ids are staged, as descriptors are built, before the start marker.
@@ -450,10 +515,15 @@ class BlockMover:
                 if launch is not None:
                     launch.cancel()
                 self.pool.release(buf)
+                if staged is not None:
+                    self._stager.release(staged)
                 raise
+            # The job exists from here on: cut short, _settle ends it. The buffer is its
+            # until the end marker (backends may keep its arrays).
+            job = Job(self._next_id, nbytes, start, None, buf, m, staged=staged)
+            self._inflight.append(job)
             try:
-                # The buffer is ours until the end marker: backends may keep its arrays.
-                with deferred.collect(stable=True) as issued:
+                with deferred.collect(stable=True) as job.issued:
                     if launch is not None:
                         launch(c.stream)
                     else:
@@ -462,17 +532,15 @@ class BlockMover:
                 # Part of the batch may be enqueued: the buffers stay with a failed job
                 # until the end marker shows the stream is past it.
                 error = e
+                job.error = f"{type(e).__name__}: {e}"
             end = c.mark()
         if staged is not None and self._stager.row == 1 and error is None:
             self._stager.copy_out(staged, lambda: wait_from_worker(c, end))
-        job_id = self._next_id
-        self._next_id += 1
-        nbytes = sum(len(s) * t.block_bytes for (s, _), t in zip(ids, self._templates))
-        self._inflight.append(Job(job_id, nbytes, start, end, buf, m,
-                                   None if error is None else f"{type(error).__name__}: {error}", staged, issued))
+        job.end = end
+        self._next_id = job.job_id + 1
         if error is not None:
             raise error
-        return job_id
+        return job.job_id
 
     def _launches_here(self, by_ids: Any, n: int) -> bool:
         """A by-id call of ``n`` ids that is only a launch, for a job large enough that
@@ -500,20 +568,20 @@ class BlockMover:
         except BaseException:
             launch.cancel()
             raise
+        t = self._templates[0]
+        job = Job(self._next_id, len(sid) * t.block_bytes, start, descriptors=len(sid) * t.count)
+        self._inflight.append(job)  # cut short from here on, _settle ends it
         error = None
         try:
             launch(c.stream)
         except BaseException as e:
             error = e  # a launch may have been enqueued: the job ends at the end marker
-        end = c.mark()
-        job_id = self._next_id
-        self._next_id += 1
-        t = self._templates[0]
-        self._inflight.append(Job(job_id, len(sid) * t.block_bytes, start, end, descriptors=len(sid) * t.count,
-                                  error=None if error is None else f"{type(error).__name__}: {error}"))
+            job.error = f"{type(e).__name__}: {e}"
+        job.end = c.mark()
+        self._next_id = job.job_id + 1
         if error is not None:
             raise error
-        return job_id
+        return job.job_id
 
     def _start_issuer(self) -> IssuingThread:
         c = self._completion
@@ -521,6 +589,7 @@ class BlockMover:
                                      name=f"kvswap-{self.direction}-mover", prepare=c.bind_thread)
         return self._issuer
 
+    @_serialized
     def descriptors(self, src_block_ids: Any, dst_block_ids: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The descriptors ``submit`` would enqueue for these ids, after coalescing, as
         copies ``(src addresses, dst addresses, sizes)``; nothing is copied. Same checks
@@ -533,6 +602,7 @@ class BlockMover:
         finally:
             self.pool.release(buf)
 
+    @_serialized
     def poll(self) -> list[TransferResult]:
         """Results of the jobs that completed since the last poll, in submission order.
 
@@ -548,14 +618,18 @@ class BlockMover:
 
         :raises InvalidTransferError: ``job_id`` was never returned by this mover's submit.
         """
-        job = self._find(job_id)
+        if self._pid != process.pid:
+            raise _forked(self)
+        with self._lock:  # not held while waiting: other threads may submit and poll meanwhile
+            job = self._find(job_id)
         if job is not None:
             if job.end is None:
                 self._issuer.wait_issued(job)
             self._completion.wait(job.end)
             if job.staged is not None and job.staged.finish is not None:
                 job.staged.finish.exception()  # copied out (or failed: poll reports it)
-            self._reap()
+            with self._lock:
+                self._reap()
 
     def wait_issued(self, job_id: Optional[int] = None) -> None:
         """Block until job ``job_id`` (None: every submitted job) is enqueued on the
@@ -565,12 +639,16 @@ class BlockMover:
 
         :raises InvalidTransferError: ``job_id`` was never returned by this mover's submit.
         """
-        job = self._find(job_id)
+        if self._pid != process.pid:
+            raise _forked(self)
+        with self._lock:
+            job = self._find(job_id)
         if job is not None and job.end is None:
             self._issuer.wait_issued(job)
 
     def _find(self, job_id: Optional[int]) -> Optional[Job]:
         """The in-flight job ``job_id`` (None: the last one), or None if it has completed."""
+        self._settle()
         q = self._inflight
         if job_id is not None:
             if isinstance(job_id, bool) or not isinstance(job_id, (int, np.integer)) or not 1 <= job_id < self._next_id:
@@ -583,21 +661,28 @@ class BlockMover:
         return q[k] if k >= 0 else None  # otherwise already complete: in-flight ids are consecutive
 
     def close(self) -> None:
-        """Wait for every job, then refuse further submits and stop the issuing thread.
-        Results stay available to :meth:`poll`. Idempotent; also what leaving a ``with``
-        block does."""
-        if self._closed:
+        """Refuse further submits, wait for every job, then stop the issuing thread.
+        Results stay available to :meth:`poll`. Idempotent, and, interrupted while it
+        waits, it may be called again; also what leaving a ``with`` block does. In a child
+        made by ``fork()`` it only marks the mover closed: the parent's work is not the
+        child's to wait for."""
+        if self._pid != process.pid:
+            self._closed = True
             return
+        with self._lock:
+            if self._closed and not getattr(self, "_inflight", None):
+                return
+            self._closed = True
         try:
             self.wait()
         finally:
-            self._closed = True
             if self._issuer is not None:
                 self._issuer.stop()
-        self.pool.clear()
-        if self._stager is not None:
-            self._stager.close()
-        self._tensors = None
+        with self._lock:
+            self.pool.clear()
+            if self._stager is not None:
+                self._stager.close()
+            self._tensors = None
 
     def __enter__(self) -> BlockMover:
         return self
@@ -606,9 +691,12 @@ class BlockMover:
         self.close()
 
     def __del__(self) -> None:
-        # The device may still read descriptors or tensors of jobs nobody waited for.
+        if getattr(self, "_pid", None) != process.pid:
+            return  # a forked child's copy (or never built): nothing of it is this process's to wait for
+        # The device may still read descriptors or tensors of jobs nobody waited for (a
+        # close() that was interrupted included).
         try:
-            if not self._closed and self._inflight:
+            if getattr(self, "_inflight", None):
                 self.wait()
         except Exception:
             pass
@@ -629,6 +717,7 @@ class BlockMover:
 
     def _reap(self) -> None:
         """Hand back the buffers of completed jobs; jobs complete in order on one stream."""
+        self._settle()
         q, c = self._inflight, self._completion
         while q and complete(q[0], c):
             job = q[0]

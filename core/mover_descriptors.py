@@ -12,7 +12,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .descriptors import coalesce, first_overlap
-from .errors import BlockIdError
+from .errors import AllocationError, BlockIdError
 from .pinned_pool import DescriptorBuffer, DescriptorPool
 from .regions import DescriptorTemplate
 from .swapfn import SwapFn
@@ -86,6 +86,8 @@ def by_ids_steps(fn: SwapFn, template: DescriptorTemplate) -> Optional[tuple[tup
             try:
                 make = getattr(f, "by_ids", None)
                 bound[id(f)] = make(template) if callable(make) else None
+            except AllocationError:  # out of memory: the mover cannot be built as asked
+                raise
             except Exception:  # the descriptor path serves instead
                 bound[id(f)] = None
     out = tuple(None if f is None else bound[id(f)] for f in steps[1])

@@ -27,6 +27,7 @@ class Job:
     ids: Any = None  # the checked ids, until the issuing thread builds the job
     fn: Any = None  # the SwapFn of the route this job takes instead of the mover's (``within``)
     within: Optional[float] = None  # seconds beside compute, where the issuing thread picks ``fn``
+    thread: bool = False  # handed to the issuing thread (else issued on the caller's thread)
 
 
 def complete(job: Job, c: Any) -> bool:
@@ -63,6 +64,8 @@ def issue_with(desc: JobDescriptors, fn: SwapFn, c: Any,
     may be enqueued). Errors stay on the job."""
 
     def issue(job: Job) -> None:
+        if job.ids is None:  # handed over twice (an interrupted submit's hand-off, redone): issued already
+            return
         ids, job.ids = job.ids, None
         error = None
         with c.device_guard():

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Optional
 
+from .errors import AllocationError
 from .mover_descriptors import by_ids_steps
 from .regions import DescriptorTemplate
 from .resolver import resolve
@@ -47,6 +48,8 @@ def staged_steps(fn: SwapFn, template: DescriptorTemplate, direction: Direction,
     try:
         route = resolve(direction, policy=replace(policy, force=name), **resolve_args)
         steps = by_ids_steps(route, template)
+    except AllocationError:  # out of memory: the mover cannot be built as asked
+        raise
     except Exception as e:  # the resolved route serves instead
         return None, f"staged route not used: {name} could not be bound ({type(e).__name__}: {e})"
     if steps is None:

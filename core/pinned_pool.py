@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from .allocation import allocating
+
 # Small jobs share one size class; 1024 descriptors are 24 KiB.
 MIN_CAPACITY = 1024
 
@@ -90,14 +92,29 @@ class DescriptorPool:
             self._free.clear()
 
     def _allocate(self, cap: int) -> DescriptorBuffer:
+        array, owner = host_array((3, cap), np.int64, self.pinned, f"a BlockMover descriptor buffer of {cap} descriptors")
         with self._lock:
             self.allocated += 1
-        if not self.pinned:
-            return DescriptorBuffer(np.empty((3, cap), dtype=np.int64), None, cap)
-        import torch
+        return DescriptorBuffer(array, owner, cap)
 
-        owner = torch.empty((3, cap), dtype=torch.int64, pin_memory=True)
-        return DescriptorBuffer(owner.numpy(), owner, cap)
+
+def host_array(shape: tuple[int, ...], dtype: Any, pinned: bool, what: str) -> tuple[np.ndarray, Any]:
+    """``(array, owner)``: a new host array, page-locked through torch where ``pinned``
+    (``owner`` keeps it alive). Running out of memory raises :class:`kvswap.AllocationError`
+    naming ``what``. Every pool of this module allocates here."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    with allocating(what, nbytes, "page-locked host" if pinned else "host"):
+        return new_host_array(shape, dtype, pinned)
+
+
+def new_host_array(shape: tuple[int, ...], dtype: Any, pinned: bool) -> tuple[np.ndarray, Any]:
+    """The allocation itself, the one place a pool's memory comes from."""
+    if not pinned:
+        return np.empty(shape, dtype=dtype), None
+    import torch
+
+    owner = torch.empty(shape, dtype=getattr(torch, np.dtype(dtype).name), pin_memory=True)
+    return owner.numpy(), owner
 
 
 # A staging buffer is at least 1 MiB: small jobs share one size class.
@@ -113,11 +130,7 @@ class StagingPool(DescriptorPool):
         return self._take(MIN_STAGING_BYTES if count <= MIN_STAGING_BYTES else 1 << (count - 1).bit_length())
 
     def _allocate(self, cap: int) -> DescriptorBuffer:
+        array, owner = host_array((cap,), np.uint8, self.pinned, "a staging buffer for pageable host memory")
         with self._lock:
             self.allocated += 1
-        if not self.pinned:
-            return DescriptorBuffer(np.empty(cap, dtype=np.uint8), None, cap)
-        import torch
-
-        owner = torch.empty(cap, dtype=torch.uint8, pin_memory=True)
-        return DescriptorBuffer(owner.numpy(), owner, cap)
+        return DescriptorBuffer(array, owner, cap)

@@ -28,6 +28,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from kvswap.allocation import allocating
+
 from .compiled import Variant, direct_parts, hook_is_set
 from .launch import KernelCopy, Tile, batch_alignment
 
@@ -110,7 +112,8 @@ class CopyByIds:
             import torch
 
             self._cuda = torch.cuda
-            self._tmpl = torch.from_numpy(packed).to(f"cuda:{copy.device_index}")  # uploaded once
+            with allocating("a by-id kernel's block template", packed.nbytes, "device"):
+                self._tmpl = torch.from_numpy(packed).to(f"cuda:{copy.device_index}")  # uploaded once
             self._tmpl_ptr = self._tmpl.data_ptr()
         self.note = (f"addresses derived on the device from {p} piece(s) (base, stride, size) uploaded once; "
                      f"a transfer sends only its block ids")

@@ -27,6 +27,7 @@ from typing import Any, Optional
 import numpy as np
 
 from kvswap import deferred
+from kvswap.allocation import allocating
 from kvswap.descriptors import coalesce
 from kvswap.impl import BindContext, CopyImpl, TransferFn
 from kvswap.runs import SLOT_ALIGN, Runs, host_runs
@@ -58,7 +59,9 @@ class _Halves:
         self.half = max(SLOT_ALIGN, nbytes // 2 // SLOT_ALIGN * SLOT_ALIGN)
         self.device_index = device_index
         where = "cpu" if device_index is None else f"cuda:{device_index}"
-        self.buffer = torch.empty(2 * self.half, dtype=torch.uint8, device=where)
+        with allocating("the staged route's device staging buffer (Policy.staging_bytes)", 2 * self.half,
+                        "host" if device_index is None else "device"):
+            self.buffer = torch.empty(2 * self.half, dtype=torch.uint8, device=where)
         self.base = (self.buffer.data_ptr(), self.buffer.data_ptr() + self.half)
         self.turn = 0
         if device_index is None:

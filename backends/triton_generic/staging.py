@@ -17,6 +17,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from kvswap.allocation import allocating
+
 MIN_ELEMS = 3 * 1024  # the smallest buffer: batches up to 1024 descriptors
 # How many kept buffers one take() asks about before making a new one: every query is a
 # driver call, and on one stream the oldest buffer frees first anyway.
@@ -102,7 +104,9 @@ class StagingPool:
         if entry.dev is None:
             import torch
 
-            entry.dev = torch.empty(entry.capacity, dtype=torch.int64, device=f"cuda:{self.device_index}")
+            with allocating(f"the device copy of a kernel launch's descriptors ({entry.capacity} words)",
+                            8 * entry.capacity, "device"):
+                entry.dev = torch.empty(entry.capacity, dtype=torch.int64, device=f"cuda:{self.device_index}")
             entry.dev_ptr = entry.dev.data_ptr()
         return entry.dev
 
@@ -112,7 +116,9 @@ class StagingPool:
         translate = self._translate
         if translate is None and self._translate_ref is not None:
             raise RuntimeError("staging pool outlived the address translator its buffers are mapped through")
-        host = torch.empty(max(_pow2_at_least(count), MIN_ELEMS), dtype=torch.int64, pin_memory=True)
+        words = max(_pow2_at_least(count), MIN_ELEMS)
+        with allocating(f"a kernel launch's descriptor staging ({words} words)", 8 * words, "page-locked host"):
+            host = torch.empty(words, dtype=torch.int64, pin_memory=True)
         ptr = host.data_ptr()
         if translate is not None:
             ptr = int(np.asarray(translate(np.array([ptr], dtype=np.int64)))[0])

@@ -17,6 +17,13 @@ Prints the totals (transfers, bytes, wrong bytes, wrong canaries) and writes the
 
     python tests/bench/fuzz.py --device cuda:0 --transfers 100000 --json fuzz.json
 
+``--limits`` runs instead single batches at kvswap's per-call limits (docs/known-issues.md):
+mixed sizes of 1-4,096 bytes at odd addresses at, just over and far over the mixed limit (up
+to 200,000 descriptors, the batch that faults inside the driver in one call), and blocks of
+one size at and just over the one-size cap, through every route, every byte checked::
+
+    python tests/bench/fuzz.py --device cuda:0 --limits --json fuzz_limits.json
+
 On a CPU (``--device cpu``) the same logic runs on host memory (host reference, and
 ``triton.kernel`` in its interpreter under ``TRITON_INTERPRET=1``): use a small
 ``--transfers``. Exit status 1 when any byte is wrong.
@@ -46,6 +53,11 @@ class Config:
     pool_bytes: int = 256 * MiB  # per side
     max_batch: int = 512  # descriptors per SwapFn batch at most
     sabotage: bool = False  # flip one destination byte after every SwapFn batch (checks the checker)
+    limits: bool = False  # run the batches at kvswap's per-call limits instead (below)
+    mixed_limit: int = 0  # descriptors a call for mixed sizes (0: cuda.batch's MIXED_CHUNK)
+    uniform_limit: int = 0  # descriptors a call for one size (0: cuda.batch's DEFAULT_CHUNK)
+    limit_sizes: tuple[int, ...] = (4096, 16384)  # the one-size batches' block sizes
+    far_counts: tuple[int, ...] = (50_000, 200_000)  # mixed batches far over the limit (the fault's counts)
 
 
 @dataclass
@@ -61,6 +73,7 @@ class Tally:
     max_inflight: int = 0
     first_error: Optional[str] = None
     skipped: Optional[str] = None
+    case: str = ""  # the limits entry: the batch's shape
 
 
 @dataclass
@@ -245,6 +258,96 @@ def fuzz_mover(torch: Any, kvswap: Any, policy: Any, direction: str, cfg: Config
         tally.batches += jobs
 
 
+# -- at the per-call limits --------------------------------------------------------------------
+def limit_cases(cfg: Config) -> list[tuple[str, int, int, int, bool]]:
+    """``(label, count, smallest, largest size, odd addresses)``: batches of mixed sizes
+    (1-4,096 bytes at odd addresses, the driver's fault) at, just over and far over the
+    mixed limit, up to 200,000 descriptors; batches of one size at and just over the
+    one-size limit, 256-byte aligned, as engines send them. A route must split each into
+    calls the driver survives and copy every byte."""
+    from kvswap.backends.cuda import batch
+
+    mixed = cfg.mixed_limit or batch.MIXED_CHUNK
+    uniform = cfg.uniform_limit or batch.DEFAULT_CHUNK
+    out = [(f"mixed 1-4096 odd x {n:,}", n, 1, 4096, True)
+           for n in dict.fromkeys((mixed, mixed + 1, 2 * mixed + 3) + tuple(cfg.far_counts))]
+    for size in cfg.limit_sizes:
+        out += [(f"{size} B x {n:,}", n, size, size, False) for n in (uniform, uniform + 1)]
+    return out
+
+
+def pack(rng: np.random.Generator, sizes: np.ndarray, odd: bool) -> tuple[np.ndarray, int]:
+    """Offsets of the blocks in a random order, each start odd or 256-byte aligned, with
+    random gaps (canaries) between them; and the bytes they span."""
+    order = rng.permutation(len(sizes))
+    gaps = rng.integers(1, 64, len(sizes)) if odd else 256 * rng.integers(0, 2, len(sizes))
+    spans = sizes[order] + gaps
+    if odd:
+        spans = spans + (spans % 2)  # keep every start odd
+    else:
+        spans = align(spans, 256)
+    starts = (1 if odd else 0) + np.concatenate([[0], np.cumsum(spans)[:-1]])
+    offsets = np.empty(len(sizes), dtype=np.int64)
+    offsets[order] = starts
+    return offsets, int(starts[-1] + spans[-1]) + 256
+
+
+def fuzz_limits(torch: Any, fn: Any, direction: str, cfg: Config, rng: np.random.Generator,
+                case: tuple, tally: Tally) -> None:
+    """One batch of ``case`` through ``fn``, every byte of the destination window checked."""
+    label, count, lo, hi, odd = case
+    sizes = rng.integers(lo, hi + 1, count).astype(np.int64)
+    so, src_bytes = pack(rng, sizes, odd)
+    do, window = pack(rng, sizes, odd)
+    src_where, dst_where = sides_of(direction, cfg.device)
+    pinned = cfg.device != "cpu"
+    src = Side(torch, src_bytes, src_where, pinned and src_where == "cpu")
+    dst = Side(torch, window, dst_where, pinned and dst_where == "cpu")
+    # 16 MiB of random bytes, repeated: drawing hundreds of MiB per batch would take longer than the copy.
+    tile = rng.integers(0, 256, min(src_bytes, 16 * MiB), dtype=np.uint8)
+    data = np.resize(tile, src_bytes)
+    src.upload(data)
+    poison = int(rng.integers(0, 256))
+    dst.fill(poison, 0, window)
+    stream = torch.cuda.current_stream(cfg.device) if cfg.device != "cpu" else None
+    fn(src.base + so, dst.base + do, sizes, stream=stream)
+    synchronize(torch, cfg.device)
+    got = dst.read(0, window)
+    if cfg.sabotage:
+        got[int(do[0])] ^= 0xFF
+    check_window(got, poison, data, so, do, sizes, tally)
+    tally.transfers += count
+    tally.batches += 1
+    tally.bytes += int(sizes.sum())
+
+
+def run_limits(cfg: Config, report: "Report") -> None:
+    import torch
+
+    import kvswap
+
+    rng = np.random.default_rng(cfg.seed)
+    for d in cfg.directions or tuple(str(x) for x in kvswap.Direction):
+        try:
+            found = routes(kvswap, d, cfg.device)
+        except kvswap.ResolutionError as e:
+            report.rows.append(Tally("limits", d, "-", skipped=str(e)))
+            continue
+        for label, policy, _ in found:
+            fn = kvswap.resolve(d, device=cfg.device, policy=policy)
+            for case in limit_cases(cfg):
+                tally = Tally("limits", d, label, case=case[0])
+                report.rows.append(tally)
+                print(f"limits {d:<5}{label:<16}{case[0]:<28}", end="", flush=True)  # before a call that may fault
+                try:
+                    fuzz_limits(torch, fn, d, cfg, rng, case, tally)
+                except Exception as e:
+                    tally.first_error = tally.first_error or f"{type(e).__name__}: {e}"
+                    tally.wrong += 1
+                print(f"wrong {tally.wrong} canaries {tally.canaries}" + (f"  {tally.first_error}" if tally.first_error
+                                                                          else ""), flush=True)
+
+
 # -- driver ------------------------------------------------------------------------------------
 ANY = {"alignment": 1, "min_block_bytes": 1, "max_block_bytes": None}
 
@@ -266,6 +369,11 @@ def run(cfg: Config) -> Report:
     names = cfg.directions or tuple(str(d) for d in kvswap.Direction)
     plan: list[tuple[str, str, str, Any, dict[str, Any]]] = []
     report = Report(asdict(cfg), cfg.device)
+    if cfg.limits:
+        t0 = time.perf_counter()
+        run_limits(cfg, report)
+        report.seconds = time.perf_counter() - t0
+        return report
     for d in names:
         try:
             found = routes(kvswap, d, cfg.device)
@@ -311,10 +419,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--directions", default="", help="comma-separated (default: every direction)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--limits", action="store_true",
+                   help="batches at the per-call limits (mixed sizes at odd addresses up to 200,000; one size at the cap)")
+    p.add_argument("--mixed-limit", type=int, default=0, help="descriptors a call for mixed sizes (default MIXED_CHUNK)")
+    p.add_argument("--uniform-limit", type=int, default=0, help="descriptors a call for one size (default DEFAULT_CHUNK)")
+    p.add_argument("--limit-sizes", default="4096,16384", help="block sizes of the one-size batches")
+    p.add_argument("--far-counts", default="50000,200000", help="mixed batches far over the limit")
     a = p.parse_args(argv)
     cfg = Config(device=a.device, transfers=a.transfers, max_size=a.max_size, inflight=a.inflight,
                  seed=a.seed, pool_bytes=a.pool_mib * MiB,
-                 directions=tuple(x for x in a.directions.split(",") if x))
+                 directions=tuple(x for x in a.directions.split(",") if x), limits=a.limits,
+                 mixed_limit=a.mixed_limit, uniform_limit=a.uniform_limit,
+                 limit_sizes=tuple(int(x) for x in a.limit_sizes.split(",") if x),
+                 far_counts=tuple(int(x) for x in a.far_counts.split(",") if x))
     report = run(cfg)
     totals = report.totals()
     print(f"total: {totals['transfers']} transfers, {totals['bytes']} bytes, {totals['batches']} batches/jobs, "

@@ -12,6 +12,9 @@
 #              and how long each route holds the calling thread
 #   step       the step benchmark over every built-in model (tests/bench/step_all.sh)
 #   fuzz       random transfers through every route, every byte checked (FUZZ_ARGS)
+#   envelope   where cuMemcpyBatchAsync faults, without kvswap (tests/bench/batch_fault)
+#   limits     the fuzz at kvswap's per-call limits
+#   soak       engine-like load for SOAK_SECONDS (default 300), every job checked
 # STEP_TIMEOUT (seconds per step, default 280) bounds each step.
 # On a machine without a package index whose Python lacks kvswap's small dependencies
 # (pluggy, platformdirs, tqdm, pytest), put their wheels in .whl/: they are installed first.
@@ -62,6 +65,17 @@ for step in "$@"; do
       timeout "$T" python3 tests/bench/fuzz.py --device cuda:0 ${FUZZ_ARGS---transfers 100000} \
         --json "$OUT/fuzz.json" >"$OUT/fuzz.log" 2>&1
       echo "fuzz exit $?"; tail -n 30 "$OUT/fuzz.log" ;;
+    envelope)
+      timeout 480 python3 tests/bench/batch_fault/envelope.py --out "$OUT/envelope" >"$OUT/envelope.log" 2>&1
+      echo "envelope exit $?"; tail -n 60 "$OUT/envelope.log" ;;
+    limits)
+      timeout "$T" python3 tests/bench/fuzz.py --device cuda:0 --limits --json "$OUT/fuzz_limits.json" \
+        >"$OUT/fuzz_limits.log" 2>&1
+      echo "limits exit $?"; tail -n 30 "$OUT/fuzz_limits.log" ;;
+    soak)
+      timeout 480 python3 tests/bench/soak.py --device cuda:0 --seconds "${SOAK_SECONDS:-300}" --out "$OUT/soak" \
+        >"$OUT/soak.log" 2>&1
+      echo "soak exit $?"; tail -n 40 "$OUT/soak.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -388,15 +388,18 @@ def test_200000_descriptors_become_ordered_calls_of_at_most_the_cap(direction):
 
 @pytest.mark.parametrize("direction", [Direction.H2D, Direction.D2H])
 def test_a_long_batch_of_mixed_sizes_goes_in_calls_of_at_most_the_mixed_cap(direction):
-    """Mixed sizes past batch.MIXED_CHUNK descriptors: calls of that many (the driver's
-    fault on long mixed-size batches), in order on one stream, every byte checked."""
+    """Mixed sizes past the direction's cap (MIXED_CHUNK_H2D host to device, else
+    MIXED_CHUNK): calls of that many (the driver's faults on long mixed-size batches), in
+    order on one stream, every byte checked."""
     rng = np.random.default_rng()
     d, lib = standin_driver()
     fn = batch.bind(d, direction, 0)
     pools = _many(rng, 10_000)
     fn(pools.src, pools.dst, pools.sizes, 0x5EED)
     calls = [c[1] for c in lib.of("cuMemcpyBatchAsync")]
-    assert [c["count"] for c in calls] == [4096, 4096, 10_000 - 8192] == [batch.MIXED_CHUNK] * 2 + [1808]
+    cap = batch.MIXED_CHUNK_H2D if direction is Direction.H2D else batch.MIXED_CHUNK
+    assert (cap, fn.mixed_chunk) == ((512, 512) if direction is Direction.H2D else (4096, 4096))
+    assert [c["count"] for c in calls] == [cap] * (10_000 // cap) + [10_000 % cap]
     for key, want in (("src", pools.src), ("dst", pools.dst), ("sizes", pools.sizes)):
         assert np.array_equal(np.concatenate([c[key] for c in calls]), want), key
     pools.check()
@@ -417,7 +420,7 @@ def test_the_cap_comes_from_the_bind_parameter_or_the_environment(how, monkeypat
     else:
         monkeypatch.setenv(batch.CHUNK_ENV, "7")  # the parameter wins
         chunk = batch.chunk_size({"batch_chunk": 1000})
-    fn = batch.bind(d, Direction.H2D, 0, chunk)
+    fn = batch.bind(d, Direction.D2H, 0, chunk)  # mixed sizes: device to host caps them at 4,096
     pools = _many(rng, 2500)
     fn(pools.src, pools.dst, pools.sizes, 3)
     assert [c[1]["count"] for c in lib.of("cuMemcpyBatchAsync")] == [1000, 1000, 500]

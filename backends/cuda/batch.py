@@ -31,12 +31,15 @@ BATCH, PER_COPY = "batch", "per-copy"
 # one call (vLLM issue 49276); larger batches are split into calls of at most this many.
 DEFAULT_CHUNK = 32768
 CHUNK_ENV = "KVSWAP_CUDA_BATCH_CHUNK"
-# Descriptors per call for a batch of mixed sizes. On an H100 (driver 580.159.04) a host to
-# device call of 20,000-200,000 descriptors of 1-4,096 bytes from pinned memory holding data
-# faulted inside the driver on its first call (tests/bench/repro_batch_crash.py); the same
-# 200,000 in calls of 2,048 or 4,096 completed 12 of 12 calls in every run. Batches of one
-# size (50,000 blocks of 4 or 16 KiB in one call) did not fault.
+# Descriptors per call for a batch of mixed sizes. On an H100 (driver 580.159.04) host-to-device
+# calls of mixed sizes copied wrong bytes, failed the stream, hung or faulted inside the driver
+# from 1,536 descriptors of 4-12 KiB, and faulted from 32,768 of 1 B-64 KiB; 1,024 of each were
+# clean, and so was every batch of one size up to 200,000 and every device-to-host or
+# device-to-device one (docs/known-issues.md, tests/bench/batch_fault/). Host to device gets
+# half the largest clean count; the other directions keep the 4,096 that earlier runs of the
+# 1-4,096 B fault settled on.
 MIXED_CHUNK = 4096
+MIXED_CHUNK_H2D = 512
 
 
 def chunk_size(params: Any, env: Any = None) -> int:
@@ -100,6 +103,7 @@ class BatchCopy:
         self._error = error
         self._context = context
         self.chunk = int(chunk)
+        self.mixed_chunk = MIXED_CHUNK_H2D if self.direction is Direction.H2D else MIXED_CHUNK
         self._attr = make_attributes(self.direction)
         self._attr_idx = (ctypes.c_size_t * 1)(0)
         self._attr_addr = ctypes.addressof(self._attr)
@@ -112,7 +116,8 @@ class BatchCopy:
             order = "ANY (host source)" if self._attr.srcAccessOrder == drv.ORDER_ANY else "STREAM"
             self.note = (
                 f"batch path: one cuMemcpyBatchAsync call per transfer ({self.abi.label}, found by "
-                f"cuGetProcAddress{on}), source order {order}, at most {self.chunk} descriptors a call; "
+                f"cuGetProcAddress{on}), source order {order}, at most {self.chunk} descriptors a call "
+                f"({self.mixed_chunk} where sizes differ); "
                 f"the legacy default stream, which the batch call rejects, takes the per-copy cuMemcpyAsync path"
             )
 
@@ -144,8 +149,9 @@ class BatchCopy:
         d, s, n = dst.ctypes.data, src.ctypes.data, sizes.ctypes.data
         attrs = (self._attr_addr, self._attr_idx_addr, 1)
         chunk = self.chunk
-        if chunk > MIXED_CHUNK and len(sizes) > MIXED_CHUNK and sizes.min() != sizes.max():
-            chunk = MIXED_CHUNK  # the driver's fault on long mixed-size batches (above)
+        mixed = self.mixed_chunk
+        if chunk > mixed and len(sizes) > mixed and sizes.min() != sizes.max():
+            chunk = mixed  # the driver's faults on long mixed-size batches (above)
         for lo, count in chunking.pieces(len(sizes), chunk):
             off = 8 * lo
             args = (d + off, s + off, n + off, count, *attrs)

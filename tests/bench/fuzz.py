@@ -267,7 +267,7 @@ def limit_cases(cfg: Config) -> list[tuple[str, int, int, int, bool]]:
     calls the driver survives and copy every byte."""
     from kvswap.backends.cuda import batch
 
-    mixed = cfg.mixed_limit or batch.MIXED_CHUNK
+    mixed = cfg.mixed_limit or batch.MIXED_CHUNK_H2D  # the smaller cap; the others' too through far_counts
     uniform = cfg.uniform_limit or batch.DEFAULT_CHUNK
     out = [(f"mixed 1-4096 odd x {n:,}", n, 1, 4096, True)
            for n in dict.fromkeys((mixed, mixed + 1, 2 * mixed + 3) + tuple(cfg.far_counts))]

@@ -37,6 +37,8 @@ static CUresult mem_alloc(CUdeviceptr *p, size_t n) { void *m = malloc(n); *p = 
 static CUresult htod(CUdeviceptr d, const void *s, size_t n) { memcpy((void *)(uintptr_t)d, s, n); return CUDA_SUCCESS; }
 static CUresult dtoh(void *d, CUdeviceptr s, size_t n) { memcpy(d, (const void *)(uintptr_t)s, n); return CUDA_SUCCESS; }
 static CUresult memset8(CUdeviceptr d, unsigned char v, size_t n) { memset((void *)(uintptr_t)d, v, n); return CUDA_SUCCESS; }
+static CUresult ctx_sync(void) { return CUDA_SUCCESS; }
+
 static CUresult error_name(CUresult rc, const char **name) {
     *name = rc == CUDA_ERROR_INVALID_VALUE ? "CUDA_ERROR_INVALID_VALUE" : "CUDA_ERROR_UNKNOWN";
     return CUDA_SUCCESS;
@@ -76,6 +78,7 @@ static const struct { const char *name; void *fn; } PROCS[] = {
     {"cuStreamSynchronize", (void *)stream_sync}, {"cuMemHostAlloc", (void *)host_alloc},
     {"cuMemAlloc", (void *)mem_alloc}, {"cuMemcpyHtoD", (void *)htod}, {"cuMemcpyDtoH", (void *)dtoh},
     {"cuMemsetD8", (void *)memset8}, {"cuGetErrorName", (void *)error_name},
+    {"cuCtxSynchronize", (void *)ctx_sync},
 };
 
 CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int v, cuuint64_t flags,

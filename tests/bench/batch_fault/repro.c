@@ -71,6 +71,7 @@ static struct {
     CUresult (*MemcpyHtoD)(CUdeviceptr, const void *, size_t);
     CUresult (*MemcpyDtoH)(void *, CUdeviceptr, size_t);
     CUresult (*MemsetD8)(CUdeviceptr, unsigned char, size_t);
+    CUresult (*CtxSynchronize)(void);
     CUresult (*GetErrorName)(CUresult, const char **);
 } cu;
 
@@ -233,6 +234,7 @@ int main(int argc, char **argv) {
     cu.MemcpyHtoD = proc("cuMemcpyHtoD", 3020);
     cu.MemcpyDtoH = proc("cuMemcpyDtoH", 3020);
     cu.MemsetD8 = proc("cuMemsetD8", 3020);
+    cu.CtxSynchronize = proc("cuCtxSynchronize", 2000);
 
     const char *abi = abi_arg ? abi_arg : (version >= 13000 ? "13000" : "12080");
     void *batch = NULL;
@@ -306,7 +308,12 @@ int main(int argc, char **argv) {
     CUresult rc = CUDA_SUCCESS;
     for (size_t c = 0; c < calls && status == OK; c++) {
         if (d2h) memset(host_dst, poison, dst_bytes);
-        else check(cu.MemsetD8(dev_dst, poison, dst_bytes), "cuMemsetD8");
+        else {
+            /* cuMemsetD8 on device memory returns before it is done, on the legacy stream, which a
+             * non-blocking stream does not wait for: finish it before the call. */
+            check(cu.MemsetD8(dev_dst, poison, dst_bytes), "cuMemsetD8");
+            check(cu.CtxSynchronize(), "cuCtxSynchronize");
+        }
         fprintf(stderr, "repro: call %zu: cuMemcpyBatchAsync(%zu descriptors, %s, %s, align %s, ABI %s)\n", c + 1, n,
                 dir, uniform ? "one size" : "mixed sizes", odd ? "odd" : "N", abi);
         fflush(stderr);

@@ -11,7 +11,7 @@ from .descriptors import misaligned
 from .errors import InvalidImplError
 from .types import DeviceInfo, Direction, as_int
 
-KINDS = ("batch", "kernel")
+KINDS = ("batch", "kernel", "staged")
 _NAME = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z0-9_]+)+$")
 
 
@@ -72,12 +72,16 @@ class BindContext:
     :ivar translate_host: maps host addresses to addresses the device can dereference in a
         kernel; :func:`same_addresses` (compare with ``is`` to skip the work) where host and
         device share addresses.
+    :ivar link: for a ``"staged"`` implementation, the bound transfer of a batch route of
+        the same direction (the copy engines), which moves its contiguous runs over the
+        link; None for the other kinds.
     """
 
     direction: Direction
     device: DeviceInfo
     params: Mapping[str, Any] = field(default_factory=dict)
     translate_host: Callable[[np.ndarray], np.ndarray] = same_addresses
+    link: Optional[TransferFn] = None
 
 
 def _always(device: DeviceInfo) -> Optional[str]:
@@ -89,7 +93,10 @@ class CopyImpl:
     """One implementation a backend offers.
 
     :param name: dotted, lower-case, unique (``"cuda.batch"``, ``"triton.kernel"``).
-    :param kind: ``"batch"`` (copy engine; uses no SMs) or ``"kernel"`` (occupies SMs).
+    :param kind: ``"batch"`` (copy engine; uses no SMs), ``"kernel"`` (occupies SMs) or
+        ``"staged"`` (a short device-side gather or scatter on SMs between the scattered
+        blocks and a staging buffer, and the copy engines over the link; bound with
+        :attr:`BindContext.link`).
     :param platforms: platforms it serves (``"cuda"``, ``"rocm"``, ``"cpu"``, …).
     :param directions: the directions it copies (strings or :class:`Direction`).
     :param factory: ``factory(BindContext) -> TransferFn``, called once per resolve.

@@ -28,6 +28,7 @@ from .mover_inputs import (
     paired_sides, stager_for,
 )
 from .mover_types import GroupLayout, KVGroup, Tensors, TransferResult
+from .mover_staged import staged_steps
 from .mover_within import QuietChoice, check_within
 from .regions import BlockDim, DescriptorTemplate
 from .resolver import resolve
@@ -42,6 +43,11 @@ from .types import Direction, DirectionLike, Policy
 LAUNCH_HERE_MIN_DESCRIPTORS = 8192
 
 __all__ = ["BlockMover", "GroupLayout", "KVGroup", "TransferResult"]
+
+
+def _keep_route(n: int, within: float) -> None:
+    """``within``'s choice where the mover's route is already the quiet one: keep it."""
+    return None
 
 
 class BlockMover:
@@ -236,8 +242,16 @@ class BlockMover:
         # factor) take the descriptor path.
         by_ids_ok = (self._device_descriptors and len(templates) == 1 and self._stager is None
                      and templates[0].factor == 1)
-        self._desc = JobDescriptors(templates, self.pool, self._check_across,
-                                    by_ids_steps(self._fn, templates[0]) if by_ids_ok else None)
+        # On a device, a host side in long runs (block-major) takes a staged route where one serves.
+        steps, self._staged_note = None, ""
+        if by_ids_ok and on_device:
+            steps, self._staged_note = staged_steps(self._fn, templates[0], self.direction, policy or Policy(),
+                                                    self._resolve_args)
+        if steps is not None:
+            self._within = _keep_route  # staged leaves the SMs to the compute already
+        elif by_ids_ok:
+            steps = by_ids_steps(self._fn, templates[0])
+        self._desc = JobDescriptors(templates, self.pool, self._check_across, steps)
         # The check across groups must raise before anything is enqueued, and staging reads
         # or writes the host blocks around the copy: those movers issue in submit.
         threaded = on_device if issuing_thread is None else issuing_thread
@@ -266,7 +280,8 @@ class BlockMover:
         """Why this route was chosen (the resolver's decision trace), and where the host
         memory sits when it is on another NUMA node than the device."""
         text = self._fn.explain()
-        return f"{text}\n  note: {self._numa_note}" if self._numa_note else text
+        notes = [n for n in (self._staged_note, self._numa_note) if n]
+        return "\n".join([text] + [f"  note: {n}" for n in notes])
 
     @property
     def stream(self) -> Any:

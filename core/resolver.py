@@ -92,6 +92,18 @@ def _unmeasured_notes(routes: tuple[Route, ...], candidates: list[Candidate], bu
     return out
 
 
+def _link_for(usable: list[CopyImpl], bound: dict[str, Any], builtin: frozenset[str],
+              policy: Policy) -> tuple[Any, Optional[str]]:
+    """The bound batch route a staged route moves its runs with (a built-in one first,
+    then by name), or the reason there is none."""
+    if policy.staging_bytes == 0:
+        return None, "Policy.staging_bytes=0 allows no staged routes"
+    batch = sorted((i for i in usable if i.kind == "batch"), key=lambda i: (i.name not in builtin, i.name))
+    if not batch:
+        return None, "needs a batch route of this direction for the link, and none is usable here"
+    return bound[batch[0].name], None
+
+
 def host_translator(host: PluginHost, device: DeviceInfo) -> Any:
     """The host address translation kernels on ``device`` use: the first plugin's (by
     name) that offers one, else :func:`~kvswap.impl.same_addresses`."""
@@ -155,16 +167,23 @@ def resolve(
 
     candidates, usable, bound, params = [], [], {}, {}
     builtin = frozenset(impl.name for plugin, impl in registered if host.is_builtin(plugin))
+    # Staged routes are bound last: each takes a bound batch route of this direction as its link.
+    registered = sorted(registered, key=lambda pi: pi[1].kind == "staged")
     for plugin, impl in registered:
         reason = impl.unavailable_reason(dev)
         if reason is None and direction not in impl.directions:
             reason = f"copies only {', '.join(map(str, impl.directions))}"
         if reason is None and impl.uses_sms and policy.max_sms == 0:
             reason = "Policy.max_sms=0 allows no kernel routes"
+        link = None
+        if reason is None and impl.kind == "staged":
+            link, reason = _link_for(usable, bound, builtin, policy)
         if reason is None:
             p = {"num_sms": num_sms} if impl.uses_sms else {}
+            if impl.kind == "staged":
+                p = {"num_sms": policy.max_sms or dev.compute_units or 8, "staging_bytes": policy.staging_bytes}
             try:
-                fn = impl.factory(BindContext(direction, dev, p, translate))
+                fn = impl.factory(BindContext(direction, dev, p, translate, link))
                 if not callable(fn):
                     raise TypeError(f"factory returned {fn!r}, not a callable")
             except Exception as e:
@@ -201,6 +220,9 @@ def resolve(
         usable = [impl]
         notes.append(f"forced by {where}")
     else:
+        # A staged route serves a BlockMover whose host side suits it (kvswap.mover_staged),
+        # or where forced; it does not compete for raw descriptor batches.
+        usable = [i for i in usable if i.kind != "staged"]
         routes = build_routes(usable, cal, direction, policy, sizes, num_sms, dev, builtin)
         if not routes:
             rejected = "; ".join(f"{c.name}: {c.reason}" for c in candidates) or "no backend registered any"

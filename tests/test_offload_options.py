@@ -20,7 +20,7 @@ def test_nothing_given_is_the_defaults():
 
 def test_every_policy_field_passes_through():
     values = {"max_sms": 8, "prefer": "low_interference", "force": "host.reference", "require_pinned": True,
-              "coalesce": False}
+              "coalesce": False, "staging_bytes": 1 << 20}
     assert set(values) == {f.name for f in dataclasses.fields(Policy)}, "a new Policy field: add it here"
     options = OffloadOptions.parse(dict(values, numa_node=1, stats_file="/tmp/s.json", corrupt_loads=True))
     assert options.policy == Policy(**values)
@@ -39,6 +39,7 @@ def test_an_unknown_key_is_named_with_the_valid_ones():
     ({"prefer": "fast"}, r"Policy.prefer='fast'"),
     ({"force": ""}, r"Policy.force=''"),
     ({"coalesce": "yes"}, r"Policy.coalesce='yes'"),
+    ({"staging_bytes": -1}, r"Policy.staging_bytes=-1"),
     ({"numa_node": -2}, r"numa_node=-2"),
     ({"numa_node": True}, r"numa_node=True"),
     ({"stats_file": 3}, r"stats_file=3"),

@@ -28,10 +28,10 @@ def _int_list(values: Any, what: str) -> list[int]:
 
 
 def _ids(values: Any, what: str) -> np.ndarray:
-    a = np.asarray(values)
-    if a.ndim != 1 or (a.size and not np.issubdtype(a.dtype, np.integer)):
+    a = values if isinstance(values, np.ndarray) else np.asarray(values)
+    if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
         raise BlockIdError(f"{what} must be a 1-D sequence of integers, not {a.dtype} of shape {a.shape}")
-    return a.astype(np.int64, copy=False)
+    return a
 
 
 def host_block_ids(chunk_ids: Any, group_sizes: Sequence[int], block_indices: Sequence[int],
@@ -64,7 +64,7 @@ def host_block_ids(chunk_ids: Any, group_sizes: Sequence[int], block_indices: Se
         if k == 1:
             out.append(mine)
         else:
-            out.append((mine[:, None] * k + np.arange(k, dtype=np.int64)).ravel()[skip:skip + size])
+            out.append((mine.astype(np.int64)[:, None] * k + np.arange(k)).ravel()[skip:skip + size])
     if at != len(chunks):
         raise BlockIdError(f"the job names {len(chunks)} chunks but its groups cover {at} "
                            f"(group_sizes={sizes}, block_indices={starts}, {k} blocks per chunk)")
@@ -80,8 +80,11 @@ def device_block_ids(block_ids: Any, group_sizes: Sequence[int]) -> list[np.ndar
     sizes = _int_list(group_sizes, "group_sizes")
     if sum(sizes) != len(ids):
         raise BlockIdError(f"group_sizes={sizes} add up to {sum(sizes)} but the job names {len(ids)} device blocks")
-    bounds = np.cumsum([0] + sizes)
-    return [ids[bounds[g]:bounds[g + 1]] for g in range(len(sizes))]
+    out, at = [], 0
+    for size in sizes:
+        out.append(ids[at:at + size])
+        at += size
+    return out
 
 
 def job_block_ids(device_spec: Any, host_spec: Any, blocks_per_chunk: int,

@@ -104,10 +104,16 @@ class OffloadWorker:
                                    pin=not on_host, node=self.options.numa_node)
         views = self.host.views
         policy = self.options.policy
-        self.store = BlockMover.groups([KVGroup([self.tensors[i] for i in g], [views[i] for i in g], 0)
-                                        for g in self.groups], "d2h", policy=policy)
-        self.load = BlockMover.groups([KVGroup([views[i] for i in g], [self.tensors[i] for i in g], 0)
-                                       for g in self.groups], "h2d", policy=policy)
+        dev = [[self.tensors[i] for i in g] for g in self.groups]
+        host = [[views[i] for i in g] for g in self.groups]
+        # One group (most models) takes a plain mover: ids go in as arrays, not lists of them.
+        self._grouped = len(self.groups) > 1
+        if self._grouped:
+            self.store = BlockMover.groups([KVGroup(d, h, 0) for d, h in zip(dev, host)], "d2h", policy=policy)
+            self.load = BlockMover.groups([KVGroup(h, d, 0) for d, h in zip(dev, host)], "h2d", policy=policy)
+        else:
+            self.store = BlockMover(dev[0], host[0], "d2h", block_dim=0, policy=policy)
+            self.load = BlockMover(host[0], dev[0], "h2d", block_dim=0, policy=policy)
         self.counters = {STORE: Counters(), LOAD: Counters()}
         self._movers = {STORE: self.store, LOAD: self.load}
         self._pending: dict[tuple[str, int], _Pending] = {}  # (direction, mover job id) -> job
@@ -153,8 +159,9 @@ class OffloadWorker:
             if job_id in self._by_job:
                 raise ConfigurationError(f"job {job_id} is still in flight; a job id names one job at a time")
             device, host = job_block_ids(device_spec, host_spec, self.blocks_per_chunk, len(self.groups))
-            mover = self._movers[direction]
-            mid = mover.submit(device, host) if direction == STORE else mover.submit(host, device)
+            src, dst = (device, host) if direction == STORE else (host, device)
+            mid = self._movers[direction].submit(src, dst) if self._grouped else \
+                self._movers[direction].submit(src[0], dst[0])
         except Exception as e:
             self.counters[direction].refused += 1
             self.log.error("kvswap refused %s job %s (device blocks %s, chunks %s): %s: %s", direction, job_id,
@@ -243,7 +250,7 @@ class OffloadWorker:
         h = self.host
         pinned = "pinned" if h.buffer.is_pinned() else "not pinned"
         node = "" if self.options.numa_node is None else f", NUMA node {self.options.numa_node}"
-        sizes = ", ".join(sorted({f"{int(t.shape[1])} B" for t in self.tensors}))
+        sizes = ", ".join(f"{n} B" for n in sorted({int(t.shape[1]) for t in self.tensors}))
         return (f"{len(self.tensors)} tensors in {len(self.groups)} KV group(s), pages of {sizes}; "
                 f"host cache block-major, {self.num_chunks} chunks of {self.blocks_per_chunk} block(s), "
                 f"{h.block_bytes} B a block, {_mib(h.num_blocks * h.block_bytes)} ({pinned}{node}); "
@@ -278,7 +285,8 @@ class OffloadWorker:
 
 
 def route_summary(mover: BlockMover) -> str:
-    """A mover's decision in a few words: the route per block size, and its calibration."""
+    """A mover's decision in a few words: the route per block size, whether a staged route
+    moves whole host runs (and why not), and the calibration it was decided by."""
     plan = mover.swap_fn.plan
     routes = []
     for r in plan.routes:
@@ -286,8 +294,12 @@ def route_summary(mover: BlockMover) -> str:
         if r.small_batch_impl and r.min_batch > 1:
             text += f" ({r.small_batch_impl} under {r.min_batch} descriptors)"
         routes.append(text)
+    # The mover's own notes in explain(): the staged route, host memory on a far NUMA node.
+    notes = [line.strip()[len("note: "):] for line in mover.explain().splitlines()
+             if line.strip().startswith("note: ") and ("staged" in line or "have pages on NUMA" in line)]
+    extra = "".join(f"; {n}" for n in notes)
     forced = f", forced {plan.forced}" if plan.forced else ""
-    return f"{', '.join(routes)} [calibration: {plan.calibration.get('source')}{forced}]"
+    return f"{', '.join(routes)}{extra} [calibration: {plan.calibration.get('source')}{forced}]"
 
 
 def _few(ids: Any, shown: int = 8) -> str:

@@ -21,7 +21,7 @@ import numpy as np
 
 from ... import BlockMover, ConfigurationError, KVGroup, NumaWarning, host_cache
 from .ids import job_block_ids
-from .layout import CacheLayout, canonical_layout
+from .layout import canonical_layout
 from .options import OffloadOptions
 
 STORE, LOAD = "store", "load"
@@ -130,10 +130,6 @@ class OffloadWorker:
         (:func:`kvswap.integrations.offload.layout.canonical_layout`)."""
         layout = canonical_layout(kv_caches)
         return cls(layout.tensors, layout.groups, num_chunks, blocks_per_chunk, options, **kw)
-
-    @property
-    def layout(self) -> CacheLayout:
-        return CacheLayout(tuple(self.tensors), tuple(self.groups))
 
     # -- per job -------------------------------------------------------------------------
     def submit_store(self, job_id: int, device_spec: Any, host_spec: Any) -> bool:

@@ -12,6 +12,8 @@
 #              and how long each route holds the calling thread
 #   step       the step benchmark over every built-in model (tests/bench/step_all.sh)
 #   fuzz       random transfers through every route, every byte checked (FUZZ_ARGS)
+#   vllm       kvswap's vLLM offloading worker: its gpu tests (every byte), then its host time
+#              per job and transfer time against a bare BlockMover (tests/bench/bench_vllm_worker.py)
 # STEP_TIMEOUT (seconds per step, default 280) bounds each step.
 # On a machine without a package index whose Python lacks kvswap's small dependencies
 # (pluggy, platformdirs, tqdm, pytest), put their wheels in .whl/: they are installed first.
@@ -62,6 +64,10 @@ for step in "$@"; do
       timeout "$T" python3 tests/bench/fuzz.py --device cuda:0 ${FUZZ_ARGS---transfers 100000} \
         --json "$OUT/fuzz.json" >"$OUT/fuzz.log" 2>&1
       echo "fuzz exit $?"; tail -n 30 "$OUT/fuzz.log" ;;
+    vllm)
+      { timeout "$T" python3 -m pytest -q -m gpu tests/test_vllm_worker_gpu.py -s -rfE -p no:cacheprovider
+        timeout "$T" python3 tests/bench/bench_vllm_worker.py --out-dir "$OUT/vllm"; } >"$OUT/vllm.log" 2>&1
+      echo "vllm exit $?"; tail -n 40 "$OUT/vllm.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -209,3 +209,24 @@ def test_bad_counts_are_refused_before_anything_is_allocated(kw, match):
 def test_groups_must_name_tensors():
     with pytest.raises(ConfigurationError, match="KV group 1"):
         OffloadWorker([torch.zeros(4, 8, dtype=torch.int8)], [(0,), (1,)], 2, 1)
+
+
+def test_layers_sharing_a_tensor_in_one_group_move_it_once():
+    t = torch.randint(-128, 128, (8, 256), dtype=torch.int8)
+    packed = CanonicalCaches([CanonicalTensor(t, 256)], [[Ref(0, 200), Ref(0, 256)], [Ref(0, 256)]])
+    layout = canonical_layout(packed)
+    assert layout.groups == ((0,), (0,)) and [tuple(v.shape) for v in layout.tensors] == [(8, 256)]
+
+
+@pytest.mark.parametrize("refs, match", [
+    ([[Ref(3, 64)]], "refers to tensor 3"),
+    ([[Ref(0, 200)]], "pages of 128 bytes but a layer's page takes 200"),
+    ([[]], "KV group 0 has no layer"),
+    ([], "no KV group"),
+])
+def test_a_layout_that_cannot_be_moved_is_refused(refs, match):
+    from kvswap import BlockLayoutError
+
+    c = CanonicalCaches([CanonicalTensor(torch.zeros(4, 128, dtype=torch.int8), 128)], refs)
+    with pytest.raises(BlockLayoutError, match=match):
+        canonical_layout(c)

@@ -1,6 +1,8 @@
 """What ``kvswap bench --devices`` makes of every process's windows: each device's GB/s
-alone and together, the aggregate against the sum of the ceilings alone, the wrong NUMA
-node against the right one, and the tables a person reads (:mod:`.multi` runs them)."""
+alone and together, the aggregate against the sum of the ceilings alone and against the
+shared ceiling (the contiguous copies of every device at once: the host's memory and PCIe
+switches may cap it below the sum), the wrong NUMA node against the right one, and the
+tables a person reads (:mod:`.multi` runs them)."""
 from __future__ import annotations
 
 from dataclasses import asdict
@@ -12,7 +14,7 @@ from .timing import median
 
 KiB = 1024
 # The bar: on the resolved route, for blocks of BAR_SIZES, all devices at once reach at
-# least this fraction of the sum of their ceilings measured alone.
+# least this fraction of the sum of their ceilings measured alone, and of the shared ceiling.
 BAR = 0.90
 BAR_SIZES = (4 * KiB, 128 * KiB)
 ROUTES = ("resolved", "batch")
@@ -84,12 +86,14 @@ def aggregate(outs: Sequence[dict[str, Any]], steps: Sequence[Any], settings: An
                     if not any(v is not None for v in [*alone.values(), *together.values()]):
                         continue
                     labels = {names[r["rank"]]: r["label"] for r in recs if all(r[k] == v for k, v in key.items())}
-                    agg = _sum(together)
+                    agg, ceiling = _sum(together), result["ceiling"][d]
                     result["rows"].append({
                         "direction": d, "block_bytes": b, "batch": n, "route": route, "labels": labels,
                         "alone": alone, "together": together, "aggregate_gbps": agg,
-                        "sum_alone_gbps": _sum(alone), "sum_ceilings_gbps": result["ceiling"][d]["sum_alone_gbps"],
-                        "over_ceilings": _ratio(agg, result["ceiling"][d]["sum_alone_gbps"]),
+                        "sum_alone_gbps": _sum(alone), "sum_ceilings_gbps": ceiling["sum_alone_gbps"],
+                        "over_ceilings": _ratio(agg, ceiling["sum_alone_gbps"]),
+                        "shared_ceiling_gbps": ceiling["aggregate_gbps"],
+                        "over_shared_ceiling": _ratio(agg, ceiling["aggregate_gbps"]),
                         "over_alone": _ratio(agg, _sum(alone)), "overlap": _overlap(windows_of(**key)),
                     })
     for rank, (o, name) in enumerate(zip(outs, names)):
@@ -113,18 +117,29 @@ def aggregate(outs: Sequence[dict[str, Any]], steps: Sequence[Any], settings: An
     return result
 
 
+def _at(row: Optional[dict[str, Any]]) -> Optional[str]:
+    return f"{human_bytes(row['block_bytes'])} x {row['batch']}" if row else None
+
+
 def summarize(rows: Sequence[dict[str, Any]], numa_rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The bar over the resolved route's rows of :data:`BAR_SIZES`, and the NUMA ratios."""
+    """The bar over the resolved route's rows of :data:`BAR_SIZES`, against the sum of the
+    ceilings alone and against the shared ceiling, and the NUMA ratios."""
     lo, hi = BAR_SIZES
-    checked = [r for r in rows if r["route"] == "resolved" and lo <= r["block_bytes"] <= hi
-               and r["over_ceilings"] is not None]
+    resolved = [r for r in rows if r["route"] == "resolved" and lo <= r["block_bytes"] <= hi]
+    checked = [r for r in resolved if r["over_ceilings"] is not None]
     worst = min(checked, key=lambda r: r["over_ceilings"], default=None)
+    shared = [r for r in resolved if r.get("over_shared_ceiling") is not None]
+    worst_shared = min(shared, key=lambda r: r["over_shared_ceiling"], default=None)
     ratios = [r["wrong_over_right"] for r in numa_rows if r["wrong_over_right"] is not None]
     return {
         "bar_points": len(checked),
         "under_bar": sum(r["over_ceilings"] < BAR for r in checked),
         "min_over_ceilings": worst["over_ceilings"] if worst else None,
-        "min_at": f"{human_bytes(worst['block_bytes'])} x {worst['batch']}" if worst else None,
+        "min_at": _at(worst),
+        "shared_bar_points": len(shared),
+        "under_shared_bar": sum(r["over_shared_ceiling"] < BAR for r in shared),
+        "min_over_shared_ceiling": worst_shared["over_shared_ceiling"] if worst_shared else None,
+        "min_shared_at": _at(worst_shared),
         "min_over_alone": min((r["over_alone"] for r in checked if r["over_alone"] is not None), default=None),
         "wrong_over_right_min": min(ratios, default=None),
         "wrong_over_right_median": round(median(ratios), 4) if ratios else None,
@@ -147,8 +162,8 @@ def _grid(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def multi_report(result: dict[str, Any]) -> str:
     """The tables a person reads: the devices, the ceilings, every point (each device's
-    GB/s together / alone, the aggregate against the ceilings and against alone), the
-    NUMA ratios, the bar."""
+    GB/s together / alone, the aggregate against the sum of the ceilings alone, against the
+    shared ceiling and against alone), the NUMA ratios, the bar."""
     names = [d["name"] for d in result["devices"]]
     lines = [f"{len(names)} device(s) at once, one process each; windows of {result['settings']['window_s']} s, "
              f"{result['settings']['windows']} per point (GB/s: their median)"]
@@ -164,13 +179,14 @@ def multi_report(result: dict[str, Any]) -> str:
             for d, c in result["ceiling"].items()]
     lines += _grid(head, body) + [""]
     head = ["dir", "block", "batch", "route"] + [f"{n} tog/alone" for n in names] + [
-        "aggregate", "agg/ceilings", "agg/alone", "overlap", "impl"]
+        "aggregate", "agg/ceilings", "agg/shared", "agg/alone", "overlap", "impl"]
     body = []
     for r in result["rows"]:
         impls = ",".join(dict.fromkeys(r["labels"].values()))
         body.append([r["direction"], human_bytes(r["block_bytes"]), str(r["batch"]), r["route"]]
                     + [f"{_gb(r['together'].get(n))}/{_gb(r['alone'].get(n))}" for n in names]
-                    + [_gb(r["aggregate_gbps"]), _x(r["over_ceilings"]), _x(r["over_alone"]), _x(r["overlap"]), impls])
+                    + [_gb(r["aggregate_gbps"]), _x(r["over_ceilings"]), _x(r.get("over_shared_ceiling")),
+                       _x(r["over_alone"]), _x(r["overlap"]), impls])
     lines += _grid(head, body)
     if result["numa"]:
         lines += ["", "host memory on the wrong NUMA node (resolved route, each device alone):"]
@@ -187,6 +203,10 @@ def multi_report(result: dict[str, Any]) -> str:
                 f"at {s['bar_points'] - s['under_bar']} of {s['bar_points']} points")
         if s["min_over_ceilings"] is not None:
             line += f" (lowest {s['min_over_ceilings']:.3f} at {s['min_at']})"
+        if s.get("shared_bar_points"):
+            line += (f"; >= {result['bar']:.2f} x the shared ceiling (every device copying at once) at "
+                     f"{s['shared_bar_points'] - s['under_shared_bar']} of {s['shared_bar_points']} points "
+                     f"(lowest {s['min_over_shared_ceiling']:.3f} at {s['min_shared_at']})")
         if s["wrong_over_right_median"] is not None:
             line += (f"; wrong node / right node: median {s['wrong_over_right_median']:.3f}, "
                      f"lowest {s['wrong_over_right_min']:.3f}")

@@ -16,12 +16,25 @@ def _names(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+def host_layouts(text: str) -> list[str]:
+    """``per-layer,block-major`` -> the host layouts, each once, in the order given."""
+    from .step_workload import HOST_LAYOUTS
+
+    names = list(dict.fromkeys(_names(text)))
+    bad = [n for n in names if n not in HOST_LAYOUTS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: {'unknown host layout ' + repr(bad[0]) if bad else 'none named'}; "
+                                         f"choose from {','.join(HOST_LAYOUTS)}")
+    return names
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(
         "step benchmark (--model, or a custom shape): BlockMover jobs on a model's per-layer KV tensors "
-        "beside bf16 GEMMs, per contender (default, low_interference, batch, kernel@12, vllm): submit host "
-        "time, transfer alone and beside compute, compute slowdown, step makespan (also over the compute "
-        "alone of its repetition), bytes checked")
+        "beside bf16 GEMMs, per host layout and contender (default, low_interference, batch, kernel@12, staged, "
+        "vllm): submit host time, transfer alone and beside compute, compute slowdown, step makespan (also over "
+        "the compute alone of its repetition and over the step's bound, max(compute alone, bytes / contiguous "
+        "ceiling)), bytes checked")
     g.add_argument("--model", type=_names, metavar="NAME[,NAME...]",
                    help="built-in model shape(s) (kvswap models), or all")
     g.add_argument("--tp", type=block_list, default=[1], metavar="N[,N...]",
@@ -31,6 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens per KV block (default 16)")
     g.add_argument("--blocks", type=block_list, default=[32, 512], metavar="B[,B...]",
                    help="blocks per job (default 32,512)")
+    g.add_argument("--host-layouts", type=host_layouts, default=None, metavar="LAYOUT[,LAYOUT...]",
+                   help="host KV layouts: per-layer (one pinned tensor per layer, the device's layout) and "
+                   "block-major (kvswap.host_cache: host block i holds device block i of every layer) "
+                   "(default both)")
     g.add_argument("--step-ms", type=float, default=20.0, metavar="MS",
                    help="compute per step: bf16 GEMMs for about this long (default 20)")
     g.add_argument("--reps", type=positive, default=7, metavar="N",
@@ -83,7 +100,7 @@ def render(args: argparse.Namespace) -> int:
                                      f"kvswap.calibration.step_interference")
     if steps:
         doc = merge(steps)
-        print(render_markdown(doc, args.render_command, args.plot.name if args.plot else None), end="")
+        print(render_markdown(doc, args.render_command, args.plot.name if args.plot else None, slowdowns), end="")
         if args.plot:
             try:
                 print(f"plot written to {plot(doc, args.plot)}", file=sys.stderr)
@@ -117,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
     if on_host(dev):
         raise KvSwapError(f"kvswap bench --model needs a GPU (CUDA or ROCm): the device here is {dev.name!r}, "
                           f"and its numbers are an engine's step on an accelerator")
-    settings = StepSettings(blocks=tuple(args.blocks), step_ms=args.step_ms, reps=args.reps)
+    settings = StepSettings(blocks=tuple(args.blocks), step_ms=args.step_ms, reps=args.reps,
+                            **({"host_layouts": tuple(args.host_layouts)} if args.host_layouts else {}))
     progress = Progress.on_stderr("run")
     try:
         doc = run_step_bench(DeviceEnv(dev, args.step_ms), dev, caches, dirs, settings, host=host, progress=progress)

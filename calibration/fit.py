@@ -334,7 +334,9 @@ def fit_direction(ms: list[Measurement], direction: str, tolerance: float = TOLE
         knee = sm_knee(kernel, winning or sizes, tolerance)
         peak_sms = max(kernel, key=lambda k: (sum(kernel[k].get(b, 0.0) for b in winning or sizes), -k))
     by_size = choose_routes(table, knee)
-    routes = resolver_routes(curves(m for m in ms if m.direction == direction), direction, knee, host_cost)
+    # Staged routes take a mover's block-major host side, not raw batches: not in the ranking.
+    routes = resolver_routes(curves(m for m in ms if m.direction == direction and m.kind != "staged"), direction,
+                             knee, host_cost)
     uses_kernel = [r for r in by_size if r.kind == "kernel"]
     out = Decision(
         knee_tolerance=tolerance,

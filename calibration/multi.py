@@ -17,8 +17,10 @@ A window keeps :attr:`MultiSettings.depth` calls in flight for ``window_s`` seco
 cycling through batches drawn over the whole host pool (so the host side is read from
 memory, not from the CPU's caches); its GB/s is the bytes over the time until its last call
 completed. A point reports the median of its windows. The aggregate is the sum of the
-devices' GB/s in the windows they ran together, and is held against the sum of the
-ceilings each device reached alone (:data:`~.aggregate.BAR`).
+devices' GB/s in the windows they ran together, and is held (:data:`~.aggregate.BAR`)
+against the sum of the ceilings each device reached alone and against the shared ceiling,
+the contiguous copies of every device at once: where the host caps them together, only the
+latter can be reached.
 """
 from __future__ import annotations
 
@@ -337,9 +339,9 @@ def device_indices(text: str) -> list[str]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", type=device_indices, metavar="0,1,2,3",
                    help="run these devices at once, one process each, and report each device's GB/s and the "
-                   "aggregate against the sum of each one's ceiling alone, for the resolved route and the batch "
-                   "route, and the wrong-NUMA-node / right-node ratio; --passes is then the windows per point "
-                   "(default 3)")
+                   "aggregate against the sum of each one's ceiling alone and against the shared ceiling (every "
+                   "device's contiguous copy at once), for the resolved route and the batch route, and the "
+                   "wrong-NUMA-node / right-node ratio; --passes is then the windows per point (default 3)")
     p.add_argument("--window", type=float, metavar="SECONDS",
                    help="with --devices: seconds a timed window lasts (default 0.2)")
 

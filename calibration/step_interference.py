@@ -1,5 +1,6 @@
-"""Compute slowdown as an engine sees it: per direction, route and SM count, and for the
-route that takes no SMs per block size.
+"""Compute slowdown as an engine sees it: per direction, route and SM count, for the route
+that takes no SMs per block size, and (``staged=True``) for the staged route per block size
+with a block-major host cache, the host layout it is meant for.
 
 The step benchmark's procedure (:mod:`kvswap.calibration.step`) on model-shaped workloads
 (every route on one, the batch route again on two with other chunk sizes): bf16 GEMMs
@@ -41,6 +42,9 @@ POOL_BLOCKS = 3000
 SIZE_WORKLOADS = (("llama-3.1-8b", 8), ("llama-3.1-8b", 1))
 SIZE_POOL_BLOCKS = 1024
 COVER = 1.3  # a job sized for this many times the compute alone
+# The staged route's block-major pools hold at least this many bytes: at about 50 GB/s its job
+# needs some 1.3 GB to outlast 20 ms of compute, and a job takes at most half the pool.
+STAGED_POOL_BYTES = 3 << 30
 
 
 def workload() -> KVCache:
@@ -51,21 +55,30 @@ def workload() -> KVCache:
 def measure(env: Any, dev: DeviceInfo, directions: Sequence[Direction], sm_counts: Sequence[int] = SM_COUNTS,
             reps: int = 5, *, host: Any = None, cache: Optional[KVCache] = None, num_blocks: int = POOL_BLOCKS,
             progress: Optional[Progress] = None, seed: int = 0, by_size: Sequence[KVCache] = (),
-            size_blocks: int = SIZE_POOL_BLOCKS) -> list[dict[str, Any]]:
+            size_blocks: int = SIZE_POOL_BLOCKS, staged: bool = False,
+            staged_pool_bytes: int = STAGED_POOL_BYTES) -> list[dict[str, Any]]:
     """One record per direction x route (the batch route, the kernel at each SM count) on
     ``cache``, and one per direction for the batch route on each of ``by_size`` (other
-    block sizes; :func:`size_workloads`)."""
+    block sizes; :func:`size_workloads`), all with per-layer host tensors; with ``staged``,
+    also one per direction for the staged route on each of them with a block-major host
+    cache (where a staged route is available), its pool at least ``staged_pool_bytes``."""
     cache = cache or workload()
     rng = np.random.default_rng(seed)
     records = []
     plan = [(cache, num_blocks, True)] + [(c, size_blocks, False) for c in by_size]
     for c, blocks, kernels in plan:
-        pools = StepPools(env, c, blocks, seed)
-        try:
-            for d in directions:
-                records += _measure_routes(env, dev, pools, d, sm_counts if kernels else (), reps, rng, host, progress)
-        finally:
-            del pools
+        kinds = {"per-layer": ("batch", "kernel") if kernels else ("batch",)}
+        if staged:
+            kinds["block-major"] = ("staged",)
+        for layout, measured in kinds.items():
+            n = blocks if layout == "per-layer" else max(blocks, staged_pool_bytes // c.block_bytes)
+            pools = StepPools(env, c, n, seed, layout)
+            try:
+                for d in directions:
+                    records += _measure_routes(env, dev, pools, d, sm_counts if kernels else (), reps, rng, host,
+                                               progress, measured)
+            finally:
+                del pools
     return records
 
 
@@ -75,28 +88,36 @@ def size_workloads() -> list[KVCache]:
 
 
 def _measure_routes(env: Any, dev: DeviceInfo, pools: StepPools, d: Direction, sm_counts: Sequence[int], reps: int,
-                    rng: np.random.Generator, host: Any, progress: Optional[Progress]) -> list[dict[str, Any]]:
-    """The batch route and, at ``sm_counts``, the kernel, in direction ``d`` on ``pools``."""
+                    rng: np.random.Generator, host: Any, progress: Optional[Progress],
+                    kinds: Sequence[str] = ("batch", "kernel")) -> list[dict[str, Any]]:
+    """Of ``kinds``: the batch route, the kernel at ``sm_counts``, the staged route (on the
+    SMs it is bound with), in direction ``d`` on ``pools``."""
     cache = pools.cache
     pools.prepare(d)
     src, dst = pools.sides(d)
-    batch, kernel = routes_available(d, dev.torch_device, host)
-    routes: list[tuple[str, str, int, Contender]] = []
-    if batch:
-        routes.append((batch, "batch", 0, Contender("batch", Policy(force=batch))))
-    if kernel:
+    available = routes_available(d, dev.torch_device, host)
+    routes: list[tuple[str, str, Optional[int], Contender]] = []
+    if available.batch and "batch" in kinds:
+        routes.append((available.batch, "batch", 0, Contender("batch", Policy(force=available.batch))))
+    if available.kernel and "kernel" in kinds:
+        kernel = available.kernel
         cap = dev.compute_units or max(sm_counts, default=0)
         routes += [(kernel, "kernel", k, Contender(f"kernel@{k}", Policy(force=kernel, max_sms=k), exact_sms=k))
                    for k in sm_counts if k <= cap]
+    if available.staged and "staged" in kinds:
+        routes.append((available.staged, "staged", None, Contender("staged", Policy(force=available.staged))))
     if progress is not None:
         progress.add(len(routes))
     records = []
     for impl, kind, sms, c in routes:
         rec: dict[str, Any] = {"direction": str(d), "route": impl, "kind": kind, "num_sms": sms,
-                               "chunk_bytes": cache.chunk_bytes, "workload": cache.label}
+                               "chunk_bytes": cache.chunk_bytes, "workload": cache.label,
+                               "host_layout": pools.host_layout}
         try:
             with env.context():
                 mover = make_mover(src, dst, d, cache.block_dim, c, dev)
+            if sms is None:  # the SMs its device side was bound with
+                rec["num_sms"] = int(mover.swap_fn.plan.params.get(impl, {}).get("num_sms", 0))
             try:
                 rec.update(_measure_route(env, pools, mover, d, reps, rng))
             finally:
@@ -174,8 +195,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m kvswap.calibration.step_interference",
                                 description="Compute slowdown per direction, route and SM count (and, for "
-                                "the route that takes no SMs, block size), measured beside bf16 GEMMs the way an "
-                                "engine sees it.")
+                                "the route that takes no SMs and the staged route on a block-major host cache, "
+                                "block size), measured beside bf16 GEMMs the way an engine sees it.")
     p.add_argument("--device", default=None)
     p.add_argument("--directions", type=parse_directions, default=[Direction.H2D, Direction.D2H])
     p.add_argument("--sms", default=",".join(map(str, SM_COUNTS)), help="kernel SM counts")
@@ -192,7 +213,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         records = measure(DeviceEnv(dev, args.step_ms), dev, args.directions,
                           [int(x) for x in args.sms.split(",") if x.strip()], args.reps, host=host, progress=progress,
-                          by_size=size_workloads())
+                          by_size=size_workloads(), staged=True)
     finally:
         progress.close()
     doc = {"kind": "kvswap step interference", "device": dev.name, "records": records,

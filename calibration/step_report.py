@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from kvswap.models import PRESETS
 
@@ -19,11 +19,20 @@ BAR_VS_VLLM = 1.0  # the default's transfer beside compute at least as fast as v
 BAR_VS_VLLM_GEOMEAN = 1.3  # ... and this much faster in geomean where chunks are 4-16 KiB
 GEOMEAN_CHUNKS = (4 * KiB, 16 * KiB)
 SUBMIT_BASE_US, SUBMIT_PER_DESCRIPTOR_US = 100.0, 0.01  # the engine thread's budget per submit
-BAR_CEILING = 0.90  # h2d 4 KiB x 10,000 through BlockMover, over the contiguous ceiling
+BAR_CEILING = 0.90  # h2d 4 KiB x 10,000 through BlockMover (per-layer host), over the contiguous ceiling
 CEILING_POINT = ("h2d", 4 * KiB, 10_000)
+# Block-major host: the default's makespan over the step's bound, in every case and in geomean.
+BAR_BOUND, BAR_BOUND_GEOMEAN = 1.10, 1.05
+# Where the transfer takes about as long as the compute: the default's makespan against the
+# best contender that takes no staged route (either host layout), block-major.
+BAR_VS_UNSTAGED, UNSTAGED_CASE = 0.85, ("llama-3.1-8b", 1, 512)
+# The staged route alone on a block-major host, jobs of 512 blocks of 4-32 KiB chunks.
+BAR_STAGED_CEILING, STAGED_CHUNKS, STAGED_BLOCKS = 0.90, (4 * KiB, 32 * KiB), 512
+BAR_STAGED_SLOWDOWN = 0.05  # the compute throughput lost beside it (step_interference)
 
-COLUMNS = ("model", "tp", "dir", "B", "chunk", "desc", "contender", "route", "submit us", "alone ms",
-           "beside ms", "GB/s beside", "slowdown", "makespan ms", "span/compute", "checked")
+COLUMNS = ("model", "tp", "dir", "B", "host", "chunk", "desc", "bound ms", "contender", "route", "submit us",
+           "alone ms", "beside ms", "GB/s beside", "slowdown", "makespan ms", "span/compute", "span/bound",
+           "checked")
 
 
 def _size(b: int) -> str:
@@ -41,20 +50,27 @@ def _f(v: Optional[float], fmt: str) -> str:
     return "-" if v is None else format(v, fmt)
 
 
+def host_layout(case: dict[str, Any]) -> str:
+    """The case's host layout (a document from before the axis: per-layer)."""
+    return case.get("host_layout", "per-layer")
+
+
 def rows(doc: dict[str, Any]) -> list[list[str]]:
     out = []
     for case in doc["cases"]:
         for c in case["contenders"]:
             route = c["route"] + (f" (= {c['same_as']})" if c["same_as"] else "")
             if c["error"]:
-                cells = ["failed: " + c["error"][:60]] + [""] * 7
+                cells = ["failed: " + c["error"][:60]] + [""] * 8
             else:
                 cells = [_f(c["submit_us"], ".0f"), _f(c["transfer_alone_ms"], ".3f"),
                          _f(c["transfer_beside_ms"], ".3f"), _f(c["gbps_beside"], ".1f"),
                          _f(c["slowdown"], ".3f"), _f(c["makespan_ms"], ".2f"),
-                         _f(makespan_over_compute(case, c), ".3f"), _bytes(c["bytes_checked"])]
-            out.append([case["model"], str(case["tp"]), case["direction"], str(case["blocks"]),
-                        _size(case["chunk_bytes"]), str(case["descriptors"]), c["name"], route, *cells])
+                         _f(makespan_over_compute(case, c), ".3f"), _f(makespan_over_bound(case, c), ".3f"),
+                         _bytes(c["bytes_checked"])]
+            out.append([case["model"], str(case["tp"]), case["direction"], str(case["blocks"]), host_layout(case),
+                        _size(case["chunk_bytes"]), str(case["descriptors"]), _f(case.get("bound_ms"), ".2f"),
+                        c["name"], route, *cells])
     return out
 
 
@@ -75,7 +91,8 @@ def header(doc: dict[str, Any]) -> str:
     d, comp, s = doc["device"], doc["compute"], doc["settings"]
     return (f"device {d['name']!r} ({d['platform']}, {d['compute_units']} SMs, link {d.get('link', '?')}); "
             f"compute: {comp['gemms']} x {comp['gemm']} ({comp['gemm_ms']:.3f} ms each, step {s['step_ms']} ms); "
-            f"median of {s['reps']} repetitions, contenders interleaved; vllm = {doc['vllm_policy']}")
+            f"median of {s['reps']} repetitions, contenders interleaved; bound = max(compute alone, bytes / "
+            f"contiguous ceiling); vllm = {doc['vllm_policy']}")
 
 
 # -- the bars ---------------------------------------------------------------------------------
@@ -94,15 +111,29 @@ def makespan_over_compute(case: dict[str, Any], c: dict[str, Any]) -> Optional[f
     return r
 
 
+def makespan_over_bound(case: dict[str, Any], c: dict[str, Any]) -> Optional[float]:
+    """The step's makespan over its bound, max(compute alone, bytes / ceiling): the median
+    of the per-repetition ratios where the document has them, else the medians' ratio."""
+    r = c.get("makespan_over_bound")
+    if r is None and c["makespan_ms"] is not None and case.get("bound_ms"):
+        r = c["makespan_ms"] / case["bound_ms"]
+    return r
+
+
 def _case_label(case: dict[str, Any]) -> str:
-    return f"{case['model']} tp{case['tp']} {case['direction']} x{case['blocks']}"
+    return f"{case['model']} tp{case['tp']} {host_layout(case)} {case['direction']} x{case['blocks']}"
 
 
-def bars(docs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each bar: ``{"bar", "cases", "passed", "worst", "worst_case", "ok"}`` (``ok`` None
-    where no case could be judged)."""
+def _geomean(values: Sequence[float]) -> Optional[float]:
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else None
+
+
+def bars(docs: Sequence[dict[str, Any]], interference: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """Each bar: ``{"bar", "cases", "passed", "worst", "worst_case", "ok", "note"}`` (``ok``
+    None where no case could be judged). ``interference``: documents of
+    :mod:`kvswap.calibration.step_interference`, which the staged route's slowdown bar reads."""
     cases = [c for doc in docs for c in doc["cases"]]
-    out = []
+    out: list[dict[str, Any]] = []
 
     def bar(name: str, judged: list[tuple[str, float, bool]], worst_is_min: bool, extra: str = "") -> None:
         if not judged:
@@ -114,6 +145,12 @@ def bars(docs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         passed = sum(ok for _, _, ok in judged)
         out.append({"bar": name, "cases": len(judged), "passed": passed, "worst": round(value, 4),
                     "worst_case": label, "ok": passed == len(judged), "note": extra})
+
+    def geomean_bar(name: str, values: list[float], ok: Callable[[float], bool]) -> None:
+        g = _geomean(values)
+        out.append({"bar": name, "cases": len(values), "passed": int(g is not None and ok(g)),
+                    "worst": None if g is None else round(g, 4), "worst_case": "geomean",
+                    "ok": None if g is None else ok(g), "note": "" if values else "no case to judge"})
 
     judged = []
     for case in cases:
@@ -136,10 +173,8 @@ def bars(docs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             if GEOMEAN_CHUNKS[0] <= case["chunk_bytes"] <= GEOMEAN_CHUNKS[1] and case["model"] in PRESETS:
                 geo.append(r)
     bar(f"default transfer beside compute >= {BAR_VS_VLLM} x vLLM policy's (speed)", judged, worst_is_min=True)
-    g = math.exp(sum(map(math.log, geo)) / len(geo)) if geo else None
-    out.append({"bar": f"geomean of that over built-in models' cases with 4-16 KiB chunks >= {BAR_VS_VLLM_GEOMEAN}", "cases": len(geo),
-                "passed": int(g is not None and g >= BAR_VS_VLLM_GEOMEAN), "worst": None if g is None else round(g, 4),
-                "worst_case": "geomean", "ok": None if g is None else g >= BAR_VS_VLLM_GEOMEAN, "note": ""})
+    geomean_bar(f"geomean of that over built-in models' cases with 4-16 KiB chunks >= {BAR_VS_VLLM_GEOMEAN}", geo,
+                lambda g: g >= BAR_VS_VLLM_GEOMEAN)
 
     judged = []
     others_over = 0
@@ -162,14 +197,65 @@ def bars(docs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     for case in cases:
         default = _contender(case, "default")
         if (case["direction"], case["chunk_bytes"], case["descriptors"]) == (d, chunk, n) and default \
-                and case.get("ceiling_gbps") and default["gbps_alone"]:
+                and host_layout(case) == "per-layer" and case.get("ceiling_gbps") and default["gbps_alone"]:
             r = default["gbps_alone"] / case["ceiling_gbps"]
             judged.append((_case_label(case), r, r >= BAR_CEILING))
-    bar(f"{d} {chunk // KiB} KiB x {n:,} through BlockMover >= {BAR_CEILING} x contiguous ceiling", judged,
-        worst_is_min=True, extra="" if judged else "run the ceiling case (see docs/benchmarks.md)")
+    bar(f"{d} {chunk // KiB} KiB x {n:,} through BlockMover (per-layer host) >= {BAR_CEILING} x contiguous ceiling",
+        judged, worst_is_min=True, extra="" if judged else "run the ceiling case (see docs/benchmarks.md)")
+
+    _block_major_bars(cases, bar, geomean_bar)
+    judged = []
+    for doc in interference:
+        for r in doc["records"]:
+            if r.get("kind") == "staged" and not r.get("error"):
+                where = f"{r['direction']} {r['route']} {r['chunk_bytes'] // KiB} KiB x{r['blocks']}"
+                judged.append((where, r["slowdown"], r["slowdown"] <= BAR_STAGED_SLOWDOWN))
+    bar(f"staged route's compute slowdown (block-major host, step_interference) <= {BAR_STAGED_SLOWDOWN:.0%}", judged,
+        worst_is_min=False, extra="" if judged else "run python -m kvswap.calibration.step_interference on a GPU")
     return out
 
 
+def _block_major_bars(cases: list[dict[str, Any]], bar: Callable[..., None], geomean_bar: Callable[..., None]) -> None:
+    """The bars of a block-major host: the default against the step's bound, against every
+    route that is not staged, and the staged route against the link's ceiling."""
+    block_major = [c for c in cases if host_layout(c) == "block-major"]
+    judged = []
+    for case in block_major:
+        default = _contender(case, "default")
+        r = makespan_over_bound(case, default) if default else None
+        if r is not None:
+            judged.append((_case_label(case), r, r <= BAR_BOUND))
+    bar(f"block-major: default makespan <= {BAR_BOUND} x bound (span/bound)", judged, worst_is_min=False)
+    geomean_bar(f"block-major: geomean of that <= {BAR_BOUND_GEOMEAN}", [j[1] for j in judged],
+                lambda g: g <= BAR_BOUND_GEOMEAN)
+
+    judged = []
+    model, tp, blocks = UNSTAGED_CASE
+    for case in block_major:
+        default = _contender(case, "default")
+        if (case["model"], case["tp"], case["blocks"]) != (model, tp, blocks) or default is None:
+            continue
+        # The same step on either host layout, by every contender whose jobs took no staged route.
+        same = [c for c in cases if (c["model"], c["tp"], c["blocks"], c["direction"]) ==
+                (model, tp, blocks, case["direction"])]
+        unstaged = [makespan_over_compute(c, x) for c in same for x in c["contenders"]
+                    if _contender(c, x["name"]) and not x["same_as"] and not x.get("staged")]
+        if unstaged:
+            r = makespan_over_compute(case, default) / min(unstaged)
+            judged.append((_case_label(case), r, r <= BAR_VS_UNSTAGED))
+    bar(f"{model} tp{tp} x{blocks}, block-major: default span/compute <= {BAR_VS_UNSTAGED} x best contender's "
+        f"without a staged route (either host layout)", judged, worst_is_min=False)
+
+    judged = []
+    lo, hi = STAGED_CHUNKS
+    for case in block_major:
+        staged = _contender(case, "staged")
+        if (staged and case["blocks"] == STAGED_BLOCKS and lo <= case["chunk_bytes"] <= hi
+                and case.get("ceiling_gbps") and staged["gbps_alone"]):
+            r = staged["gbps_alone"] / case["ceiling_gbps"]
+            judged.append((_case_label(case), r, r >= BAR_STAGED_CEILING))
+    bar(f"block-major x{STAGED_BLOCKS}, {lo // KiB}-{hi // KiB} KiB chunks: staged alone >= {BAR_STAGED_CEILING} x "
+        f"contiguous ceiling", judged, worst_is_min=True)
 def bars_table(results: Sequence[dict[str, Any]]) -> str:
     head = ("bar", "cases", "passed", "worst", "where", "verdict")
     cells = [list(head)]
@@ -184,35 +270,32 @@ def bars_table(results: Sequence[dict[str, Any]]) -> str:
 # -- the plot ----------------------------------------------------------------------------------
 
 def plot(doc: dict[str, Any], path: Path) -> Path:
-    """Per direction: each contender's transfer time beside compute and the step's makespan
-    over the compute alone, per case (needs matplotlib: ``pip install kvswap[plot]``)."""
+    """Per direction and host layout: each contender's transfer time beside compute and the
+    step's makespan over the compute alone and over its bound, per case (needs matplotlib:
+    ``pip install kvswap[plot]``)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    directions = list(dict.fromkeys(c["direction"] for c in doc["cases"]))
+    panels = list(dict.fromkeys((c["direction"], host_layout(c)) for c in doc["cases"]))
     names = list(dict.fromkeys(c["name"] for case in doc["cases"] for c in case["contenders"]))
-    fig, axes = plt.subplots(len(directions), 2, figsize=(16, 4.5 * len(directions)), squeeze=False)
+    metrics = (("transfer beside compute (ms, log)", lambda case, c: c["transfer_beside_ms"], True),
+               ("step makespan / compute alone", makespan_over_compute, False),
+               ("step makespan / bound", makespan_over_bound, False))
+    fig, axes = plt.subplots(len(panels), len(metrics), figsize=(22, 4.5 * len(panels)), squeeze=False)
     width = 0.8 / max(len(names), 1)
-    for row, d in enumerate(directions):
-        cases = [c for c in doc["cases"] if c["direction"] == d]
+    for row, (d, layout) in enumerate(panels):
+        cases = [c for c in doc["cases"] if (c["direction"], host_layout(c)) == (d, layout)]
         labels = [f"{c['model']}\ntp{c['tp']} x{c['blocks']}\n{_size(c['chunk_bytes'])}" for c in cases]
-        for col, (key, title, log) in enumerate((
-                ("transfer_beside_ms", "transfer time beside compute (ms, log)", True),
-                ("makespan_over_compute", "step makespan / compute alone", False))):
+        for col, (title, value, log) in enumerate(metrics):
             ax = axes[row][col]
             for i, name in enumerate(names):
                 ys = []
                 for case in cases:
                     c = _contender(case, name)
-                    if c is None:
-                        ys.append(float("nan"))
-                    elif key == "makespan_over_compute":
-                        r = makespan_over_compute(case, c)
-                        ys.append(math.nan if r is None else r)
-                    else:
-                        ys.append(c[key])
+                    v = value(case, c) if c is not None else None
+                    ys.append(math.nan if v is None else v)
                 xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(cases))]
                 ax.bar(xs, ys, width, label=name)
             if log:
@@ -221,12 +304,12 @@ def plot(doc: dict[str, Any], path: Path) -> Path:
                 ax.axhline(1.0, color="black", linewidth=0.8)
             ax.set_xticks(range(len(cases)))
             ax.set_xticklabels(labels, fontsize=7)
-            ax.set_title(f"{d}: {title}")
+            ax.set_title(f"{d}, {layout} host: {title}")
             ax.grid(axis="y", alpha=0.3)
         axes[row][0].legend(fontsize=8)
     dev = doc["device"]
     fig.suptitle(f"kvswap bench --model on {dev['name']} (step {doc['settings']['step_ms']} ms of bf16 GEMMs)")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / (4.5 * len(panels))))  # room for the title
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -244,14 +327,15 @@ def merge(docs: Iterable[dict[str, Any]]) -> dict[str, Any]:
 
 
 def interference_markdown(doc: dict[str, Any]) -> str:
-    """The compute slowdown per direction, route and SM count (``step_interference``'s JSON)."""
+    """The compute slowdown per direction, route, host layout and SM count (``step_interference``'s JSON)."""
     lines = [f"Compute slowdown beside a BlockMover job on {doc['device']} (fraction of GEMM throughput lost "
              f"while the job runs; the job sized to outlast the compute alone):", "",
-             "| dir | route | SMs | chunk | blocks | slowdown | transfer ms | compute ms | covered |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| dir | route | host | SMs | chunk | blocks | slowdown | transfer ms | compute ms | covered |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["records"]:
         chunk = f"{r['chunk_bytes'] // 1024} KiB" if r.get("chunk_bytes") else "-"
-        where = f"| {r['direction']} | {r['route']} | {r['num_sms'] or '-'} | {chunk} |"
+        where = (f"| {r['direction']} | {r['route']} | {r.get('host_layout', 'per-layer')} | {r['num_sms'] or '-'} "
+                 f"| {chunk} |")
         if r.get("error"):
             lines.append(f"{where} failed: {r['error'][:60]} | | | | |")
             continue
@@ -260,10 +344,12 @@ def interference_markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_markdown(doc: dict[str, Any], command: str = "", plot_path: Optional[str] = None) -> str:
-    """The section of docs/benchmarks.md for one device's run."""
+def render_markdown(doc: dict[str, Any], command: str = "", plot_path: Optional[str] = None,
+                    interference: Sequence[dict[str, Any]] = ()) -> str:
+    """The section of docs/benchmarks.md for one device's run (``interference``: its
+    step_interference documents, which one bar reads)."""
     out = [f"**{doc['device']['name']}**" + (f" — `{command}`" if command else ""), "", header(doc), "",
-           markdown_table(doc), "", bars_table(bars([doc]))]
+           markdown_table(doc), "", bars_table(bars([doc], interference))]
     if plot_path:
         out += ["", f"![step benchmark on {doc['device']['name']}]({plot_path})"]
     return "\n".join(out) + "\n"

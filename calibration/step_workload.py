@@ -4,8 +4,9 @@
 stream and CUDA events on it and on each mover's transfer stream. :class:`HostEnv` runs
 the same procedure on host tensors with a callable standing in for the GEMMs, synchronously
 (so "beside" is "after"): what the tests exercise on a machine without an accelerator.
-:class:`StepPools` holds one rank's per-layer KV tensors on both sides, fills them with
-random bytes, poisons destinations and checks every moved byte.
+:class:`StepPools` holds one rank's per-layer KV tensors on the device and, in either host
+layout (:data:`HOST_LAYOUTS`), on the host; it fills them with random bytes, poisons
+destinations and checks every moved byte.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from kvswap.errors import KvSwapError
+from kvswap.block_major import HostCache, block_major_layout
+from kvswap.errors import ConfigurationError, KvSwapError
 from kvswap.models import KVCache
 from kvswap.mover import BlockMover
 from kvswap.types import DeviceInfo, Direction
@@ -27,6 +29,9 @@ MiB = 1 << 20
 POISON = 0xA5
 GEMM_N = 4096  # bf16 4096^3: ~0.2 ms on an H100/H200, fine-grained enough to fill a step
 CEILING_MAX = 256 * MiB  # the contiguous copy timed for each case's ceiling, at most
+# per-layer: one host tensor per layer in the device's layout; block-major: one host
+# allocation where host block i holds device block i of every layer (kvswap.host_cache).
+HOST_LAYOUTS = ("per-layer", "block-major")
 
 
 class WrongBytes(KvSwapError):
@@ -53,6 +58,13 @@ class HostEnv:
     def random_(self, t: Any, gen_seed: int) -> None:
         g = self.torch.Generator().manual_seed(gen_seed)
         t.copy_(self.torch.randint(0, 256, t.shape, dtype=self.torch.uint8, generator=g))
+
+    def block_major(self, device_tensors: list, num_blocks: int, block_dim: int) -> HostCache:
+        """A block-major host cache laid out as :func:`kvswap.host_cache` lays it out, in
+        plain host memory (nothing here can be pinned)."""
+        layout = block_major_layout(device_tensors, block_dim=block_dim)
+        flat = self.alloc(num_blocks * layout.block_bytes, host=True)
+        return layout.over(flat.view(num_blocks, layout.block_bytes))
 
     def mirror_of(self, host_flat: Any) -> Any:
         return host_flat.clone()
@@ -129,6 +141,12 @@ class DeviceEnv:
             part.copy_(t.randint(0, 256, part.shape, dtype=t.uint8, device=self.device, generator=g))
         t.cuda.synchronize(self.device)
 
+    def block_major(self, device_tensors: list, num_blocks: int, block_dim: int) -> HostCache:
+        """:func:`kvswap.host_cache` for ``device_tensors``: pinned, on the device's NUMA node."""
+        from kvswap.block_major import host_cache
+
+        return host_cache(device_tensors, num_blocks, block_dim=block_dim)
+
     def mirror_of(self, host_flat: Any) -> Any:
         return host_flat.to(self.device)
 
@@ -165,31 +183,52 @@ class DeviceEnv:
 
 class StepPools:
     """One rank's per-layer KV tensors on both sides, ``num_blocks`` blocks each, and a
-    mirror of the host side next to the device (where checks run)."""
+    mirror of the host side next to the device (where checks run).
 
-    def __init__(self, env: Any, cache: KVCache, num_blocks: int, seed: int = 0) -> None:
+    ``host_layout`` (:data:`HOST_LAYOUTS`): ``"per-layer"``, one host tensor per layer in
+    the device's layout; ``"block-major"``, one host allocation whose block ``i`` holds
+    device block ``i`` of every layer, read through per-layer views of each device
+    tensor's dtype and shape. The mirror has the host side's layout.
+    """
+
+    def __init__(self, env: Any, cache: KVCache, num_blocks: int, seed: int = 0,
+                 host_layout: str = "per-layer") -> None:
         import torch
 
+        if host_layout not in HOST_LAYOUTS:
+            raise ConfigurationError(f"host_layout={host_layout!r} must be one of {', '.join(HOST_LAYOUTS)}")
         self.env, self.cache, self.num_blocks, self.seed = env, cache, num_blocks, seed
+        self.host_layout = host_layout
         self.torch = torch
         shape = cache.tensor_shape(num_blocks)
         self.nbytes = math.prod(shape) * cache.element_bytes
         self.dtype = getattr(torch, cache.model.dtype)
-        self.bytes_shape = shape[:-1] + (shape[-1] * cache.element_bytes,)
         layers = cache.model.layers
         self.dev_flat = [env.alloc(self.nbytes, host=False) for _ in range(layers)]
-        self.host_flat = [env.alloc(self.nbytes, host=True) for _ in range(layers)]
-        self.mirror = [env.mirror_of(f) for f in self.host_flat]
         self.device_tensors = [self._typed(f) for f in self.dev_flat]
-        self.host_tensors = [self._typed(f) for f in self.host_flat]
+        # The host side and its mirror as flat byte tensors (what is filled, poisoned and
+        # copied whole) and as per-layer tensors (what a mover takes and a check compares).
+        if host_layout == "per-layer":
+            self.host_flat = [env.alloc(self.nbytes, host=True) for _ in range(layers)]
+            self.host_tensors = [self._typed(f) for f in self.host_flat]
+            self.mirror = [env.mirror_of(f) for f in self.host_flat]
+            self.mirror_tensors = [self._typed(f) for f in self.mirror]
+        else:
+            host = env.block_major(self.device_tensors, num_blocks, cache.block_dim)
+            self.host_flat = [host.buffer.view(-1)]
+            self.host_tensors = list(host.views)
+            self.mirror = [env.mirror_of(self.host_flat[0])]
+            layout = block_major_layout(self.device_tensors, block_dim=cache.block_dim)
+            self.mirror_tensors = list(layout.over(self.mirror[0].view(num_blocks, -1)).views)
         self._fills = 0
         self.prepared: Optional[Direction] = None
 
     def _typed(self, flat: Any) -> Any:
         return flat.view(self.dtype).view(self.cache.tensor_shape(self.num_blocks))
 
-    def _bytes(self, flat: Any) -> Any:
-        return flat.view(self.bytes_shape)
+    def _bytes(self, typed: Any) -> Any:
+        """A layer's tensor as bytes (its innermost dimension, contiguous, in bytes)."""
+        return typed.view(self.torch.uint8)
 
     def sides(self, direction: Direction) -> tuple[list, list]:
         if direction.src_is_host:
@@ -213,7 +252,7 @@ class StepPools:
         if direction.src_is_host:
             for f in self.dev_flat:
                 f.fill_(POISON)
-        else:  # on the device, then one contiguous copy per layer to the host
+        else:  # on the device, then one contiguous copy of each host allocation
             for m, h in zip(self.mirror, self.host_flat):
                 m.fill_(POISON)
                 h.copy_(m)
@@ -227,11 +266,11 @@ class StepPools:
         """
         t = self.torch
         if direction.src_is_host:
-            dst, src = self.dev_flat, self.mirror
+            dst, src = self.device_tensors, self.mirror_tensors
         else:
             for m, h in zip(self.mirror, self.host_flat):
                 m.copy_(h)
-            dst, src = self.mirror, self.dev_flat
+            dst, src = self.mirror_tensors, self.device_tensors
         bd = self.cache.block_dim
         where = dst[0].device
         s_idx = t.as_tensor(sid, dtype=t.int64).to(where)

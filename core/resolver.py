@@ -180,8 +180,8 @@ def resolve(
             link, reason = _link_for(usable, bound, builtin, policy)
         if reason is None:
             p = {"num_sms": num_sms} if impl.uses_sms else {}
-            if impl.kind == "staged":
-                p = {"num_sms": policy.max_sms or dev.compute_units or 8, "staging_bytes": policy.staging_bytes}
+            if impl.kind == "staged":  # the policy's SM cap where it sets one; else the backend's choice
+                p = {"staging_bytes": policy.staging_bytes, **({"num_sms": policy.max_sms} if policy.max_sms else {})}
             try:
                 fn = impl.factory(BindContext(direction, dev, p, translate, link))
                 if not callable(fn):
@@ -190,6 +190,8 @@ def resolve(
                 reason = f"factory raised {type(e).__name__}: {e}"
             else:
                 bound[impl.name], usable = fn, usable + [impl]
+                if impl.kind == "staged" and isinstance(getattr(fn, "num_sms", None), int):
+                    p["num_sms"] = fn.num_sms  # the SMs its device side was bound with
                 if p:
                     params[impl.name] = p
                 note = getattr(fn, "note", None)

@@ -18,6 +18,7 @@ import torch
 
 import kvswap
 from kvswap import BlockLayoutError, BlockMover, CopyImpl, Direction, Policy, hookimpl
+from kvswap.block_major import block_major_layout
 from kvswap.plugins import create_plugin_host, reset_plugin_host
 from mover_layouts import INT_OF, Pool, expected_after, layouts
 
@@ -202,3 +203,23 @@ def test_host_cache_places_and_pins_through_host_empty(monkeypatch):
 def test_host_cache_refuses_bad_input(args, kw, error, message):
     with pytest.raises(error, match=message):
         kvswap.host_cache(*args, **kw)
+
+
+def test_block_major_layout_gives_host_caches_views_over_any_buffer():
+    gen = torch.Generator().manual_seed(9)
+    device, dims = _device_side(gen)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", kvswap.NumaWarning)
+        cache = kvswap.host_cache(device, 7, block_dim=dims)
+    layout = block_major_layout(device, block_dim=dims)
+    assert (layout.block_bytes, layout.offsets) == (cache.block_bytes, cache.offsets)
+    mine = torch.randint(0, 256, (7, layout.block_bytes), dtype=torch.uint8, generator=gen)
+    cache.buffer.copy_(mine)
+    other = layout.over(mine)
+    assert other.buffer is mine and other.offsets == cache.offsets
+    for a, b in zip(other.views, cache.views):
+        assert (a.dtype, a.shape, a.stride()) == (b.dtype, b.shape, b.stride()) and _same_bytes(a, b)
+    with pytest.raises(BlockLayoutError, match=rf"contiguous torch.uint8 tensor of shape \(num_blocks, {layout.block_bytes}\)"):
+        layout.over(mine[:, :-1])
+    with pytest.raises(BlockLayoutError, match="device_tensors is empty"):
+        block_major_layout([])

@@ -94,6 +94,8 @@ def test_aggregate_sums_devices_and_holds_them_against_the_ceilings_alone():
     assert r["sum_ceilings_gbps"] == 90.0
     assert r["over_ceilings"] == round(r["aggregate_gbps"] / 90.0, 4) and r["over_ceilings"] == 0.8101
     assert r["over_alone"] == round(r["aggregate_gbps"] / 81.01, 4)
+    # against the shared ceiling: every device's contiguous copy at once, 85.5 GB/s
+    assert r["shared_ceiling_gbps"] == 85.5 and r["over_shared_ceiling"] == round(r["aggregate_gbps"] / 85.5, 4)
     assert r["labels"] == {"cuda:0": "triton.kernel@8", "cuda:1": "triton.kernel@8"}
     assert rows[(256 * KiB, "batch")]["aggregate_gbps"] == round((22.5 * 0.8 + 0.005) + (18 * 0.8 + 0.005), 3)
     assert result["numa"] == [{"device": "cuda:0", "direction": "h2d", "block_bytes": b, "batch": 1024,
@@ -102,6 +104,9 @@ def test_aggregate_sums_devices_and_holds_them_against_the_ceilings_alone():
     s = result["summary"]["h2d"]
     # The bar counts the resolved rows of 4-128 KiB: 256 KiB is outside it.
     assert s["bar_points"] == 2 and s["under_bar"] == 2 and s["min_at"] == "4 KiB x 1024"
+    assert (s["shared_bar_points"], s["min_shared_at"]) == (2, "4 KiB x 1024")
+    assert s["min_over_shared_ceiling"] == rows[(4 * KiB, "resolved")]["over_shared_ceiling"] == 0.8527
+    assert s["under_shared_bar"] == sum(rows[(b, "resolved")]["over_shared_ceiling"] < BAR for b in (4 * KiB, 64 * KiB))
     assert s["wrong_over_right_median"] == 0.7 and s["wrong_over_right_min"] == 0.7
     assert result["failures"] == [{"device": "cuda:1", "error": "boom"}]
     json.dumps(result)
@@ -118,6 +123,7 @@ def test_aggregate_marks_what_a_device_did_not_measure():
     result = aggregate(outs, steps, SETTINGS, ["h2d"])
     row = next(r for r in result["rows"] if r["block_bytes"] == 64 * KiB and r["route"] == "batch")
     assert row["together"]["cuda:1"] is None and row["aggregate_gbps"] is None and row["over_ceilings"] is None
+    assert row["over_shared_ceiling"] is None
     text = multi_report(result)
     assert "/18.0" in text and "-/18.0" in text
 
@@ -136,8 +142,15 @@ def test_report_tables():
     assert row.split()[-1] == "cuda.batch"
     assert "host memory on the wrong NUMA node (resolved route, each device alone):" in lines
     assert any(line.split()[:2] == ["cuda:0", "h2d"] and line.split()[-1] == "0.70" for line in lines)
+    s = result["summary"]["h2d"]
     assert (f"h2d: resolved route, 4 KiB-128 KiB: aggregate >= {BAR:.2f} x the sum of the ceilings alone at 0 of 2 "
-            "points (lowest 0.810 at 4 KiB x 1024); wrong node / right node: median 0.700, lowest 0.700") in lines
+            f"points (lowest 0.810 at 4 KiB x 1024); >= {BAR:.2f} x the shared ceiling (every device copying at once) "
+            f"at {2 - s['under_shared_bar']} of 2 points (lowest 0.853 at 4 KiB x 1024); "
+            "wrong node / right node: median 0.700, lowest 0.700") in lines
+    head = next(line for line in lines if line.startswith("dir "))
+    assert head.split()[-6:] == ["aggregate", "agg/ceilings", "agg/shared", "agg/alone", "overlap", "impl"]
+    row = next(line for line in lines if line.startswith("h2d") and " 4 KiB " in line and " resolved " in line)
+    assert row.split()[-5:-3] == ["0.81", "0.85"]  # against the sum of the ceilings alone, and the shared one
 
 
 def test_farthest_node(tmp_path):

@@ -109,6 +109,6 @@ def test_bench_devices_runs_every_gpu_at_once():
         (d, b, route) for d in ("h2d", "d2h") for b in (4096, 64 * 1024) for route in ("resolved", "batch")]
     for r in result["rows"]:
         assert all(v > 0 for v in [*r["alone"].values(), *r["together"].values()]), r
-        assert r["over_ceilings"] is not None
+        assert r["over_ceilings"] is not None and r["over_shared_ceiling"] is not None
     wrong = [d for d in result["devices"] if d["wrong_node"] is not None]
     assert len({r["device"] for r in result["numa"]}) == len(wrong)

@@ -47,10 +47,11 @@ def test_contenders_and_vllms_route_per_case(direction, chunk_kib, blocks, dpb, 
     cache = shape.at(1)
     assert cache.chunk_bytes == chunk_kib * KiB and cache.descriptors_per_block == dpb
     cs = {c.name: c for c in step.contenders_for(Direction.parse(direction), cache, blocks, "cuda.batch",
-                                                 "triton.kernel")}
+                                                 "triton.kernel", "triton.staged")}
     assert list(cs) == list(step.CONTENDERS)
     assert cs["default"].policy == Policy() and cs["low_interference"].policy == Policy(prefer="low_interference")
     assert cs["batch"].policy == Policy(force="cuda.batch") and cs["batch"].exact_sms is None
+    assert cs["staged"].policy == Policy(force="triton.staged") and cs["staged"].exact_sms is None
     k = cs["kernel@12"]
     assert (k.policy.force, k.policy.max_sms, k.exact_sms) == ("triton.kernel", 12, 12)
     assert cs["vllm"].same_as == vllm and cs["vllm"].key == cs[vllm].key
@@ -72,16 +73,28 @@ def test_exact_sms_calibration_binds_the_forced_kernel_at_exactly_12():
     assert fn.plan.params["triton.kernel"]["num_sms"] == 12
     plain = kvswap.resolve("h2d", device="cpu", policy=c.policy)
     assert plain.plan.params["triton.kernel"]["num_sms"] < 12  # the calibrated knee, capped at 12
-    # a CPU-only machine has no pinned memory for a kernel to read: the bench leaves it out
-    assert step.routes_available(Direction.H2D, "cpu") == ("host.reference", None)
+    # a CPU-only machine has no pinned memory for a kernel (or a staged route) to read: the bench leaves them out
+    assert step.routes_available(Direction.H2D, "cpu") == ("host.reference", None, None)
 
 
+def block_bytes(t, bd, i):
+    """Block ``i`` of ``t`` as bytes, in memory order."""
+    block = t.select(bd, i)
+    order = sorted(range(block.dim()), key=lambda k: -block.stride(k))
+    return block.permute(*order).contiguous().view(torch.uint8).reshape(-1)
+
+
+@pytest.mark.parametrize("layout", step.HOST_LAYOUTS)
 @pytest.mark.parametrize("shape", [TINY_FLASH, TINY_MLA], ids=lambda s: s.layout)
 @pytest.mark.parametrize("direction", [Direction.H2D, Direction.D2H])
-def test_pools_check_every_moved_byte_and_the_untouched_blocks(shape, direction):
+def test_pools_check_every_moved_byte_and_the_untouched_blocks(shape, direction, layout):
     cache = shape.at(2)
     env = HostEnv(lambda: None)
-    pools = StepPools(env, cache, 10, seed=3)
+    pools = StepPools(env, cache, 10, seed=3, host_layout=layout)
+    assert pools.host_layout == layout
+    assert len(pools.host_flat) == (1 if layout == "block-major" else cache.model.layers)
+    for h, d in zip(pools.host_tensors, pools.device_tensors):  # each layer's tensor has the device's dtype and shape
+        assert (h.dtype, h.shape) == (d.dtype, d.shape)
     pools.prepare(direction)
     src, dst = pools.sides(direction)
     assert not all(bool((t.view(torch.uint8) == 0).all()) for t in src)  # random, never zeros
@@ -92,6 +105,14 @@ def test_pools_check_every_moved_byte_and_the_untouched_blocks(shape, direction)
     for s, d in zip(src, dst):
         d.view(torch.uint8).index_copy_(bd, torch.as_tensor(did), s.view(torch.uint8).index_select(bd, torch.as_tensor(sid)))
     assert pools.check(direction, sid, did) == 3 * cache.block_bytes
+    if layout == "block-major":  # host block i: device block i of every layer, one region, layer after layer
+        rows = pools.host_flat[0].view(10, -1)
+        for i in range(10):
+            assert torch.equal(rows[i], torch.cat([block_bytes(h, bd, i) for h in pools.host_tensors]))
+        assert rows.shape[1] == cache.block_bytes
+        if direction is Direction.D2H:  # what kvswap.host_cache holds: a device block's chunks end to end
+            for i, j in zip(sid, did):
+                assert torch.equal(rows[j], torch.cat([block_bytes(t, bd, int(i)) for t in pools.device_tensors]))
 
     def flip(tensor, block, last):  # one byte of one block
         b = tensor.view(torch.uint8).select(bd, block)
@@ -108,10 +129,11 @@ def test_pools_check_every_moved_byte_and_the_untouched_blocks(shape, direction)
         pools.check(direction, sid, did)
 
 
-def run_tiny(shapes=(TINY_FLASH, TINY_MLA), directions=(Direction.H2D, Direction.D2H), blocks=(3, 5), reps=2):
+def run_tiny(shapes=(TINY_FLASH, TINY_MLA), directions=(Direction.H2D, Direction.D2H), blocks=(3, 5), reps=2,
+             layouts=step.HOST_LAYOUTS):
     calls = []
     env = HostEnv(lambda: calls.append(sum(range(2000))))
-    settings = StepSettings(blocks=blocks, step_ms=1.0, reps=reps)
+    settings = StepSettings(blocks=blocks, host_layouts=tuple(layouts), step_ms=1.0, reps=reps)
     doc = step.run_step_bench(env, cpu(), [s.at(2) for s in shapes], list(directions), settings)
     return doc, calls
 
@@ -120,7 +142,12 @@ def test_run_on_host_measures_every_contender_and_checks_every_byte():
     doc, calls = run_tiny()
     doc = json.loads(json.dumps(doc))  # what --json writes
     assert doc["kind"] == "kvswap step bench" and doc["env"] == "host"
-    assert len(doc["cases"]) == 2 * 2 * 2
+    assert len(doc["cases"]) == 2 * 2 * 2 * 2
+    assert doc["settings"]["host_layouts"] == ["per-layer", "block-major"]
+    assert [(c["model"], c["host_layout"]) for c in doc["cases"][::4]] == [
+        ("tiny-flash", "per-layer"), ("tiny-flash", "block-major"),
+        ("tiny-mla", "per-layer"), ("tiny-mla", "block-major")]
+    assert "h2d: no staged-kind route here; its contenders are left out" in doc["notes"]
     measured_per_case = set()
     for case in doc["cases"]:
         names = [c["name"] for c in case["contenders"]]
@@ -130,8 +157,13 @@ def test_run_on_host_measures_every_contender_and_checks_every_byte():
         assert case["descriptors"] == case["blocks"] * cache.descriptors_per_block
         assert case["bytes"] == case["blocks"] * cache.block_bytes
         assert case["ceiling_gbps"] > 0 and case["compute_alone_ms"] > 0
+        link_ms = case["bytes"] / case["ceiling_gbps"] / 1e6
+        assert math.isclose(case["bound_ms"], max(case["compute_alone_ms"], link_ms), rel_tol=1e-3)
         for c in case["contenders"]:
             assert c["error"] is None, c
+            assert c["staged"] is False
+            # per repetition the bound is at least the compute alone
+            assert 0 < c["makespan_over_bound"] <= c["makespan_over_compute"]
             # alone and beside, every repetition, every byte of every block
             assert c["bytes_checked"] == 2 * case["reps"] * case["bytes"]
             assert c["submit_us"] > 0 and c["transfer_alone_ms"] > 0 and c["transfer_beside_ms"] > 0
@@ -152,18 +184,34 @@ def test_run_on_host_measures_every_contender_and_checks_every_byte():
 def test_tables_bars_and_plot_from_the_json(tmp_path):
     doc, _ = run_tiny(shapes=(TINY_FLASH,), directions=(Direction.H2D,), blocks=(4,), reps=1)
     text = step_report.text_table(doc)
-    assert text.count("\n") == 1 + 4 and "tiny-flash" in text and "(= batch)" in text
+    assert text.count("\n") == 1 + 2 * 4 and "tiny-flash" in text and "(= batch)" in text
+    assert "bound ms" in text and "span/bound" in text
     md = step_report.markdown_table(doc)
-    assert md.splitlines()[0].startswith("| model | tp | dir | B |") and len(md.splitlines()) == 2 + 4
+    assert md.splitlines()[0].startswith("| model | tp | dir | B | host |") and len(md.splitlines()) == 2 + 2 * 4
+    (case,) = [c for c in doc["cases"] if c["host_layout"] == "block-major"]
+    row = f"| tiny-flash | 2 | h2d | 4 | block-major | 512 B | 24 | {case['bound_ms']:.2f} | default |"
+    assert row in md
     results = step_report.bars([doc])
-    assert [b["bar"].split()[0] for b in results] == ["default", "default", "geomean", "default", "h2d"]
-    assert results[0]["cases"] == 1 and results[-1]["ok"] is None  # no 4 KiB x 10,000 case here
-    path = tmp_path / "f.json"
+    assert [b["bar"].split()[0] for b in results] == [
+        "default", "default", "geomean", "default", "h2d", "block-major:", "block-major:", "llama-3.1-8b",
+        "block-major", "staged"]
+    assert results[0]["cases"] == 2 and results[4]["ok"] is None  # no 4 KiB x 10,000 case here
+    assert results[5]["cases"] == 1 and results[5]["worst"] == case["contenders"][0]["makespan_over_bound"]
+    assert results[-1]["ok"] is None and "step_interference" in results[-1]["note"]  # none given
+    path, slow = tmp_path / "f.json", tmp_path / "i.json"
     path.write_text(json.dumps(doc))
-    out = kvswap_cli("bench", "--render", str(path), "--plot", str(tmp_path / "p.png"), "--command", "kvswap bench --model all")
+    slow.write_text(json.dumps({"kind": "kvswap step interference", "device": "d", "records": [
+        {"direction": "h2d", "route": "triton.staged", "kind": "staged", "num_sms": 32, "slowdown": 0.07,
+         "blocks": 900, "transfer_beside_ms": 22.0, "compute_beside_ms": 21.5, "covered": True,
+         "chunk_bytes": 16 * KiB, "host_layout": "block-major"}]}))
+    out = kvswap_cli("bench", "--render", str(path), str(slow), "--plot", str(tmp_path / "p.png"),
+                     "--command", "kvswap bench --model all")
     assert out.returncode == 0, out.stderr
-    assert "`kvswap bench --model all`" in out.stdout and "| tiny-flash | 2 | h2d | 4 |" in out.stdout
+    assert "`kvswap bench --model all`" in out.stdout and "| tiny-flash | 2 | h2d | 4 | per-layer |" in out.stdout
     assert "| bar | cases | passed |" in out.stdout and "![step benchmark" in out.stdout
+    # the staged route's slowdown bar reads the step_interference document rendered with it
+    assert "| staged route's compute slowdown (block-major host, step_interference) <= 5% | 1 | 0 | 0.070 | " \
+           "h2d triton.staged 16 KiB x900 | FAIL |" in out.stdout
     assert (tmp_path / "p.png").stat().st_size > 10_000
 
 
@@ -182,15 +230,72 @@ def test_bars_pass_and_fail_where_they_should():
     slow = case(chunk=64 * KiB, default=(22.0, 4.0, 400.0), batch=(20.0, 3.0), vllm=(20.0, 3.0, 50.0, "batch"))
     ceiling = case(descriptors=10_000, default=(20.0, 1.0, 150.0, None, 46.0), vllm=(20.0, 2.0))
     by = [b for b in step_report.bars([{"cases": [ok, slow, ceiling]}])]
-    makespan, vs_vllm, geo, submit, ceil = by
+    makespan, vs_vllm, geo, submit, ceil = by[:5]
     assert (makespan["passed"], makespan["cases"], makespan["ok"]) == (2, 3, False)
-    assert makespan["worst"] == pytest.approx(1.1) and makespan["worst_case"].startswith("qwen2.5-7b tp1 h2d")
+    assert makespan["worst"] == pytest.approx(1.1) and makespan["worst_case"].startswith("qwen2.5-7b tp1 per-layer h2d")
     assert (vs_vllm["passed"], vs_vllm["ok"]) == (2, False) and vs_vllm["worst"] == pytest.approx(0.75)
     assert geo["cases"] == 2 and geo["worst"] == pytest.approx(math.sqrt(1.5 * 2.0), abs=1e-4) and geo["ok"] is True
     # budgets: 100 + 0.01 x 5120 = 151.2 us; 100 + 100 = 200 us
     assert (submit["passed"], submit["ok"]) == (2, False) and submit["worst"] == pytest.approx(400 / 151.2, abs=1e-4)
     assert (ceil["cases"], ceil["ok"]) == (1, True) and ceil["worst"] == pytest.approx(0.92, abs=1e-4)
     assert "FAIL" in step_report.bars_table(by) and "PASS" in step_report.bars_table(by)
+    assert all(b["ok"] is None for b in by[5:])  # a document from before the host-layout axis: nothing to judge
+
+
+def bm_case(direction, layout, model="llama-3.1-8b", blocks=512, chunk=32 * KiB, **contenders):
+    """A case whose contenders are ``name=(span/compute, span/bound, GB/s alone, staged)``."""
+    def c(name, over_compute, over_bound, gbps=None, staged=False):
+        return {"name": name, "route": "triton.staged" if staged else "r", "same_as": None, "submit_us": 50.0,
+                "transfer_alone_ms": 1.0, "transfer_beside_ms": 1.0, "compute_beside_ms": 20.0, "slowdown": 1.0,
+                "makespan_ms": 20.0 * over_compute, "makespan_over_compute": over_compute,
+                "makespan_over_bound": over_bound, "gbps_alone": gbps, "gbps_beside": 1.0, "bytes_checked": 1,
+                "staged": staged, "error": None}
+    return {"model": model, "layout": "flash", "tp": 1, "host_layout": layout, "direction": direction,
+            "blocks": blocks, "chunk_bytes": chunk, "descriptors": blocks * 64, "bytes": 1, "compute_alone_ms": 20.0,
+            "ceiling_gbps": 50.0, "bound_ms": 21.0, "reps": 3, "contenders": [c(n, *v) for n, v in contenders.items()]}
+
+
+def test_block_major_bars_hold_the_default_to_the_bound_and_the_staged_route_to_the_ceiling():
+    cases = [
+        # llama-3.1-8b tp1 x512: the default (staged) against every route that is not staged
+        bm_case("h2d", "per-layer", default=(1.40, 1.35), batch=(2.0, 1.9), staged=(1.6, 1.5, 30.0, True)),
+        bm_case("h2d", "block-major", default=(1.05, 1.02, None, True), batch=(1.30, 1.25),
+                low_interference=(0.9, 0.88, None, True), staged=(1.05, 1.02, 47.0, True)),
+        bm_case("d2h", "block-major", default=(1.20, 1.12, None, True), batch=(1.30, 1.25),
+                staged=(1.2, 1.12, 44.0, True)),
+        # other models: only the bound bar, and the ceiling where chunks are 4-32 KiB
+        bm_case("h2d", "block-major", model="qwen2.5-7b", chunk=16 * KiB, default=(1.0, 1.0, None, True),
+                staged=(1.0, 1.0, 46.0, True)),
+        bm_case("h2d", "block-major", model="m", chunk=64 * KiB, default=(1.0, 1.0), staged=(1.0, 1.0, 10.0, True)),
+    ]
+    slow = {"records": [
+        {"direction": "h2d", "route": "triton.staged", "kind": "staged", "num_sms": 32, "chunk_bytes": 16 * KiB,
+         "blocks": 900, "slowdown": 0.03, "host_layout": "block-major"},
+        {"direction": "d2h", "route": "triton.staged", "kind": "staged", "num_sms": 32, "chunk_bytes": 4 * KiB,
+         "blocks": 900, "slowdown": 0.08, "host_layout": "block-major"},
+        {"direction": "d2h", "route": "cuda.batch", "kind": "batch", "num_sms": 0, "chunk_bytes": 4 * KiB,
+         "blocks": 900, "slowdown": 0.5},  # not staged: not judged
+    ]}
+    by = {b["bar"]: b for b in step_report.bars([{"cases": cases}], [slow])}
+    bound, geo, unstaged, ceiling, slowdown = list(by.values())[5:]
+    # span/bound 1.02, 1.12, 1.0, 1.0: d2h over 1.10
+    assert (bound["cases"], bound["passed"], bound["ok"]) == (4, 3, False)
+    assert bound["worst"] == pytest.approx(1.12) and bound["worst_case"] == "llama-3.1-8b tp1 block-major d2h x512"
+    assert geo["worst"] == pytest.approx((1.02 * 1.12) ** 0.25, abs=1e-4) and geo["ok"] is True
+    # h2d: 1.05 / 1.30 (block-major batch), the per-layer default's 1.40 and batch's 2.0 are slower; the
+    # low_interference contender took the staged route and does not count; d2h: 1.20 / 1.30
+    assert (unstaged["cases"], unstaged["passed"], unstaged["ok"]) == (2, 1, False)
+    assert unstaged["worst"] == pytest.approx(1.2 / 1.3, abs=1e-4) and "d2h" in unstaged["worst_case"]
+    # 47 / 50, 44 / 50, 46 / 50 (the 64 KiB case is outside the range)
+    assert (ceiling["cases"], ceiling["passed"]) == (3, 2) and ceiling["worst"] == pytest.approx(0.88)
+    assert (slowdown["cases"], slowdown["passed"], slowdown["ok"]) == (2, 1, False)
+    assert slowdown["worst"] == pytest.approx(0.08) and slowdown["worst_case"] == "d2h triton.staged 4 KiB x900"
+    # where the per-layer side holds the best route that is not staged, the default is held to it
+    cases[1]["contenders"][1]["makespan_over_compute"] = 1.5
+    h2d = step_report.bars([{"cases": cases[:2]}])[7]
+    assert (h2d["cases"], h2d["ok"]) == (1, True) and h2d["worst"] == pytest.approx(1.05 / 1.40, abs=1e-4)
+    text = step_report.text_table({"cases": cases[1:2]})
+    assert "block-major" in text and "21.00" in text and "1.020" in text  # host, bound ms, span/bound
 
 
 def test_the_makespan_bar_compares_each_repetitions_ratio_to_its_compute_alone():
@@ -216,6 +321,8 @@ def test_bench_model_on_a_cpu_fails_saying_it_needs_a_gpu():
     assert out.returncode == 2 and "does not split over 8 ranks" in out.stderr
     out = kvswap_cli("bench", "--model", "nope")
     assert out.returncode == 2 and "not built in" in out.stderr
+    out = kvswap_cli("bench", "--model", "llama-3.1-8b", "--host-layouts", "per-layer,blockmajor")
+    assert out.returncode == 2 and "unknown host layout 'blockmajor'; choose from per-layer,block-major" in out.stderr
 
 
 def test_custom_shape_flags_and_tp_list_pick_the_caches():
@@ -229,7 +336,9 @@ def test_custom_shape_flags_and_tp_list_pick_the_caches():
     assert [c.label for c in caches] == ["llama-3.1-8b tp1", "llama-3.1-8b tp8", "llama-3.1-70b tp1",
                                          "llama-3.1-70b tp8", "qwen2.5-7b tp1", "deepseek-v3 tp1",
                                          "gpt-oss-120b tp1", "gpt-oss-120b tp8"]
-    assert len(notes) == 2 and cli_step.wanted(args)
+    assert len(notes) == 2 and cli_step.wanted(args) and args.host_layouts is None  # the settings' default: both
+    args = p.parse_args(["--model", "qwen2.5-7b", "--host-layouts", "block-major,per-layer,block-major"])
+    assert args.host_layouts == ["block-major", "per-layer"]
     args = p.parse_args(["--layers", "1", "--kv-heads", "1", "--head-dim", "128", "--blocks", "5000"])
     (c,), _ = cli_step.caches_from_args(args)
     assert (c.chunk_bytes, c.descriptors_per_block * 5000) == (4096, 10_000) and cli_step.wanted(args)

@@ -1,5 +1,5 @@
-"""The step benchmark on a GPU: real per-layer tensors, GEMMs beside BlockMover jobs,
-every contender's bytes checked (no timed assertions)."""
+"""The step benchmark on a GPU: real per-layer device tensors against both host layouts,
+GEMMs beside BlockMover jobs, every contender's bytes checked (no timed assertions)."""
 from __future__ import annotations
 
 import json
@@ -10,6 +10,7 @@ import pytest
 
 from kvswap import models
 from kvswap.calibration import step, step_report
+from kvswap.mover_staged import MIN_RUN_BYTES
 from kvswap.platform import detect
 from kvswap.plugins import plugin_host
 from kvswap.types import Direction
@@ -21,29 +22,40 @@ def test_step_bench_on_the_gpu_checks_every_contender():
     dev = detect(plugin_host(), "cuda:0")
     env = step.DeviceEnv(dev, step_ms=2.0)
     assert env.gemms >= 1 and env.gemm_seconds > 0
+    # llama-3.1-70b tp8: blocks of 640 KiB (a block-major host run a mover stages by itself);
+    # the MLA shape: blocks of 54 KiB, under MIN_RUN_BYTES (the mover keeps its resolved route)
     shapes = [models.get("llama-3.1-70b").at(8), models.ModelShape("mla", 3, 1, 576, layout="mla").at(1)]
     doc = step.run_step_bench(env, dev, shapes, [Direction.H2D, Direction.D2H],
                               step.StepSettings(blocks=(4, 40), step_ms=2.0, reps=2))
     json.dumps(doc)
-    assert len(doc["cases"]) == 8
+    assert len(doc["cases"]) == 16
+    assert {c["host_layout"] for c in doc["cases"]} == set(step.HOST_LAYOUTS)
     for case in doc["cases"]:
         by = {c["name"]: c for c in case["contenders"]}
         assert list(by) == list(step.CONTENDERS), by
         assert by["kernel@12"]["route"] == "triton.kernel@12"
+        assert (by["staged"]["route"], by["staged"]["staged"]) == ("triton.staged", True)
+        long_runs = case["host_layout"] == "block-major" and case["bytes"] // case["blocks"] >= MIN_RUN_BYTES
+        for name in ("default", "low_interference"):
+            assert by[name]["staged"] is long_runs and (by[name]["route"] == "triton.staged") is long_runs, by[name]
         for c in case["contenders"]:
-            assert c["error"] is None, (case["model"], case["direction"], c)
+            assert c["error"] is None, (case["model"], case["host_layout"], case["direction"], c)
             assert c["bytes_checked"] == 2 * 2 * case["bytes"]
             assert c["makespan_ms"] > 0 and c["slowdown"] > 0 and c["submit_us"] > 0
-        assert case["ceiling_gbps"] > 1
+            assert 0 < c["makespan_over_bound"] <= c["makespan_over_compute"]
+        assert case["ceiling_gbps"] > 1 and case["bound_ms"] >= case["compute_alone_ms"]
         if case["direction"] == "d2h":
             assert by["vllm"]["same_as"] == "batch"
-    assert step_report.bars([doc])[0]["cases"] == 8
+    assert step_report.bars([doc])[0]["cases"] == 16
 
 
 def test_bench_model_command_on_the_gpu(tmp_path):
     out = subprocess.run([sys.executable, "-m", "kvswap", "bench", "--model", "qwen2.5-7b", "--tp", "4",
-                          "--blocks", "8", "--reps", "2", "--step-ms", "2", "--json", str(tmp_path / "s.json")],
+                          "--blocks", "8", "--reps", "2", "--step-ms", "2", "--host-layouts", "block-major",
+                          "--json", str(tmp_path / "s.json")],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     doc = json.loads((tmp_path / "s.json").read_text())
     assert len(doc["cases"]) == 2 and "qwen2.5-7b" in out.stdout and "| bar |" in out.stdout
+    for case in doc["cases"]:  # blocks of 224 KiB: the default stages them
+        assert case["host_layout"] == "block-major" and case["contenders"][0]["route"] == "triton.staged"

@@ -181,15 +181,19 @@ def test_render_prints_the_slowdown_table(tmp_path):
              "blocks": 900, "transfer_beside_ms": 21.0, "compute_beside_ms": 20.5, "covered": True,
              "chunk_bytes": 16 * KiB},
             {"direction": "d2h", "route": "cuda.batch", "kind": "batch", "num_sms": 0, "error": "DriverError: x",
-             "chunk_bytes": 4 * KiB}]
+             "chunk_bytes": 4 * KiB},
+            {"direction": "d2h", "route": "triton.staged", "kind": "staged", "num_sms": 32, "slowdown": 0.02,
+             "blocks": 700, "transfer_beside_ms": 22.0, "compute_beside_ms": 20.2, "covered": True,
+             "chunk_bytes": 32 * KiB, "host_layout": "block-major"}]
     f = tmp_path / "i.json"
     f.write_text(json.dumps({"kind": "kvswap step interference", "device": "NVIDIA H200", "records": recs,
                              "slowdown_by_sms": step_interference.profile_rows(recs)}))
     out = subprocess.run([sys.executable, "-m", "kvswap", "bench", "--render", str(f)], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "| h2d | triton.kernel | 4 | 16 KiB | 900 | 12.5% | 21.00 | 20.50 | yes |" in out.stdout
-    assert "| d2h | cuda.batch | - | 4 KiB | failed: DriverError: x |" in out.stdout
+    assert "| h2d | triton.kernel | per-layer | 4 | 16 KiB | 900 | 12.5% | 21.00 | 20.50 | yes |" in out.stdout
+    assert "| d2h | cuda.batch | per-layer | - | 4 KiB | failed: DriverError: x |" in out.stdout
+    assert "| d2h | triton.staged | block-major | 32 | 32 KiB | 700 | 2.0% | 22.00 | 20.20 | yes |" in out.stdout
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     out = subprocess.run([sys.executable, "-m", "kvswap", "bench", "--render", str(bad)], capture_output=True,

@@ -437,7 +437,7 @@ def test_registered_platforms_follow_the_interpreter(monkeypatch: pytest.MonkeyP
     tg.kvswap_register_copy_impls(platform="cpu", register=got.append)
     assert got == []
     tg.kvswap_register_copy_impls(platform="rocm", register=got.append)
-    assert [i.name for i in got] == ["triton.kernel"]
+    assert [(i.name, i.kind) for i in got] == [("triton.kernel", "kernel"), ("triton.staged", "staged")]
 
 
 def test_availability_reasons(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from kvswap import deferred
 from kvswap.descriptors import coalesce
 from kvswap.impl import BindContext, CopyImpl, TransferFn
 from kvswap.runs import SLOT_ALIGN, Runs, host_runs
@@ -35,6 +36,10 @@ from .by_ids import KernelCopyByIds
 from .launch import DEFAULT_PLANS, TilePlan, interpreting
 
 NAME = "triton.staged"
+# SMs of the device-side gather or scatter. On an H100 (512 blocks of 4-32 KiB chunks), 16 to
+# 132 of them kept the route within a few % of the link's ceiling and cost bf16 GEMMs beside
+# it about the same (tests/bench/bench_staged.py); fewer leave more SMs to the compute.
+DEVICE_SMS = 32
 
 
 class _Halves:
@@ -131,6 +136,11 @@ class StagedCopy:
         self.note = (f"device side on {kernel.num_sms} SMs, link on the copy engines, "
                      f"{staging_bytes / 2**20:g} MiB of device staging in two halves")
 
+    @property
+    def num_sms(self) -> int:
+        """The SMs the device-side gather or scatter runs on."""
+        return self.kernel.num_sms
+
     def halves(self) -> _Halves:
         if self._halves is None:
             self._halves = _Halves(self.staging_bytes, self.kernel.device_index)
@@ -172,7 +182,12 @@ class StagedCopy:
 
     def _link(self, staged: np.ndarray, host: np.ndarray, sizes: np.ndarray, stream: Any) -> None:
         a, b, z = coalesce(staged, host, sizes) if self.to_host else coalesce(host, staged, sizes)
-        self.link(a, b, z, stream)
+        # These arrays live for this call only: a link that issues later must copy them
+        # (not stable), and whatever it leaves to another thread still reaches the caller's job.
+        with deferred.collect(stable=False) as issued:
+            self.link(a, b, z, stream)
+        for item in issued:
+            deferred.report(item)
 
     def by_ids(self, template: Any) -> Optional[StagedByIds]:
         """Copy a mover's blocks by id through the staging buffer, or None where the
@@ -261,12 +276,14 @@ def bind_staged(staged: StagedCopy, template: Any) -> Optional[StagedByIds]:
 
 
 def bind(ctx: BindContext) -> StagedCopy:
-    """The factory: the device-side kernel on ``num_sms`` SMs and the link (``ctx.link``)."""
+    """The factory: the device-side kernel on ``num_sms`` SMs (default :data:`DEVICE_SMS`,
+    at most the device's) and the link (``ctx.link``)."""
     from .kernel import _device_index
 
     if ctx.link is None:
         raise ValueError("triton.staged needs a batch route for the link (BindContext.link)")
-    kernel = KernelCopyByIds(num_sms=int(ctx.params.get("num_sms", 32)), device_index=_device_index(ctx.device),
+    sms = int(ctx.params.get("num_sms") or min(DEVICE_SMS, ctx.device.compute_units or DEVICE_SMS))
+    kernel = KernelCopyByIds(num_sms=sms, device_index=_device_index(ctx.device),
                              tiles=TilePlan.from_params(ctx.params, DEFAULT_PLANS["d2d"]))
     return StagedCopy(kernel, ctx.link, ctx.direction, int(ctx.params.get("staging_bytes", 64 << 20)))
 

@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # The step benchmark over every built-in model x TP {1, and 8 where the KV heads split}
-# x direction x B {32, 512}, the BlockMover ceiling case (h2d 4 KiB x 10,000), and the
-# compute slowdown per route and SM count; then the bars (a pass/fail table, no asserts)
-# and the markdown section for docs/benchmarks.md. About 2.5 minutes on an H200 with REPS=5.
+# x host layout {per-layer, block-major} x direction x B {32, 512}, the BlockMover ceiling
+# case (h2d 4 KiB x 10,000, per-layer host), and the compute slowdown per route and SM count
+# (the staged route on a block-major host); then the bars (a pass/fail table, no asserts)
+# and the markdown section for docs/benchmarks.md. Each part prints how long it took; the
+# step part grows with REPS and with the cases (--blocks, --host-layouts, --tp).
 #
-#   OUT=results tests/bench/step_all.sh          (REPS=5 by default; PYTHON=python3)
+#   OUT=results tests/bench/step_all.sh          (REPS=3 by default; PYTHON=python3)
 set -euo pipefail
 OUT=${OUT:-step-results}
 PY=${PYTHON:-python3}
-REPS=${REPS:-5}
+REPS=${REPS:-3}
 mkdir -p "$OUT"
 DEV=$($PY -c "import re, torch; m = re.search(r'[A-Z]+\d{2,4}', torch.cuda.get_device_name()); print(m.group(0).lower() if m else 'gpu')" 2>/dev/null || echo gpu)
 
-STEP="kvswap bench --model all --tp 1,8 --blocks 32,512 --reps $REPS"
-CEIL="kvswap bench --layers 1 --kv-heads 1 --head-dim 128 --blocks 5000 --directions h2d --reps $REPS"
+STEP="kvswap bench --model all --tp 1,8 --blocks 32,512 --host-layouts per-layer,block-major --reps $REPS"
+CEIL="kvswap bench --layers 1 --kv-heads 1 --head-dim 128 --blocks 5000 --directions h2d --host-layouts per-layer --reps $REPS"
 SECONDS=0
 $PY -m kvswap ${STEP#kvswap } --json "$OUT/step-$DEV.json" | tee "$OUT/step-$DEV.txt"
 echo "step: ${SECONDS}s" >&2

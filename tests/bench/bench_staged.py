@@ -1,0 +1,158 @@
+"""The staged route against the contiguous ceiling and beside compute, by chunk size.
+
+Per-layer FlashAttention-shaped device KV (``layers`` x K/V chunks of 4-32 KiB a block)
+against a block-major pinned host cache (``kvswap.host_cache``), jobs of ``--blocks``
+random blocks. For each route (the mover's default, which stages such a host side; the
+kernel at its calibrated SMs; the batch route; the staged route's device side on several SM
+counts) it prints, as ratios measured in this run:
+
+* ``alone/ceiling``: the transfer's speed from an idle device over a contiguous copy of the
+  same bytes;
+* ``slowdown``: bf16 GEMMs on a compute stream (about ``--step-ms``) beside the transfer,
+  over the GEMMs alone;
+* ``makespan/bound``: launch to both done, over max(compute alone, bytes / ceiling).
+
+Every job's bytes are checked once. ``python3 tests/bench/bench_staged.py --json out.json``
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import numpy as np
+import torch
+
+import kvswap
+from kvswap import BlockMover, Policy
+
+GEMM = 4096
+
+
+def timed(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--blocks", type=int, default=512)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--step-ms", type=float, default=20.0)
+    p.add_argument("--sms", default="16,32,66,132", help="SM counts of the staged device side to try")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    dev = torch.device("cuda:0")
+    # (chunk KiB, layers, heads): 16 tokens x heads x 128 x 2 B per K or V chunk
+    shapes = [(4, 80, 1), (8, 64, 2), (16, 40, 4), (32, 32, 8)]
+    a = torch.randn(GEMM, GEMM, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(GEMM, GEMM, device=dev, dtype=torch.bfloat16)
+    out = torch.empty_like(a)
+    compute = torch.cuda.Stream()
+    with torch.cuda.stream(compute):
+        for _ in range(10):
+            torch.matmul(a, b, out=out)
+    one = timed(lambda: torch.matmul(a, b, out=out), 10)
+    gemms = max(1, round(args.step_ms / 1e3 / one))
+
+    def launch_compute():
+        with torch.cuda.stream(compute):
+            for _ in range(gemms):
+                torch.matmul(a, b, out=out)
+
+    rows = []
+    rng = np.random.default_rng(0)
+    for chunk_kib, layers, heads in shapes:
+        pool = 2 * args.blocks
+        device = [torch.randint(-9, 9, (2, pool, 16, heads, 128), dtype=torch.int16, device=dev).view(torch.bfloat16)
+                  for _ in range(layers)]
+        cache = kvswap.host_cache(device, pool, block_dim=1)
+        cache.buffer.copy_(torch.randint(0, 256, cache.buffer.shape, dtype=torch.uint8))
+        nbytes = args.blocks * cache.block_bytes
+        for direction in ("h2d", "d2h"):
+            src, dst = (list(cache.views), device) if direction == "h2d" else (device, list(cache.views))
+            h = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            d = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+            ceil_t = timed(lambda: (d.copy_(h, non_blocking=True) if direction == "h2d"
+                                    else h.copy_(d, non_blocking=True)), args.reps)
+            ceiling = nbytes / ceil_t / 1e9
+            del h, d
+            comp_alone = timed(lambda: (launch_compute(), torch.cuda.current_stream().wait_stream(compute)),
+                               args.reps)
+            contenders = [("default", Policy()), ("kernel", Policy(force="triton.kernel")),
+                          ("batch", Policy(force="cuda.batch"))]
+            contenders += [(f"staged@{k}", Policy(force="triton.staged", max_sms=int(k))) for k in args.sms.split(",")]
+            for name, policy in contenders:
+                try:
+                    mover = BlockMover(src, dst, direction, block_dim=1, policy=policy)
+                except Exception as e:
+                    rows.append(dict(chunk_kib=chunk_kib, direction=direction, route=name, error=str(e)))
+                    continue
+                sid = rng.choice(pool, args.blocks, replace=False)
+                did = rng.choice(pool, args.blocks, replace=False)
+                mover.wait(mover.submit(sid, did))  # warm-up
+                for t_src, t_dst in zip(src, dst):  # one check of every block of the job
+                    assert torch.equal(t_dst[:, did].view(torch.int16).cpu(), t_src[:, sid].view(torch.int16).cpu())
+
+                def alone():
+                    mover.wait(mover.submit(sid, did, after=None))
+
+                t_alone = timed(alone, args.reps)
+                spans, comps = [], []
+                for _ in range(args.reps):
+                    torch.cuda.synchronize()
+                    s0 = torch.cuda.Event(enable_timing=True)
+                    c1 = torch.cuda.Event(enable_timing=True)
+                    s0.record(compute)
+                    launch_compute()
+                    c1.record(compute)
+                    job = mover.submit(sid, did, after=None)
+                    mover.wait(job)
+                    torch.cuda.synchronize()
+                    t1 = torch.cuda.Event(enable_timing=True)
+                    comps.append(s0.elapsed_time(c1) / 1e3)
+                    (r,) = [x for x in mover.poll() if x.job_id == job] or [None]
+                    spans.append(max(comps[-1], r.seconds if r is not None else 0.0))
+                    del t1
+                mover.poll()
+                comp_beside = statistics.median(comps)
+                bound = max(comp_alone, nbytes / (ceiling * 1e9))
+                rows.append(dict(chunk_kib=chunk_kib, direction=direction, route=name,
+                                 label=mover.explain().splitlines()[-1] if name == "default" else "",
+                                 alone_over_ceiling=round(nbytes / t_alone / 1e9 / ceiling, 3),
+                                 slowdown=round(comp_beside / comp_alone - 1, 3),
+                                 makespan_over_bound=round(statistics.median(spans) / bound, 3),
+                                 ceiling_gbps=round(ceiling, 1), bytes=nbytes))
+                mover.close()
+        del device, cache
+        torch.cuda.empty_cache()
+    print(f"device {torch.cuda.get_device_name()}, {args.blocks} blocks a job, GEMMs {gemms} x {GEMM}^3 "
+          f"(~{gemms * one * 1e3:.1f} ms), median of {args.reps}")
+    print("| chunk | dir | route | alone/ceiling | compute slowdown | makespan/bound |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['chunk_kib']} KiB | {r['direction']} | {r['route']} | error: {r['error'][:80]} | | |")
+        else:
+            print(f"| {r['chunk_kib']} KiB | {r['direction']} | {r['route']} | {r['alone_over_ceiling']} | "
+                  f"{r['slowdown']:+.1%} | {r['makespan_over_bound']} |")
+    for r in rows:
+        if r.get("label"):
+            print(f"{r['chunk_kib']} KiB {r['direction']} default: {r['label'].strip()}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

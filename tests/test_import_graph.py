@@ -139,3 +139,22 @@ def test_resolving_and_explaining_loads_no_calibration_module(tmp_path):
                          env={"XDG_DATA_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_integrations_use_only_kvswaps_public_api():
+    import kvswap
+
+    public = set(kvswap.__all__) | {"__version__"}
+    wrong = [(m, t, n) for m, t, n in IMPORTS if m.startswith("kvswap.integrations")
+             and not t.startswith("kvswap.integrations") and (t != "kvswap" or n not in public)]
+    assert not wrong, f"integrations import what kvswap does not export: {wrong}"
+    assert any(m == "kvswap.integrations.vllm" for m, _, _ in IMPORTS)
+
+
+def test_importing_kvswap_and_its_offloading_parts_imports_no_engine(tmp_path):
+    code = ("import sys, kvswap, kvswap.integrations, kvswap.integrations.offload\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'sglang', 'lmcache')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                         env={"XDG_DATA_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

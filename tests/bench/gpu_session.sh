@@ -15,6 +15,8 @@
 #   envelope   where cuMemcpyBatchAsync faults, without kvswap (tests/bench/batch_fault)
 #   limits     the fuzz at kvswap's per-call limits
 #   soak       engine-like load for SOAK_SECONDS (default 300), every job checked
+#   vllm       kvswap's vLLM offloading worker: its gpu tests (every byte), then its host time
+#              per job and transfer time against a bare BlockMover (tests/bench/bench_vllm_worker.py)
 # STEP_TIMEOUT (seconds per step, default 280) bounds each step.
 # On a machine without a package index whose Python lacks kvswap's small dependencies
 # (pluggy, platformdirs, tqdm, pytest), put their wheels in .whl/: they are installed first.
@@ -76,6 +78,10 @@ for step in "$@"; do
       timeout 480 python3 tests/bench/soak.py --device cuda:0 --seconds "${SOAK_SECONDS:-300}" --out "$OUT/soak" \
         >"$OUT/soak.log" 2>&1
       echo "soak exit $?"; tail -n 40 "$OUT/soak.log" ;;
+    vllm)
+      { timeout "$T" python3 -m pytest -q -m gpu tests/test_vllm_worker_gpu.py -s -rfE -p no:cacheprovider
+        timeout "$T" python3 tests/bench/bench_vllm_worker.py --out-dir "$OUT/vllm"; } >"$OUT/vllm.log" 2>&1
+      echo "vllm exit $?"; tail -n 40 "$OUT/vllm.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done

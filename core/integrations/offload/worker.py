@@ -1,0 +1,312 @@
+"""An offloading worker on kvswap: a block-major host cache, two movers, and its jobs.
+
+The engine names jobs by its own ids and describes each by block lists (device blocks per
+KV group; host chunks of ``blocks_per_chunk`` blocks). The worker owns the host cache
+(:func:`kvswap.host_cache`: host block ``i`` holds device block ``i`` of every tensor in
+one contiguous run, so chunk ``c``, host blocks ``c * k .. c * k + k - 1``, is one run of
+``k`` blocks), builds one :class:`~kvswap.BlockMover` per direction over all KV groups
+once, and per job only maps ids and submits. It never raises into the engine: a refused
+job is logged and reported refused, a failed one logged and reported failed.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable, Optional, Sequence
+
+import numpy as np
+
+from ... import BlockMover, ConfigurationError, KVGroup, NumaWarning, host_cache
+from .ids import job_block_ids
+from .layout import canonical_layout
+from .options import OffloadOptions
+
+STORE, LOAD = "store", "load"
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """One finished job, as the engine's job id names it.
+
+    :ivar bytes: bytes moved (0 for a failed job).
+    :ivar seconds: the copy's time, from the mover (see :class:`kvswap.TransferResult`).
+    :ivar error: what failed, when ``ok`` is False.
+    """
+
+    job_id: int
+    ok: bool
+    bytes: int
+    seconds: float
+    error: Optional[str] = None
+
+
+@dataclass
+class Counters:
+    """What one direction has done since the worker was built."""
+
+    jobs: int = 0  # finished and ok
+    failed: int = 0  # finished, not ok
+    refused: int = 0  # refused at submit, before any byte moved
+    blocks: int = 0  # device blocks moved by the ok jobs
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class _Pending:
+    job_id: int
+    direction: str
+    device_ids: list[np.ndarray] = field(repr=False)
+
+
+class OffloadWorker:
+    """Moves KV blocks between an engine's device caches and a host cache kvswap allocates.
+
+    :param tensors: the device tensors, blocks on the first dimension (vLLM's canonical
+        ``(num_blocks, page_bytes)`` int8 views, cut to the un-padded page).
+    :param groups: per KV group, the indices into ``tensors`` of its layers.
+    :param num_chunks: host chunks to allocate.
+    :param blocks_per_chunk: device blocks per host chunk (``k``).
+    :param options: kvswap's options (policy, NUMA node, counters file, test controls).
+    :param rank: the engine worker's rank, for ``{rank}`` in ``options.stats_file``.
+    :param log: where refusals, failures and the counters file's errors are logged.
+    :raises ConfigurationError: bad counts or groups (before anything is allocated).
+    :raises BlockLayoutError, TensorPlacementError: tensors a mover cannot move.
+    """
+
+    def __init__(self, tensors: Sequence[Any], groups: Sequence[Sequence[int]], num_chunks: int,
+                 blocks_per_chunk: int, options: Optional[OffloadOptions] = None, *, rank: int = 0,
+                 log: Optional[logging.Logger] = None) -> None:
+        self.log = log or logger
+        self.options = options or OffloadOptions()
+        for name, value in (("num_chunks", num_chunks), ("blocks_per_chunk", blocks_per_chunk)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigurationError(f"{name}={value!r} must be an int >= 1")
+        self.tensors = list(tensors)
+        self.groups = [tuple(g) for g in groups]
+        if not self.tensors or not self.groups:
+            raise ConfigurationError("an offloading worker needs at least one tensor and one KV group")
+        for g, members in enumerate(self.groups):
+            if not members or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(self.tensors)
+                                  for i in members):
+                raise ConfigurationError(f"KV group {g} = {list(members)} must name tensors 0..{len(self.tensors) - 1}")
+        self.num_chunks, self.blocks_per_chunk = num_chunks, blocks_per_chunk
+        device = self.tensors[0].device
+        on_host = device.type == "cpu"
+        with warnings.catch_warnings():
+            if on_host:  # the "device" is host memory: no node to be near, nothing to pin for
+                warnings.simplefilter("ignore", NumaWarning)
+            self.host = host_cache(self.tensors, num_chunks * blocks_per_chunk, block_dim=0,
+                                   pin=not on_host, node=self.options.numa_node)
+        views = self.host.views
+        policy = self.options.policy
+        dev = [[self.tensors[i] for i in g] for g in self.groups]
+        host = [[views[i] for i in g] for g in self.groups]
+        # One group (most models) takes a plain mover: ids go in as arrays, not lists of them.
+        self._grouped = len(self.groups) > 1
+        if self._grouped:
+            self.store = BlockMover.groups([KVGroup(d, h, 0) for d, h in zip(dev, host)], "d2h", policy=policy)
+            self.load = BlockMover.groups([KVGroup(h, d, 0) for d, h in zip(dev, host)], "h2d", policy=policy)
+        else:
+            self.store = BlockMover(dev[0], host[0], "d2h", block_dim=0, policy=policy)
+            self.load = BlockMover(host[0], dev[0], "h2d", block_dim=0, policy=policy)
+        self.counters = {STORE: Counters(), LOAD: Counters()}
+        self._movers = {STORE: self.store, LOAD: self.load}
+        self._pending: dict[tuple[str, int], _Pending] = {}  # (direction, mover job id) -> job
+        self._by_job: dict[int, tuple[str, int]] = {}  # engine job id -> (direction, mover job id)
+        stats = self.options.stats_file
+        self.stats_path = stats.replace("{rank}", str(rank)) if stats else None
+        self._closed = False
+        self._write_stats()
+
+    @classmethod
+    def from_canonical(cls, kv_caches: Any, num_chunks: int, blocks_per_chunk: int,
+                       options: Optional[OffloadOptions] = None, **kw: Any) -> OffloadWorker:
+        """A worker over caches described as vLLM's ``CanonicalKVCaches`` describes them
+        (:func:`kvswap.integrations.offload.layout.canonical_layout`)."""
+        layout = canonical_layout(kv_caches)
+        return cls(layout.tensors, layout.groups, num_chunks, blocks_per_chunk, options, **kw)
+
+    # -- per job -------------------------------------------------------------------------
+    def submit_store(self, job_id: int, device_spec: Any, host_spec: Any) -> bool:
+        """Start copying the device blocks of ``device_spec`` into the chunks of ``host_spec``.
+
+        Specs are read by their fields: ``block_ids``, ``group_sizes`` and ``block_indices``
+        on the device side, ``block_ids`` (chunk ids) on the host side.
+
+        :return: True once the job is on its way; False when it was refused (logged; no
+            byte moved, or, where the copy route failed at launch, its mover reports it).
+        """
+        return self._submit(STORE, job_id, device_spec, host_spec)
+
+    def submit_load(self, job_id: int, host_spec: Any, device_spec: Any) -> bool:
+        """Start copying the chunks of ``host_spec`` into the device blocks of ``device_spec``;
+        as :meth:`submit_store`."""
+        return self._submit(LOAD, job_id, device_spec, host_spec)
+
+    def _submit(self, direction: str, job_id: int, device_spec: Any, host_spec: Any) -> bool:
+        try:
+            if self._closed:
+                raise ConfigurationError("the worker is shut down")
+            if job_id in self._by_job:
+                raise ConfigurationError(f"job {job_id} is still in flight; a job id names one job at a time")
+            device, host = job_block_ids(device_spec, host_spec, self.blocks_per_chunk, len(self.groups))
+            src, dst = (device, host) if direction == STORE else (host, device)
+            mid = self._movers[direction].submit(src, dst) if self._grouped else \
+                self._movers[direction].submit(src[0], dst[0])
+        except Exception as e:
+            self.counters[direction].refused += 1
+            self.log.error("kvswap refused %s job %s (device blocks %s, chunks %s): %s: %s", direction, job_id,
+                           _few(getattr(device_spec, "block_ids", None)), _few(getattr(host_spec, "block_ids", None)),
+                           type(e).__name__, e)
+            return False
+        self._pending[direction, mid] = _Pending(job_id, direction, device)
+        self._by_job[job_id] = (direction, mid)
+        return True
+
+    def get_finished(self) -> list[JobResult]:
+        """Jobs finished since the last call, stores first, each direction in submission order."""
+        out: list[JobResult] = []
+        for direction, mover in self._movers.items():
+            try:
+                results = mover.poll()
+            except Exception as e:  # a mover that cannot say is logged, never raised into the engine
+                self.log.error("kvswap could not poll its %s jobs: %s: %s", direction, type(e).__name__, e)
+                continue
+            for r in results:
+                job = self._pending.pop((direction, r.job_id), None)
+                if job is None:
+                    continue  # its submit failed and was reported then
+                self._by_job.pop(job.job_id, None)
+                out.append(self._finish(job, r.ok, r.bytes, r.seconds, r.error))
+        if out:
+            self._write_stats()
+        return out
+
+    def _finish(self, job: _Pending, ok: bool, nbytes: int, seconds: float, error: Optional[str]) -> JobResult:
+        c = self.counters[job.direction]
+        if ok and job.direction == LOAD and self.options.corrupt_loads:
+            try:
+                self._corrupt(job.device_ids)
+            except Exception as e:
+                ok, error = False, f"{type(e).__name__}: {e}"
+        if ok:
+            c.jobs += 1
+            c.blocks += sum(len(ids) for ids in job.device_ids)
+            c.bytes += nbytes
+            c.seconds += seconds
+        else:
+            c.failed += 1
+            self.log.error("kvswap %s job %s failed: %s", job.direction, job.job_id, error)
+        return JobResult(job.job_id, ok, nbytes if ok else 0, seconds, error)
+
+    def _corrupt(self, device_ids: list[np.ndarray]) -> None:
+        """The test control ``corrupt_loads``: random bytes over every loaded block."""
+        import torch
+
+        for members, ids in zip(self.groups, device_ids):
+            if len(ids):
+                for i in members:
+                    t = self.tensors[i]
+                    index = torch.as_tensor(ids, device=t.device)
+                    t[index] = torch.randint(-128, 128, (len(ids), t.shape[1]), dtype=t.dtype, device=t.device)
+
+    def wait(self, job_ids: Iterable[int]) -> None:
+        """Block until each of ``job_ids`` that is in flight has finished (its result still
+        comes from :meth:`get_finished`); ids of refused or finished jobs are skipped."""
+        for job_id in job_ids:
+            where = self._by_job.get(job_id)
+            if where is None:
+                continue
+            direction, mid = where
+            try:
+                self._movers[direction].wait(mid)
+            except Exception as e:
+                self.log.error("kvswap could not wait for %s job %s: %s: %s", direction, job_id, type(e).__name__, e)
+
+    def shutdown(self) -> None:
+        """Wait for every job, close both movers, write the counters a last time. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for direction, mover in self._movers.items():
+            try:
+                mover.close()
+            except Exception as e:
+                self.log.error("kvswap could not close its %s mover: %s: %s", direction, type(e).__name__, e)
+        self._write_stats()
+
+    # -- what it is ----------------------------------------------------------------------
+    def describe(self) -> str:
+        """One line: the layout, the host cache, and the route of each direction."""
+        h = self.host
+        pinned = "pinned" if h.buffer.is_pinned() else "not pinned"
+        node = "" if self.options.numa_node is None else f", NUMA node {self.options.numa_node}"
+        sizes = ", ".join(f"{n} B" for n in sorted({int(t.shape[1]) for t in self.tensors}))
+        return (f"{len(self.tensors)} tensors in {len(self.groups)} KV group(s), pages of {sizes}; "
+                f"host cache block-major, {self.num_chunks} chunks of {self.blocks_per_chunk} block(s), "
+                f"{h.block_bytes} B a block, {_mib(h.num_blocks * h.block_bytes)} ({pinned}{node}); "
+                f"store d2h: {route_summary(self.store)}; load h2d: {route_summary(self.load)}")
+
+    def explain(self) -> str:
+        """Both movers' resolve decisions, as :meth:`kvswap.BlockMover.explain` gives them."""
+        return f"store:\n{self.store.explain()}\nload:\n{self.load.explain()}"
+
+    def stats(self) -> dict[str, Any]:
+        """The counters, per direction, and what the cache holds."""
+        return {
+            STORE: asdict(self.counters[STORE]),
+            LOAD: asdict(self.counters[LOAD]),
+            "num_chunks": self.num_chunks,
+            "blocks_per_chunk": self.blocks_per_chunk,
+            "host_block_bytes": self.host.block_bytes,
+            "groups": [list(g) for g in self.groups],
+        }
+
+    def _write_stats(self) -> None:
+        path = self.stats_path
+        if not path:
+            return
+        try:
+            tmp = f"{path}.tmp{os.getpid()}"
+            with open(tmp, "w") as f:
+                json.dump(self.stats(), f)
+            os.replace(tmp, path)  # a reader never sees half a file
+        except OSError as e:
+            self.log.error("kvswap could not write its counters to %s: %s", path, e)
+
+
+def route_summary(mover: BlockMover) -> str:
+    """A mover's decision in a few words: the route per block size, whether a staged route
+    moves whole host runs (and why not), and the calibration it was decided by."""
+    plan = mover.swap_fn.plan
+    routes = []
+    for r in plan.routes:
+        text = f"{r.at_bytes} B -> {r.impl}"
+        if r.small_batch_impl and r.min_batch > 1:
+            text += f" ({r.small_batch_impl} under {r.min_batch} descriptors)"
+        routes.append(text)
+    # The mover's own notes in explain(): the staged route, host memory on a far NUMA node.
+    notes = [line.strip()[len("note: "):] for line in mover.explain().splitlines()
+             if line.strip().startswith("note: ") and ("staged" in line or "have pages on NUMA" in line)]
+    extra = "".join(f"; {n}" for n in notes)
+    forced = f", forced {plan.forced}" if plan.forced else ""
+    return f"{', '.join(routes)}{extra} [calibration: {plan.calibration.get('source')}{forced}]"
+
+
+def _few(ids: Any, shown: int = 8) -> str:
+    """A job's ids for a log line: the first few."""
+    try:
+        values = [int(i) for i in ids]
+    except (TypeError, ValueError):
+        return repr(ids)
+    more = f", ... ({len(values)} in all)" if len(values) > shown else ""
+    return "[" + ", ".join(map(str, values[:shown])) + more + "]"
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"

@@ -1,0 +1,148 @@
+"""kvswap's vLLM offloading worker against a bare BlockMover doing the same jobs (GPU; not a
+test: it prints ratios measured in one run, it asserts nothing).
+
+Both move the same random jobs between llama-3.1-8b-shaped canonical caches (``--layers``
+int8 tensors of ``(num_blocks, --page)``) and one block-major host cache: the worker from
+vLLM-shaped job specs (chunk ids of ``k`` blocks, a group starting inside its first chunk),
+the bare mover from host block ids computed beforehand. Their jobs alternate, so drift in
+the machine hits both alike. Per direction, ``k`` and job size:
+
+* host time per job: the engine thread's time in ``submit`` plus in the ``get_finished``
+  (``poll``) call that returns the job, medians, and the worker's over the mover's;
+* transfer time: the job's seconds as its result reports them (the mover's events),
+  medians, and the ratio.
+
+    python tests/bench/bench_vllm_worker.py --out-dir results [--device cuda:0]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the vLLM stand-ins
+
+from offload_jobs import DeviceSpec, HostSpec, reference_host_ids  # noqa: E402
+
+
+def job_specs(rng: np.random.Generator, blocks: int, k: int, device_blocks: int,
+              num_chunks: int) -> tuple[DeviceSpec, HostSpec, np.ndarray, np.ndarray]:
+    """A one-group job of ``blocks`` device blocks starting inside a chunk (where k > 1):
+    vLLM's specs, and the same job as device and host block ids."""
+    start = int(rng.integers(0, k))
+    n_chunks = -(-(blocks + start) // k)
+    dev = rng.choice(device_blocks, blocks, replace=False)
+    chunks = rng.choice(num_chunks, n_chunks, replace=False)
+    host = np.array(reference_host_ids(chunks.tolist(), [blocks], [start], k)[0])
+    return DeviceSpec(dev.astype(np.int32), [blocks], [start]), HostSpec(chunks.astype(np.int32)), dev, host
+
+
+def timed(fn: Any) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def measure(args: argparse.Namespace, direction: str, k: int, blocks: int) -> dict[str, Any]:
+    import torch
+
+    import kvswap
+    from kvswap.integrations.offload import OffloadWorker, route_summary
+
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    tensors = [torch.randint(-128, 128, (args.device_blocks, args.page), dtype=torch.int8, device=device)
+               for _ in range(args.layers)]
+    num_chunks = args.host_blocks // k
+    worker = OffloadWorker(tensors, [tuple(range(args.layers))], num_chunks, k)
+    views = list(worker.host.views)
+    bare = (kvswap.BlockMover(tensors, views, "d2h") if direction == "d2h"
+            else kvswap.BlockMover(views, tensors, "h2d"))
+    rng = np.random.default_rng(blocks * 10 + k)
+    rows: dict[str, dict[str, list[float]]] = {"worker": {"host": [], "transfer": []},
+                                               "bare": {"host": [], "transfer": []}}
+    for rep in range(args.warmup + args.reps):
+        dspec, hspec, dev, host = job_specs(rng, blocks, k, args.device_blocks, num_chunks)
+        for who in ("worker", "bare") if rep % 2 else ("bare", "worker"):
+            if who == "worker":
+                submit = (lambda: worker.submit_store(rep, dspec, hspec)) if direction == "d2h" else (
+                    lambda: worker.submit_load(rep, hspec, dspec))
+                ok, t_submit = timed(submit)
+                assert ok
+                worker.wait({rep})
+                sync()
+                done, t_poll = timed(worker.get_finished)
+                (r,) = done
+                seconds = r.seconds
+            else:
+                job, t_submit = timed(lambda: bare.submit(dev, host) if direction == "d2h" else bare.submit(host, dev))
+                bare.wait(job)
+                sync()
+                done, t_poll = timed(bare.poll)
+                (r,) = done
+                seconds = r.seconds
+            assert r.ok, r.error
+            if rep >= args.warmup:
+                rows[who]["host"].append(t_submit + t_poll)
+                rows[who]["transfer"].append(seconds)
+    route = route_summary(worker.store if direction == "d2h" else worker.load)
+    worker.shutdown()
+    bare.close()
+    med = {who: {m: statistics.median(v) for m, v in r.items()} for who, r in rows.items()}
+    return {
+        "direction": direction, "k": k, "blocks": blocks, "bytes": blocks * args.layers * args.page,
+        "worker_host_us": med["worker"]["host"] * 1e6, "bare_host_us": med["bare"]["host"] * 1e6,
+        "host_ratio": med["worker"]["host"] / med["bare"]["host"],
+        "host_extra_us": (med["worker"]["host"] - med["bare"]["host"]) * 1e6,
+        "worker_transfer_ms": med["worker"]["transfer"] * 1e3, "bare_transfer_ms": med["bare"]["transfer"] * 1e3,
+        "transfer_ratio": med["worker"]["transfer"] / med["bare"]["transfer"] if med["bare"]["transfer"] else None,
+        "route": route,
+    }
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = ("| dir | k | blocks | worker host µs | bare host µs | ratio | +µs | worker copy ms | bare copy ms | ratio |\n"
+            "|---|---|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in rows:
+        tr = "-" if r["transfer_ratio"] is None else f"{r['transfer_ratio']:.3f}"
+        lines.append(f"| {r['direction']} | {r['k']} | {r['blocks']} | {r['worker_host_us']:.1f} | "
+                     f"{r['bare_host_us']:.1f} | {r['host_ratio']:.3f} | {r['host_extra_us']:+.1f} | "
+                     f"{r['worker_transfer_ms']:.3f} | {r['bare_transfer_ms']:.3f} | {tr} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out-dir", required=True, help="where bench_vllm_worker.json goes")
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--page", type=int, default=2 * 16 * 8 * 128 * 2, help="bytes of a layer's block (K and V)")
+    ap.add_argument("--device-blocks", type=int, default=1024)
+    ap.add_argument("--host-blocks", type=int, default=1024)
+    ap.add_argument("--blocks", default="16,64,256", help="device blocks per job")
+    ap.add_argument("--k", default="1,4", help="blocks per chunk")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=4)
+    args = ap.parse_args(argv)
+    rows = [measure(args, d, k, b) for d in ("d2h", "h2d") for k in map(int, args.k.split(","))
+            for b in map(int, args.blocks.split(","))]
+    print(table(rows))
+    for d in ("d2h", "h2d"):
+        print(f"{d} route: {next(r['route'] for r in rows if r['direction'] == d)}")
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"host": platform.node(), "python": platform.python_version(), "args": vars(args)}
+    (out / "bench_vllm_worker.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -130,9 +130,11 @@ def stager_for(host: list, fn: SwapFn, direction: Direction, policy: Policy, on_
                grouped: bool) -> Optional[Stager]:
     """Staging buffers for the pageable ones among ``host`` where a route needs pinned
     memory (with a warning, once), or None; refused under ``Policy(require_pinned=True)``."""
-    pageable = [i for i, t in enumerate(host) if not t.is_pinned()]
     pinned_for = pinned_routes(fn, on_device=on_device)
-    if not pageable or not (on_device or pinned_for):
+    if not (on_device or pinned_for):
+        return None  # asked first: is_pinned() needs the accelerator, which a forked child cannot use
+    pageable = [i for i, t in enumerate(host) if not t.is_pinned()]
+    if not pageable:
         return None
     if policy.require_pinned:
         refuse_pageable(host, pageable, direction, pinned_for, grouped)

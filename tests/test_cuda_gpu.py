@@ -270,8 +270,9 @@ def test_an_invalid_device_range_is_a_driver_error_with_its_name(path):
 @pytest.mark.parametrize("direction", ALL, ids=str)
 def test_200000_descriptors_in_calls_of_at_most_the_cap(cuda, side, direction):
     """Split into ordered cuMemcpyBatchAsync calls of <= 32,768 (vLLM issue 49276: a hang at
-    51,828 in one call), of <= 4,096 for mixed sizes as these (the driver's fault on long
-    mixed-size batches, batch.MIXED_CHUNK); every byte of every block checked."""
+    51,828 in one call), of <= 512 host to device and 4,096 otherwise for mixed sizes as these
+    (the driver's faults on long mixed-size batches, batch.MIXED_CHUNK_H2D and MIXED_CHUNK);
+    every byte of every block checked."""
     fn = bound(cuda, direction)
     counts = []
     call = fn._batch
@@ -279,7 +280,9 @@ def test_200000_descriptors_in_calls_of_at_most_the_cap(cuda, side, direction):
     sizes = np.random.default_rng(90).integers(1, 257, 200_000)
     pools = Pools(direction, sizes, seed=91)
     fn(pools.src, pools.dst, pools.sizes, side)
-    assert counts == [4096] * 48 + [200_000 - 48 * 4096] and fn.last_path == "batch"
+    cap = fn.mixed_chunk
+    assert cap == (cuda.batch.MIXED_CHUNK_H2D if str(direction) == "h2d" else cuda.batch.MIXED_CHUNK)
+    assert counts == [cap] * (200_000 // cap) + [200_000 % cap] and fn.last_path == "batch"
     pools.check(side)
 
 

@@ -75,7 +75,7 @@ def test_device_memory_exhausted_while_movers_are_built_and_used():
                 continue
             (r,) = mover.poll()
             if r.ok:
-                assert all(torch.equal(h[:, sid].view(torch.int16), d[:, did].cpu().view(torch.int16))
+                assert all(torch.equal(h[:, sid].view(torch.int16), d.cpu()[:, did].view(torch.int16))
                            for h, d in zip(host, dev))
                 outcomes[route] = "built and copied"
             else:
@@ -86,7 +86,7 @@ def test_device_memory_exhausted_while_movers_are_built_and_used():
         sid, did = rng.choice(64, 16, replace=False), rng.choice(48, 16, replace=False)
         working.wait(working.submit(sid, did))
         assert all(r.ok for r in working.poll())
-        assert all(torch.equal(h[:, sid].view(torch.int16), d[:, did].cpu().view(torch.int16))
+        assert all(torch.equal(h[:, sid].view(torch.int16), d.cpu()[:, did].view(torch.int16))
                    for h, d in zip(host, dev))
     finally:
         del hog
@@ -100,7 +100,7 @@ def test_device_memory_exhausted_while_movers_are_built_and_used():
             sid, did = rng.choice(64, 8, replace=False), rng.choice(48, 8, replace=False)
             mover.wait(mover.submit(sid, did))
             assert all(r.ok for r in mover.poll())
-            assert all(torch.equal(h[:, sid].view(torch.int16), d[:, did].cpu().view(torch.int16))
+            assert all(torch.equal(h[:, sid].view(torch.int16), d.cpu()[:, did].view(torch.int16))
                        for h, d in zip(host, dev))
     working.close()
 

@@ -63,6 +63,13 @@ class _Pending:
     device_ids: list[np.ndarray] = field(repr=False)
 
 
+def _as_ids(values: Any) -> Optional[np.ndarray]:
+    """``values`` where it already is a 1-D integer array (vLLM's specs hold numpy arrays)."""
+    if isinstance(values, np.ndarray) and values.ndim == 1 and values.dtype.kind in "iu":
+        return values
+    return None
+
+
 class OffloadWorker:
     """Moves KV blocks between an engine's device caches and a host cache kvswap allocates.
 
@@ -118,6 +125,7 @@ class OffloadWorker:
         self._movers = {STORE: self.store, LOAD: self.load}
         self._pending: dict[tuple[str, int], _Pending] = {}  # (direction, mover job id) -> job
         self._by_job: dict[int, tuple[str, int]] = {}  # engine job id -> (direction, mover job id)
+        self._open = {STORE: 0, LOAD: 0}  # jobs in flight per direction
         stats = self.options.stats_file
         self.stats_path = stats.replace("{rank}", str(rank)) if stats else None
         self._closed = False
@@ -154,7 +162,7 @@ class OffloadWorker:
                 raise ConfigurationError("the worker is shut down")
             if job_id in self._by_job:
                 raise ConfigurationError(f"job {job_id} is still in flight; a job id names one job at a time")
-            device, host = job_block_ids(device_spec, host_spec, self.blocks_per_chunk, len(self.groups))
+            device, host = self._ids(device_spec, host_spec)
             src, dst = (device, host) if direction == STORE else (host, device)
             mid = self._movers[direction].submit(src, dst) if self._grouped else \
                 self._movers[direction].submit(src[0], dst[0])
@@ -166,12 +174,24 @@ class OffloadWorker:
             return False
         self._pending[direction, mid] = _Pending(job_id, direction, device)
         self._by_job[job_id] = (direction, mid)
+        self._open[direction] += 1
         return True
+
+    def _ids(self, device_spec: Any, host_spec: Any) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """A job's ids per group; one group of chunks of one block takes them as they are."""
+        if not self._grouped and self.blocks_per_chunk == 1:
+            dev, host = _as_ids(device_spec.block_ids), _as_ids(host_spec.block_ids)
+            sizes = device_spec.group_sizes
+            if dev is not None and host is not None and len(sizes) == 1 and sizes[0] == len(dev) == len(host):
+                return [dev], [host]
+        return job_block_ids(device_spec, host_spec, self.blocks_per_chunk, len(self.groups))
 
     def get_finished(self) -> list[JobResult]:
         """Jobs finished since the last call, stores first, each direction in submission order."""
         out: list[JobResult] = []
         for direction, mover in self._movers.items():
+            if not self._open[direction]:
+                continue  # nothing of this direction in flight: no poll
             try:
                 results = mover.poll()
             except Exception as e:  # a mover that cannot say is logged, never raised into the engine
@@ -182,6 +202,7 @@ class OffloadWorker:
                 if job is None:
                     continue  # its submit failed and was reported then
                 self._by_job.pop(job.job_id, None)
+                self._open[direction] -= 1
                 out.append(self._finish(job, r.ok, r.bytes, r.seconds, r.error))
         if out:
             self._write_stats()

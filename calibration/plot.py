@@ -67,8 +67,23 @@ def plot_profile(fitted: Fitted, path: Path, title: str = "") -> Path:
         ax.legend(fontsize=7, loc="lower right")
     fig.suptitle(f"kvswap calibration: {title}" if title else "kvswap calibration", fontsize=11)
     fig.tight_layout()
+    path = save_png(fig, path)
+    plt.close(fig)
+    return path
+
+
+def save_png(fig: Any, path: Any) -> Path:
+    """Write ``fig`` to ``path`` as a PNG of 256 colours: a plot of flat colours looks the
+    same and takes a third of the bytes (Pillow comes with matplotlib)."""
+    import io
+
+    from PIL import Image
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png", dpi=110)
-    plt.close(fig)
+    raw = io.BytesIO()
+    fig.savefig(raw, format="png", dpi=110)
+    raw.seek(0)
+    with Image.open(raw) as im:
+        im.convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT).save(path, optimize=True)
     return path

@@ -11,6 +11,8 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 from kvswap.models import PRESETS
 
+from .plot import save_png
+
 KiB = 1024
 
 # The bars a step run is held to.
@@ -310,9 +312,7 @@ def plot(doc: dict[str, Any], path: Path) -> Path:
     dev = doc["device"]
     fig.suptitle(f"kvswap bench --model on {dev['name']} (step {doc['settings']['step_ms']} ms of bf16 GEMMs)")
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / (4.5 * len(panels))))  # room for the title
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    path = save_png(fig, path)
     plt.close(fig)
     return path
 

@@ -132,3 +132,22 @@ class DeferredStream:
 
     def recycle(self, *markers: int) -> None:
         pass
+
+
+def install_staged_on_cpu() -> None:
+    """A fresh plugin host whose ``cpu`` platform offers ``triton.staged`` without its
+    pinned-memory requirement: host tensors in tests are pageable, and Triton's interpreter
+    copies synchronously. Needs ``TRITON_INTERPRET=1``."""
+    import dataclasses
+
+    from kvswap import hookimpl
+    from kvswap.backends.triton_generic.staged import staged_impl
+    from kvswap.plugins import create_plugin_host, reset_plugin_host
+
+    class Plugin:
+        @hookimpl
+        def kvswap_register_copy_impls(self, platform, register):
+            if platform == "cpu":
+                register(dataclasses.replace(staged_impl(), requires_pinned=False))
+
+    reset_plugin_host(create_plugin_host(entry_points=[], env={}, extra=[("testplugin", Plugin())]))

@@ -4,7 +4,6 @@ host reference), every contender's bytes checked on both host layouts; and the r
 of a mover that takes a staged route by itself, as a device mover does on a block-major host."""
 from __future__ import annotations
 
-import dataclasses
 import warnings
 
 import numpy as np
@@ -12,16 +11,16 @@ import pytest
 import torch
 
 import kvswap
-from kvswap import BlockMover, Direction, Policy, hookimpl, models
+from kvswap import BlockMover, Direction, Policy, models
 from kvswap.calibration import step, step_contenders, step_interference
 from kvswap.calibration.step import HostEnv, StepSettings
 from kvswap.mover_staged import MIN_RUN_BYTES, staged_steps
 from kvswap.platform import detect
-from kvswap.plugins import create_plugin_host, plugin_host, reset_plugin_host
+from kvswap.plugins import plugin_host
+from fakes import install_staged_on_cpu
 
 pytest.importorskip("triton")
 from kvswap.backends.triton_generic.launch import interpreting  # noqa: E402
-from kvswap.backends.triton_generic.staged import staged_impl  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not interpreting(), reason="runs the staged kernels in Triton's CPU interpreter")
 TINY = models.ModelShape("tiny", layers=3, kv_heads=2, head_dim=16)
@@ -29,15 +28,7 @@ TINY = models.ModelShape("tiny", layers=3, kv_heads=2, head_dim=16)
 
 @pytest.fixture
 def staged_on_cpu() -> None:
-    """``triton.staged`` on the CPU without its pinned-memory requirement (nothing here can
-    be pinned; the interpreter copies synchronously)."""
-    class Plugin:
-        @hookimpl
-        def kvswap_register_copy_impls(self, platform, register):
-            if platform == "cpu":
-                register(dataclasses.replace(staged_impl(), requires_pinned=False))
-
-    reset_plugin_host(create_plugin_host(entry_points=[], env={}, extra=[("testplugin", Plugin())]))
+    install_staged_on_cpu()
 
 
 def test_the_staged_contender_moves_every_byte_on_both_host_layouts(staged_on_cpu):

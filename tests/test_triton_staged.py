@@ -14,15 +14,14 @@ import pytest
 import torch
 
 import kvswap
-from kvswap import BlockMover, Direction, Policy, hookimpl
+from kvswap import BlockMover, Direction, Policy
 from kvswap.mover_staged import MIN_RUN_BYTES, staged_steps
-from kvswap.plugins import create_plugin_host, reset_plugin_host
 from kvswap.runs import SLOT_ALIGN, host_runs
-from mover_layouts import INT_OF, Pool, expected_after, layouts
+from fakes import install_staged_on_cpu
+from mover_layouts import Pool, expected_after, layouts
 
 pytest.importorskip("triton")
 from kvswap.backends.triton_generic.launch import interpreting  # noqa: E402
-from kvswap.backends.triton_generic.staged import staged_impl  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not interpreting(), reason="runs the kernel in Triton's CPU interpreter")
 LAYOUTS = layouts()
@@ -43,18 +42,8 @@ def link_calls(monkeypatch) -> list:
         return plain(src, dst, sizes, stream)
 
     monkeypatch.setattr(reference, "host_copy", link)
-    _install()
+    install_staged_on_cpu()
     return calls
-
-
-def _install() -> None:
-    class Plugin:
-        @hookimpl
-        def kvswap_register_copy_impls(self, platform, register):
-            if platform == "cpu":
-                register(dataclasses.replace(staged_impl(), requires_pinned=False))
-
-    reset_plugin_host(create_plugin_host(entry_points=[], env={}, extra=[("testplugin", Plugin())]))
 
 
 # -- raw descriptors through a forced SwapFn ----------------------------------------------
@@ -179,7 +168,7 @@ def test_staged_routes_never_take_raw_batches_unless_forced(link_calls):
 
 
 def test_a_staged_impl_without_a_batch_route_is_unavailable_with_the_reason():
-    _install()
+    install_staged_on_cpu()
     # No batch route copies d2d here: the staged route (h2d, d2h) is bound for neither.
     with pytest.raises(kvswap.ResolutionError, match="staging_bytes=0 allows no staged routes"):
         kvswap.resolve("h2d", device="cpu", policy=Policy(force="triton.staged", staging_bytes=0))
@@ -212,7 +201,7 @@ def test_the_link_copies_its_arrays_and_its_deferred_work_reaches_the_job(monkey
         return plain(src, dst, sizes, stream)
 
     monkeypatch.setattr(reference, "host_copy", link)
-    _install()
+    install_staged_on_cpu()
     src = np.frombuffer(np.random.default_rng(1).bytes(1 << 14), dtype=np.uint8).copy()
     dst = np.zeros(1 << 14, dtype=np.uint8) + 7
     swap = kvswap.resolve("h2d", device="cpu", policy=Policy(force="triton.staged", staging_bytes=1 << 13))

@@ -230,3 +230,34 @@ def test_a_layout_that_cannot_be_moved_is_refused(refs, match):
     c = CanonicalCaches([CanonicalTensor(torch.zeros(4, 128, dtype=torch.int8), 128)], refs)
     with pytest.raises(BlockLayoutError, match=match):
         canonical_layout(c)
+
+
+@pytest.mark.parametrize("k", [1, 3, 4])
+def test_one_groups_ids_map_as_the_checked_path_maps_them(k):
+    """A one-group worker maps a job's ids on its own short path: the same host block for
+    every device block as the reference, int64 either way; a job that path does not
+    recognise goes to the checked path, which refuses it by name."""
+    from kvswap import BlockIdError
+    from kvswap.integrations.offload.ids import job_block_ids
+
+    rng = np.random.default_rng(30 + k)
+    tensors = [torch.randint(-128, 128, (NUM_BLOCKS, w), dtype=torch.int8) for w in (64, 96)]
+    worker = OffloadWorker(tensors, [(0, 1)], 12, k)
+    for _ in range(40):
+        job = random_job(rng, list(range(NUM_BLOCKS)), list(range(12)), k, groups=1, max_blocks=9)
+        for cast in (np.int32, np.int64):
+            dev_spec = DeviceSpec(job.device.block_ids.astype(cast), job.device.group_sizes,
+                                  job.device.block_indices)
+            host_spec = HostSpec(job.host.block_ids.astype(cast))
+            (dev,), (host,) = worker._ids(dev_spec, host_spec)
+            assert dev.dtype == host.dtype == np.int64
+            assert list(zip(dev.tolist(), host.tolist())) == job.pairs[0]
+            (ref_dev,), (ref_host,) = job_block_ids(dev_spec, host_spec, k, 1)
+            assert np.array_equal(dev, ref_dev) and np.array_equal(host, ref_host)
+    short = DeviceSpec(np.arange(5, dtype=np.int32), [5], [k - 1])
+    with pytest.raises(BlockIdError, match="chunks"):
+        worker._ids(short, HostSpec(np.zeros(1 if k > 1 else 4, dtype=np.int32)))
+    if k > 1:  # where the first block's place in its chunk matters, it must be one
+        with pytest.raises(BlockIdError, match="negative"):
+            worker._ids(DeviceSpec(np.arange(2), [2], [-1]), HostSpec(np.arange(2)))
+    worker.shutdown()

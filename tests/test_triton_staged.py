@@ -71,6 +71,44 @@ def test_descriptors_land_exactly_in_slices(direction, staging, link_calls):
         assert link_calls == [2]
 
 
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+def test_a_half_spreads_its_link_over_the_link_streams_in_parts_of_equal_bytes(direction, link_calls, monkeypatch):
+    from kvswap.backends.triton_generic import staged as staged_mod
+
+    import kvswap.reference as reference
+
+    monkeypatch.setattr(staged_mod, "LINK_STREAMS", 3)
+    part_bytes: list = []
+    counted = reference.host_copy  # the fixture's recorder, which counts descriptors
+
+    def link(src, dst, sizes, stream=None):
+        part_bytes.append(int(np.sum(sizes)))
+        return counted(src, dst, sizes, stream)
+
+    monkeypatch.setattr(reference, "host_copy", link)
+    rng = np.random.default_rng(21)
+    src = np.frombuffer(rng.bytes(1 << 20), dtype=np.uint8).copy()
+    dst = np.frombuffer(rng.bytes(1 << 20), dtype=np.uint8).copy()
+    before = dst.copy()
+    n = 3 * staged_mod.MIN_LINK_DESCRIPTORS + 5
+    sizes = np.full(n, 4096, dtype=np.int64)
+    sizes[::4] = 8192  # unequal descriptors: the parts are cut by bytes, not by count
+    slots = np.arange(0, (1 << 20) - 8192, 2 * 8192)
+    so, do = rng.permutation(slots)[:n], rng.permutation(slots)[:n]  # no two adjacent: none merge
+    swap = kvswap.resolve(direction, device="cpu", policy=Policy(force="triton.staged", staging_bytes=1 << 22))
+    swap(src.ctypes.data + so, dst.ctypes.data + do, sizes)
+    expect = before.copy()
+    for a, b, z in zip(so, do, sizes):
+        expect[b:b + z] = src[a:a + z]
+    assert np.array_equal(dst, expect)
+    assert len(link_calls) == 3 and sum(link_calls) == n
+    assert max(part_bytes) - min(part_bytes) <= 2 * 8192  # a third of the bytes each, to a descriptor
+    link_calls.clear()
+    few = 2 * staged_mod.MIN_LINK_DESCRIPTORS - 1  # too few for two streams' worth
+    swap(src.ctypes.data + so[:few], dst.ctypes.data + do[:few], sizes[:few])
+    assert link_calls == [few]
+
+
 # -- a BlockMover's blocks by id ----------------------------------------------------------
 def _typed(layout_name: str, dtype: torch.dtype):
     return dataclasses.replace(LAYOUTS[layout_name], dtype=dtype)

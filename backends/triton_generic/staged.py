@@ -13,7 +13,7 @@ consecutive host blocks merge. A block-major host cache (:func:`kvswap.host_cach
 run per block.
 
 The buffer is two halves used in turn: while one crosses the link on the route's own
-stream, the other is gathered or scattered on the caller's; events order each half's reuse.
+streams (:data:`LINK_STREAMS`, which overlap the copy engines' cost per descriptor), the other is gathered or scattered on the caller's; events order each half's reuse.
 It is allocated once per binding (a BlockMover's, or a SwapFn's) and bounded by
 ``Policy.staging_bytes``; a job larger than a half moves in slices.
 
@@ -41,6 +41,14 @@ NAME = "triton.staged"
 # 132 of them kept the route within a few % of the link's ceiling and cost bf16 GEMMs beside
 # it about the same (tests/bench/bench_staged.py); fewer leave more SMs to the compute.
 DEVICE_SMS = 32
+# Copy-engine streams a half's link is spread over. A batch call pays about 3 us of device
+# time per descriptor, one after another (H100 and H200, runs of 64 KiB to 2 MiB: 256 KiB runs
+# reached 0.65-0.80 of the contiguous ceiling on one stream, 0.89-0.92 on four); streams
+# overlap it (tests/bench/bench_staged.py --link-streams).
+LINK_STREAMS = 4
+# Descriptors a stream takes at least: each further batch call costs the caller's thread
+# tens of microseconds, which a few descriptors' overlap does not repay.
+MIN_LINK_DESCRIPTORS = 8
 
 
 class _Halves:
@@ -53,7 +61,7 @@ class _Halves:
     filled. In the interpreter every step runs at once, in order.
     """
 
-    def __init__(self, nbytes: int, device_index: Optional[int]) -> None:
+    def __init__(self, nbytes: int, device_index: Optional[int], link_streams: int = 1) -> None:
         import torch
 
         self.half = max(SLOT_ALIGN, nbytes // 2 // SLOT_ALIGN * SLOT_ALIGN)
@@ -66,11 +74,15 @@ class _Halves:
         self.turn = 0
         if device_index is None:
             self.link_stream = None
+            self.links: tuple = (None,) * max(1, link_streams)  # in order, at once
         else:
-            self.link_stream = torch.cuda.Stream(device_index)
+            self.links = tuple(torch.cuda.Stream(device_index) for _ in range(max(1, link_streams)))
+            self.link_stream = self.links[0]
             self.ready = (torch.cuda.Event(), torch.cuda.Event())
             self.free = (torch.cuda.Event(), torch.cuda.Event())
             self.start = torch.cuda.Event()
+            # Per half, an event per further link stream: the first link stream joins them.
+            self.joined = tuple(tuple(torch.cuda.Event() for _ in self.links[1:]) for _ in range(2))
 
     def caller(self, stream: Any) -> Any:
         """The caller's stream as a torch stream (None: the current one)."""
@@ -85,20 +97,25 @@ class _Halves:
         return stream
 
     def run(self, slices: Any, to_host: bool, stream: Any) -> None:
-        """Run ``slices``: ``(device_op(h, stream), link_op(h, stream))`` pairs for half ``h``.
-        The caller's stream ends after every slice's link (device to host) or scatter."""
-        s, link = self.caller(stream), self.link_stream
+        """Run ``slices``: ``(device_op(h, stream), link_op(h, streams))`` pairs for half
+        ``h``; ``link_op`` may spread its copies over the link streams it is given. The
+        caller's stream ends after every slice's link (device to host) or scatter."""
+        s, link, links = self.caller(stream), self.link_stream, self.links
         if link is None:
             for device_op, link_op in slices:
                 h, self.turn = self.turn, self.turn ^ 1
-                first, then = (device_op, link_op) if to_host else (link_op, device_op)
-                first(h, None)
-                then(h, None)
+                if to_host:
+                    device_op(h, None)
+                    link_op(h, links)
+                else:
+                    link_op(h, links)
+                    device_op(h, None)
             return
         last = None
         if not to_host:  # the link reads the host no sooner than the caller's stream asks
             self.start.record(s)
-            link.wait_event(self.start)
+            for ls in links:
+                ls.wait_event(self.start)
         for device_op, link_op in slices:
             h, self.turn = self.turn, self.turn ^ 1
             ready, free = self.ready[h], self.free[h]
@@ -106,19 +123,27 @@ class _Halves:
                 s.wait_event(free)
                 device_op(h, s)
                 ready.record(s)
-                link.wait_event(ready)
-                link_op(h, link)
+                for ls in links:
+                    ls.wait_event(ready)
+                self._join(h, link_op(h, links))
                 free.record(link)
                 last = free
             else:
-                link.wait_event(free)
-                link_op(h, link)
+                for ls in links:
+                    ls.wait_event(free)
+                self._join(h, link_op(h, links))
                 ready.record(link)
                 s.wait_event(ready)
                 device_op(h, s)
                 free.record(s)
         if last is not None:
             s.wait_event(last)
+
+    def _join(self, h: int, used: int) -> None:
+        """The first link stream waits for the ``used - 1`` further ones of half ``h``."""
+        for ls, ev in zip(self.links[1:used], self.joined[h]):
+            ev.record(ls)
+            self.link_stream.wait_event(ev)
 
 
 class StagedCopy:
@@ -131,13 +156,15 @@ class StagedCopy:
     :param staging_bytes: the bound on the staging buffer.
     """
 
-    def __init__(self, kernel: KernelCopyByIds, link: TransferFn, direction: Direction, staging_bytes: int) -> None:
+    def __init__(self, kernel: KernelCopyByIds, link: TransferFn, direction: Direction, staging_bytes: int,
+                 link_streams: int = LINK_STREAMS) -> None:
         self.kernel, self.link, self.direction = kernel, link, direction
         self.to_host = direction is Direction.D2H
         self.staging_bytes = staging_bytes
+        self.link_streams = link_streams
         self._halves: Optional[_Halves] = None
-        self.note = (f"device side on {kernel.num_sms} SMs, link on the copy engines, "
-                     f"{staging_bytes / 2**20:g} MiB of device staging in two halves")
+        self.note = (f"device side on {kernel.num_sms} SMs, link on the copy engines ({link_streams} "
+                     f"stream(s)), {staging_bytes / 2**20:g} MiB of device staging in two halves")
 
     @property
     def num_sms(self) -> int:
@@ -146,7 +173,7 @@ class StagedCopy:
 
     def halves(self) -> _Halves:
         if self._halves is None:
-            self._halves = _Halves(self.staging_bytes, self.kernel.device_index)
+            self._halves = _Halves(self.staging_bytes, self.kernel.device_index, self.link_streams)
         return self._halves
 
     def __call__(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream: Any = None) -> None:
@@ -177,20 +204,33 @@ class StagedCopy:
             else:
                 self.kernel(staged, dev, sizes, s)
 
-        def link_op(h: int, s: Any) -> None:
+        def link_op(h: int, streams: tuple) -> int:
             staged = halves.base[h] + rel
-            self._link(staged, host, sizes, s)
+            return self._link(staged, host, sizes, streams)
 
         return device_op, link_op
 
-    def _link(self, staged: np.ndarray, host: np.ndarray, sizes: np.ndarray, stream: Any) -> None:
+    def _link(self, staged: np.ndarray, host: np.ndarray, sizes: np.ndarray, streams: tuple) -> int:
+        """Copy the runs over the link, spread over up to ``len(streams)`` streams in parts
+        of equal bytes; returns how many streams were used."""
         a, b, z = coalesce(staged, host, sizes) if self.to_host else coalesce(host, staged, sizes)
+        parts = max(1, min(len(streams), len(z) // MIN_LINK_DESCRIPTORS))
+        if parts == 1:
+            cuts = [0, len(z)]
+        else:
+            ends = np.cumsum(z)
+            cuts = [0, *np.searchsorted(ends, ends[-1] * np.arange(1, parts) / parts, side="right").tolist(), len(z)]
+        used = 0
         # These arrays live for this call only: a link that issues later must copy them
         # (not stable), and whatever it leaves to another thread still reaches the caller's job.
         with deferred.collect(stable=False) as issued:
-            self.link(a, b, z, stream)
+            for lo, hi, stream in zip(cuts, cuts[1:], streams):
+                if hi > lo:
+                    self.link(a[lo:hi], b[lo:hi], z[lo:hi], stream)
+                    used += 1
         for item in issued:
             deferred.report(item)
+        return used
 
     def by_ids(self, template: Any) -> Optional[StagedByIds]:
         """Copy a mover's blocks by id through the staging buffer, or None where the
@@ -242,10 +282,10 @@ class StagedByIds:
             else:
                 self.kernels[h](slots, dev_ids, s)
 
-        def link_op(h: int, s: Any) -> None:
+        def link_op(h: int, streams: tuple) -> int:
             host = (r.base[None, :] + host_ids[:, None] * r.stride[None, :]).ravel()
             staged = (halves.base[h] + slots[:, None] * r.slot_bytes + r.rel[None, :]).ravel()
-            st._link(staged, host, np.tile(r.size, k), s)
+            return st._link(staged, host, np.tile(r.size, k), streams)
 
         return device_op, link_op
 
@@ -288,7 +328,8 @@ def bind(ctx: BindContext) -> StagedCopy:
     sms = int(ctx.params.get("num_sms") or min(DEVICE_SMS, ctx.device.compute_units or DEVICE_SMS))
     kernel = KernelCopyByIds(num_sms=sms, device_index=_device_index(ctx.device),
                              tiles=TilePlan.from_params(ctx.params, DEFAULT_PLANS["d2d"]))
-    return StagedCopy(kernel, ctx.link, ctx.direction, int(ctx.params.get("staging_bytes", 64 << 20)))
+    return StagedCopy(kernel, ctx.link, ctx.direction, int(ctx.params.get("staging_bytes", 64 << 20)),
+                      int(ctx.params.get("link_streams") or LINK_STREAMS))
 
 
 def availability(device: DeviceInfo) -> Optional[str]:

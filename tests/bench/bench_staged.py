@@ -26,6 +26,7 @@ import torch
 
 import kvswap
 from kvswap import BlockMover, Policy
+from kvswap.backends.triton_generic import staged as staged_mod
 
 GEMM = 4096
 
@@ -49,11 +50,15 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--step-ms", type=float, default=20.0)
     p.add_argument("--sms", default="16,32,66,132", help="SM counts of the staged device side to try")
+    p.add_argument("--link-streams", default="1,2,4",
+                   help="copy-engine streams of the staged route's link to try (the mover's default route)")
+    p.add_argument("--shapes", default="4x80,8x64,16x40,32x32", help="chunk KiB x layers, comma-separated")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     dev = torch.device("cuda:0")
+    default_links = staged_mod.LINK_STREAMS
     # (chunk KiB, layers, heads): 16 tokens x heads x 128 x 2 B per K or V chunk
-    shapes = [(4, 80, 1), (8, 64, 2), (16, 40, 4), (32, 32, 8)]
+    shapes = [(int(c), int(n), int(c) // 4) for c, n in (x.split("x") for x in args.shapes.split(","))]
     a = torch.randn(GEMM, GEMM, device=dev, dtype=torch.bfloat16)
     b = torch.randn(GEMM, GEMM, device=dev, dtype=torch.bfloat16)
     out = torch.empty_like(a)
@@ -88,10 +93,13 @@ def main() -> int:
             del h, d
             comp_alone = timed(lambda: (launch_compute(), torch.cuda.current_stream().wait_stream(compute)),
                                args.reps)
-            contenders = [("default", Policy()), ("kernel", Policy(force="triton.kernel")),
-                          ("batch", Policy(force="cuda.batch"))]
-            contenders += [(f"staged@{k}", Policy(force="triton.staged", max_sms=int(k))) for k in args.sms.split(",")]
-            for name, policy in contenders:
+            streams = [int(x) for x in args.link_streams.split(",")]
+            contenders = [(f"default/{n} link" if len(streams) > 1 else "default", Policy(), n) for n in streams]
+            contenders += [("kernel", Policy(force="triton.kernel"), None), ("batch", Policy(force="cuda.batch"), None)]
+            contenders += [(f"staged@{k}", Policy(force="triton.staged", max_sms=int(k)), None)
+                           for k in args.sms.split(",") if k]
+            for name, policy, links in contenders:
+                staged_mod.LINK_STREAMS = links or default_links
                 try:
                     mover = BlockMover(src, dst, direction, block_dim=1, policy=policy)
                 except Exception as e:
@@ -127,7 +135,7 @@ def main() -> int:
                 comp_beside = statistics.median(comps)
                 bound = max(comp_alone, nbytes / (ceiling * 1e9))
                 rows.append(dict(chunk_kib=chunk_kib, direction=direction, route=name,
-                                 label=mover.explain().splitlines()[-1] if name == "default" else "",
+                                 label=mover.explain().splitlines()[-1] if name.startswith("default") else "",
                                  alone_over_ceiling=round(nbytes / t_alone / 1e9 / ceiling, 3),
                                  slowdown=round(comp_beside / comp_alone - 1, 3),
                                  makespan_over_bound=round(statistics.median(spans) / bound, 3),

@@ -4,13 +4,16 @@ test: it prints ratios measured in one run, it asserts nothing).
 Both move the same random jobs between llama-3.1-8b-shaped canonical caches (``--layers``
 int8 tensors of ``(num_blocks, --page)``) and one block-major host cache: the worker from
 vLLM-shaped job specs (chunk ids of ``k`` blocks, a group starting inside its first chunk),
-the bare mover from host block ids computed beforehand. Their jobs alternate, so drift in
+the bare mover from host block ids computed beforehand. Their jobs take turns, so drift in
 the machine hits both alike. Per direction, ``k`` and job size:
 
 * host time per job: the engine thread's time in ``submit`` plus in the ``get_finished``
   (``poll``) call that returns the job, medians, and the worker's over the mover's;
 * transfer time: the job's seconds as its result reports them (the mover's events),
-  medians, and the ratio.
+  medians, and the ratio;
+* the noise of both: a second bare mover over the same tensors (``bare B``) measured the
+  same way, and its medians over the first's (an A/A comparison: how far apart two
+  identical contenders land in this run).
 
     python tests/bench/bench_vllm_worker.py --out-dir results [--device cuda:0]
 """
@@ -63,14 +66,17 @@ def measure(args: argparse.Namespace, direction: str, k: int, blocks: int) -> di
     num_chunks = args.host_blocks // k
     worker = OffloadWorker(tensors, [tuple(range(args.layers))], num_chunks, k)
     views = list(worker.host.views)
-    bare = (kvswap.BlockMover(tensors, views, "d2h") if direction == "d2h"
-            else kvswap.BlockMover(views, tensors, "h2d"))
+    def bare_mover() -> kvswap.BlockMover:
+        return (kvswap.BlockMover(tensors, views, "d2h") if direction == "d2h"
+                else kvswap.BlockMover(views, tensors, "h2d"))
+
+    bares = {"bare": bare_mover(), "bare_b": bare_mover()}
     rng = np.random.default_rng(blocks * 10 + k)
-    rows: dict[str, dict[str, list[float]]] = {"worker": {"host": [], "transfer": []},
-                                               "bare": {"host": [], "transfer": []}}
+    names = ("worker", "bare", "bare_b")
+    rows: dict[str, dict[str, list[float]]] = {who: {"host": [], "transfer": []} for who in names}
     for rep in range(args.warmup + args.reps):
         dspec, hspec, dev, host = job_specs(rng, blocks, k, args.device_blocks, num_chunks)
-        for who in ("worker", "bare") if rep % 2 else ("bare", "worker"):
+        for who in names[rep % 3:] + names[:rep % 3]:  # each contender first, second and third in turn
             if who == "worker":
                 submit = (lambda: worker.submit_store(rep, dspec, hspec)) if direction == "d2h" else (
                     lambda: worker.submit_load(rep, hspec, dspec))
@@ -82,6 +88,7 @@ def measure(args: argparse.Namespace, direction: str, k: int, blocks: int) -> di
                 (r,) = done
                 seconds = r.seconds
             else:
+                bare = bares[who]
                 job, t_submit = timed(lambda: bare.submit(dev, host) if direction == "d2h" else bare.submit(host, dev))
                 bare.wait(job)
                 sync()
@@ -94,7 +101,8 @@ def measure(args: argparse.Namespace, direction: str, k: int, blocks: int) -> di
                 rows[who]["transfer"].append(seconds)
     route = route_summary(worker.store if direction == "d2h" else worker.load)
     worker.shutdown()
-    bare.close()
+    for bare in bares.values():
+        bare.close()
     med = {who: {m: statistics.median(v) for m, v in r.items()} for who, r in rows.items()}
     return {
         "direction": direction, "k": k, "blocks": blocks, "bytes": blocks * args.layers * args.page,
@@ -103,19 +111,28 @@ def measure(args: argparse.Namespace, direction: str, k: int, blocks: int) -> di
         "host_extra_us": (med["worker"]["host"] - med["bare"]["host"]) * 1e6,
         "worker_transfer_ms": med["worker"]["transfer"] * 1e3, "bare_transfer_ms": med["bare"]["transfer"] * 1e3,
         "transfer_ratio": med["worker"]["transfer"] / med["bare"]["transfer"] if med["bare"]["transfer"] else None,
+        "aa_host_ratio": med["bare_b"]["host"] / med["bare"]["host"],
+        "aa_host_extra_us": (med["bare_b"]["host"] - med["bare"]["host"]) * 1e6,
+        "aa_transfer_ratio": (med["bare_b"]["transfer"] / med["bare"]["transfer"]
+                              if med["bare"]["transfer"] else None),
+        "within_bar": med["worker"]["host"] <= 1.1 * med["bare"]["host"] + 20e-6,
         "route": route,
     }
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ("| dir | k | blocks | worker host µs | bare host µs | ratio | +µs | worker copy ms | bare copy ms | ratio |\n"
-            "|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| dir | k | blocks | worker host µs | bare host µs | ratio | +µs | ≤ 1.1× + 20 µs | worker copy ms | "
+            "bare copy ms | ratio | A/A host ratio (+µs) | A/A copy ratio |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         tr = "-" if r["transfer_ratio"] is None else f"{r['transfer_ratio']:.3f}"
+        aa = "-" if r["aa_transfer_ratio"] is None else f"{r['aa_transfer_ratio']:.3f}"
         lines.append(f"| {r['direction']} | {r['k']} | {r['blocks']} | {r['worker_host_us']:.1f} | "
                      f"{r['bare_host_us']:.1f} | {r['host_ratio']:.3f} | {r['host_extra_us']:+.1f} | "
-                     f"{r['worker_transfer_ms']:.3f} | {r['bare_transfer_ms']:.3f} | {tr} |")
+                     f"{'yes' if r['within_bar'] else 'no'} | {r['worker_transfer_ms']:.3f} | "
+                     f"{r['bare_transfer_ms']:.3f} | {tr} | {r['aa_host_ratio']:.3f} ({r['aa_host_extra_us']:+.1f}) | "
+                     f"{aa} |")
     return "\n".join(lines)
 
 
@@ -129,7 +146,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--host-blocks", type=int, default=1024)
     ap.add_argument("--blocks", default="16,64,256", help="device blocks per job")
     ap.add_argument("--k", default="1,4", help="blocks per chunk")
-    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--reps", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=4)
     args = ap.parse_args(argv)
     rows = [measure(args, d, k, b) for d in ("d2h", "h2d") for k in map(int, args.k.split(","))

@@ -14,8 +14,8 @@ import json
 import logging
 import os
 import warnings
-from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Optional, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -28,9 +28,9 @@ STORE, LOAD = "store", "load"
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class JobResult:
-    """One finished job, as the engine's job id names it.
+class JobResult(NamedTuple):
+    """One finished job, as the engine's job id names it (a named tuple: built per job on
+    the engine's thread, it costs a fraction of a dataclass).
 
     :ivar bytes: bytes moved (0 for a failed job).
     :ivar seconds: the copy's time, from the mover (see :class:`kvswap.TransferResult`).
@@ -56,11 +56,9 @@ class Counters:
     seconds: float = 0.0
 
 
-@dataclass
-class _Pending:
+class _Pending(NamedTuple):
     job_id: int
-    direction: str
-    device_ids: list[np.ndarray] = field(repr=False)
+    device_ids: list[np.ndarray]
 
 
 def _as_ids(values: Any) -> Optional[np.ndarray]:
@@ -102,6 +100,7 @@ class OffloadWorker:
                                   for i in members):
                 raise ConfigurationError(f"KV group {g} = {list(members)} must name tensors 0..{len(self.tensors) - 1}")
         self.num_chunks, self.blocks_per_chunk = num_chunks, blocks_per_chunk
+        self._in_chunk = np.arange(blocks_per_chunk, dtype=np.int64)  # host block of each place in a chunk
         device = self.tensors[0].device
         on_host = device.type == "cpu"
         with warnings.catch_warnings():
@@ -163,27 +162,40 @@ class OffloadWorker:
             if job_id in self._by_job:
                 raise ConfigurationError(f"job {job_id} is still in flight; a job id names one job at a time")
             device, host = self._ids(device_spec, host_spec)
-            src, dst = (device, host) if direction == STORE else (host, device)
-            mid = self._movers[direction].submit(src, dst) if self._grouped else \
-                self._movers[direction].submit(src[0], dst[0])
+            mover = self._movers[direction]
+            if self._grouped:
+                mid = mover.submit(device, host) if direction == STORE else mover.submit(host, device)
+            else:
+                mid = mover.submit(device[0], host[0]) if direction == STORE else mover.submit(host[0], device[0])
         except Exception as e:
             self.counters[direction].refused += 1
             self.log.error("kvswap refused %s job %s (device blocks %s, chunks %s): %s: %s", direction, job_id,
                            _few(getattr(device_spec, "block_ids", None)), _few(getattr(host_spec, "block_ids", None)),
                            type(e).__name__, e)
             return False
-        self._pending[direction, mid] = _Pending(job_id, direction, device)
+        self._pending[direction, mid] = _Pending(job_id, device)
         self._by_job[job_id] = (direction, mid)
         self._open[direction] += 1
         return True
 
     def _ids(self, device_spec: Any, host_spec: Any) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """A job's ids per group; one group of chunks of one block takes them as they are."""
-        if not self._grouped and self.blocks_per_chunk == 1:
-            dev, host = _as_ids(device_spec.block_ids), _as_ids(host_spec.block_ids)
-            sizes = device_spec.group_sizes
-            if dev is not None and host is not None and len(sizes) == 1 and sizes[0] == len(dev) == len(host):
-                return [dev], [host]
+        """A job's ids per group. One group (most models) is mapped here in a few array
+        operations, as int64 so the mover takes them without converting; anything else,
+        and anything this path does not recognise, goes through :func:`job_block_ids`,
+        which checks every field and says what is wrong."""
+        if not self._grouped:
+            dev, chunks = _as_ids(device_spec.block_ids), _as_ids(host_spec.block_ids)
+            sizes, k = device_spec.group_sizes, self.blocks_per_chunk
+            if dev is not None and chunks is not None and len(sizes) == 1 and sizes[0] == len(dev):
+                if k == 1:
+                    if len(chunks) == len(dev):
+                        return [dev.astype(np.int64, copy=False)], [chunks.astype(np.int64, copy=False)]
+                else:
+                    skip = int(device_spec.block_indices[0])
+                    skip = skip % k if skip >= 0 else -1
+                    if skip >= 0 and len(chunks) == -(-(len(dev) + skip) // k):
+                        host = (chunks.astype(np.int64)[:, None] * k + self._in_chunk).ravel()[skip:skip + len(dev)]
+                        return [dev.astype(np.int64, copy=False)], [host]
         return job_block_ids(device_spec, host_spec, self.blocks_per_chunk, len(self.groups))
 
     def get_finished(self) -> list[JobResult]:
@@ -197,33 +209,32 @@ class OffloadWorker:
             except Exception as e:  # a mover that cannot say is logged, never raised into the engine
                 self.log.error("kvswap could not poll its %s jobs: %s: %s", direction, type(e).__name__, e)
                 continue
+            pending, c = self._pending, self.counters[direction]
             for r in results:
-                job = self._pending.pop((direction, r.job_id), None)
+                job = pending.pop((direction, r.job_id), None)
                 if job is None:
                     continue  # its submit failed and was reported then
-                self._by_job.pop(job.job_id, None)
+                del self._by_job[job.job_id]
                 self._open[direction] -= 1
-                out.append(self._finish(job, r.ok, r.bytes, r.seconds, r.error))
-        if out:
+                ok, error = r.ok, r.error
+                if ok and direction == LOAD and self.options.corrupt_loads:
+                    try:
+                        self._corrupt(job.device_ids)
+                    except Exception as e:
+                        ok, error = False, f"{type(e).__name__}: {e}"
+                if ok:
+                    c.jobs += 1
+                    c.blocks += sum(map(len, job.device_ids))
+                    c.bytes += r.bytes
+                    c.seconds += r.seconds
+                    out.append(JobResult(job.job_id, True, r.bytes, r.seconds))
+                else:
+                    c.failed += 1
+                    self.log.error("kvswap %s job %s failed: %s", direction, job.job_id, error)
+                    out.append(JobResult(job.job_id, False, 0, r.seconds, error))
+        if out and self.stats_path:
             self._write_stats()
         return out
-
-    def _finish(self, job: _Pending, ok: bool, nbytes: int, seconds: float, error: Optional[str]) -> JobResult:
-        c = self.counters[job.direction]
-        if ok and job.direction == LOAD and self.options.corrupt_loads:
-            try:
-                self._corrupt(job.device_ids)
-            except Exception as e:
-                ok, error = False, f"{type(e).__name__}: {e}"
-        if ok:
-            c.jobs += 1
-            c.blocks += sum(len(ids) for ids in job.device_ids)
-            c.bytes += nbytes
-            c.seconds += seconds
-        else:
-            c.failed += 1
-            self.log.error("kvswap %s job %s failed: %s", job.direction, job.job_id, error)
-        return JobResult(job.job_id, ok, nbytes if ok else 0, seconds, error)
 
     def _corrupt(self, device_ids: list[np.ndarray]) -> None:
         """The test control ``corrupt_loads``: random bytes over every loaded block."""

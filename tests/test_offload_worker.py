@@ -257,6 +257,11 @@ def test_one_groups_ids_map_as_the_checked_path_maps_them(k):
     short = DeviceSpec(np.arange(5, dtype=np.int32), [5], [k - 1])
     with pytest.raises(BlockIdError, match="chunks"):
         worker._ids(short, HostSpec(np.zeros(1 if k > 1 else 4, dtype=np.int32)))
+    before = worker.host.buffer.clone()
+    for chunk in (-1, 12, 2**31 - 1):  # negative or past the cache: refused, nothing moved
+        chunks = np.full(-(-2 // k), chunk, dtype=np.int32)
+        assert not worker.submit_store(999, DeviceSpec(np.arange(2, dtype=np.int32), [2], [0]), HostSpec(chunks))
+    assert torch.equal(worker.host.buffer, before) and worker.counters["store"].refused == 3
     if k > 1:  # where the first block's place in its chunk matters, it must be one
         with pytest.raises(BlockIdError, match="negative"):
             worker._ids(DeviceSpec(np.arange(2), [2], [-1]), HostSpec(np.arange(2)))

@@ -100,7 +100,8 @@ class OffloadWorker:
                                   for i in members):
                 raise ConfigurationError(f"KV group {g} = {list(members)} must name tensors 0..{len(self.tensors) - 1}")
         self.num_chunks, self.blocks_per_chunk = num_chunks, blocks_per_chunk
-        self._in_chunk = np.arange(blocks_per_chunk, dtype=np.int64)  # host block of each place in a chunk
+        # Host blocks of each chunk, row c = c * k .. c * k + k - 1: one indexing maps a job's chunks.
+        self._chunk_blocks = np.arange(num_chunks * blocks_per_chunk, dtype=np.int64).reshape(num_chunks, -1)
         device = self.tensors[0].device
         on_host = device.type == "cpu"
         with warnings.catch_warnings():
@@ -194,8 +195,12 @@ class OffloadWorker:
                     skip = int(device_spec.block_indices[0])
                     skip = skip % k if skip >= 0 else -1
                     if skip >= 0 and len(chunks) == -(-(len(dev) + skip) // k):
-                        host = (chunks.astype(np.int64)[:, None] * k + self._in_chunk).ravel()[skip:skip + len(dev)]
-                        return [dev.astype(np.int64, copy=False)], [host]
+                        try:  # read as unsigned, a negative chunk id is out of range too
+                            rows = self._chunk_blocks[chunks.view(chunks.dtype.str.replace("i", "u"))]
+                        except IndexError:
+                            rows = None  # the checked path names the bad id
+                        if rows is not None:
+                            return [dev.astype(np.int64, copy=False)], [rows.ravel()[skip:skip + len(dev)]]
         return job_block_ids(device_spec, host_spec, self.blocks_per_chunk, len(self.groups))
 
     def get_finished(self) -> list[JobResult]:

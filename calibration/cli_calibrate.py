@@ -126,8 +126,8 @@ def strip(paths: list[Path]) -> int:
 
 
 def run_update(args: argparse.Namespace) -> int:
-    from kvswap.platform import detect
-    from kvswap.plugins import plugin_host
+    from kvswap.registry.platform import detect
+    from kvswap.registry.plugins import plugin_host
 
     from . import update
     from .progress import Progress
@@ -168,8 +168,8 @@ def run(args: argparse.Namespace) -> int:
         return run_update(args)
     from kvswap import profiles
     from kvswap.lookup import find_calibration
-    from kvswap.platform import detect
-    from kvswap.plugins import plugin_host
+    from kvswap.registry.platform import detect
+    from kvswap.registry.plugins import plugin_host
 
     from . import fit, store, update
     from .progress import Progress

@@ -115,8 +115,8 @@ def render(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.render:
         return render(args)
-    from kvswap.platform import detect
-    from kvswap.plugins import plugin_host
+    from kvswap.registry.platform import detect
+    from kvswap.registry.plugins import plugin_host
 
     from .progress import Progress
     from .step import DeviceEnv, StepSettings, run_step_bench

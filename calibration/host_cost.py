@@ -247,8 +247,8 @@ def describe(field: dict[str, dict[str, list[float]]], at: Sequence[int] = (2048
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from kvswap.cli import directions as parse_directions
-    from kvswap.platform import detect
-    from kvswap.plugins import plugin_host
+    from kvswap.registry.platform import detect
+    from kvswap.registry.plugins import plugin_host
 
     from .step_workload import DeviceEnv, HostEnv
 

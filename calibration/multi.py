@@ -132,8 +132,8 @@ class DeviceRun:
 
     def __init__(self, spec: str, settings: MultiSettings, directions: Sequence[str]) -> None:
         from kvswap import numa
-        from kvswap.platform import detect
-        from kvswap.plugins import plugin_host
+        from kvswap.registry.platform import detect
+        from kvswap.registry.plugins import plugin_host
         from kvswap.resolver import resolve
         from kvswap.types import Policy
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from kvswap.models import KVCache
 from kvswap.mover import BlockMover
-from kvswap.thresholds import Calibration
+from kvswap.registry.thresholds import Calibration
 from kvswap.types import DeviceInfo, Direction, Policy
 
 from .bench import PEER_KERNEL, PEER_MAX_BLOCK, PEER_MIN_BATCH, PEER_SMS, label, peer_route

@@ -186,8 +186,8 @@ def profile_rows(records: Sequence[dict[str, Any]]) -> dict[str, list[list[Any]]
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from kvswap.cli import directions as parse_directions
-    from kvswap.platform import detect
-    from kvswap.plugins import plugin_host
+    from kvswap.registry.platform import detect
+    from kvswap.registry.plugins import plugin_host
 
     from .step import DeviceEnv
     from .step_report import interference_markdown

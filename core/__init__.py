@@ -33,8 +33,8 @@ from .errors import (  # noqa: E402
     UnpinnedMemoryError,
 )
 from .descriptors import coalesce  # noqa: E402
-from .impl import BindContext, CopyImpl  # noqa: E402
-from .thresholds import Calibration, Curve  # noqa: E402
+from .registry.impl import BindContext, CopyImpl  # noqa: E402
+from .registry.thresholds import Calibration, Curve  # noqa: E402
 from .types import DeviceInfo, Direction, Policy  # noqa: E402
 from .plan import Plan, Route  # noqa: E402
 from .resolver import resolve  # noqa: E402

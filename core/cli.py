@@ -89,7 +89,7 @@ def add_device(p: argparse.ArgumentParser) -> None:
 
 def cmd_info(args: argparse.Namespace) -> int:
     from .inventory import format_report, report
-    from .plugins import plugin_host
+    from .registry.plugins import plugin_host
 
     info = report(plugin_host(), args.device)
     print(json.dumps(info, indent=1) if args.json else format_report(info))

@@ -102,8 +102,8 @@ def _first_touch(addr: int, nbytes: int, cpus: frozenset[int]) -> None:
 def _device_info(device: Any) -> tuple[Optional[DeviceInfo], str]:
     if isinstance(device, DeviceInfo):
         return device, ""
-    from .platform import detect, device_spec, torch_platform
-    from .plugins import plugin_host
+    from .registry.platform import detect, device_spec, torch_platform
+    from .registry.plugins import plugin_host
 
     device_spec(device)  # a malformed spec is the caller's mistake on any machine
     try:

@@ -5,8 +5,8 @@ from typing import Any
 
 from . import __version__, numa
 from .lookup import find_calibration
-from .platform import detect
-from .plugins import PluginHost
+from .registry.platform import detect
+from .registry.plugins import PluginHost
 from .resolver import collect_impls
 from .types import DeviceInfo
 

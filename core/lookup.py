@@ -5,9 +5,9 @@ from dataclasses import replace
 from typing import Optional
 
 from . import profiles as profile_files
-from .impl import CopyImpl
-from .plugins import PluginHost, collect_impls
-from .thresholds import FALLBACK, SCOPES, Calibration
+from .registry.impl import CopyImpl
+from .registry.plugins import PluginHost, collect_impls
+from .registry.thresholds import FALLBACK, SCOPES, Calibration
 from .types import DeviceInfo
 
 
@@ -20,7 +20,7 @@ def find_calibration(host: PluginHost, device: DeviceInfo, profiles: bool = True
     2. calibrations the backends register for this device, most specific ``scope`` first
        (ties: the plugin name, then the source, so installation order never decides),
        with each other plugin's curves for its own implementations added;
-    3. :data:`kvswap.thresholds.FALLBACK`, a conservative guess that says it is one.
+    3. :data:`kvswap.registry.thresholds.FALLBACK`, a conservative guess that says it is one.
 
     A plugin's calibration may describe only its own implementations: its curves for
     another plugin's, and curves for a whole kind (``*batch``, ``*kernel``), are ignored

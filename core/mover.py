@@ -18,7 +18,8 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
-from . import deferred, numa, process
+from .registry import deferred
+from . import numa, process
 from .allocation import allocating
 from .completion import CURRENT_STREAM, CudaCompletion, HostCompletion
 from .errors import ConfigurationError, ForkedProcessError, InvalidTransferError, MoverClosedError
@@ -37,7 +38,7 @@ from .regions import BlockDim, DescriptorTemplate
 from .resolver import resolve
 from .staging import Stager
 from .swapfn import SwapFn
-from .thresholds import Calibration
+from .registry.thresholds import Calibration
 from .types import Direction, DirectionLike, Policy
 
 # A launch in submit holds the engine's thread 50-100 us longer than a handoff to the

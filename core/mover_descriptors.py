@@ -105,7 +105,7 @@ def enqueue(fn: SwapFn, by_ids: Any, arr: np.ndarray, n_ids: int, m: int, stream
 
 
 def stage_ids(by_ids: Any, src_ids: np.ndarray, dst_ids: np.ndarray) -> Any:
-    """``by_ids``'s call in two halves where it offers ``stage`` (:class:`kvswap.impl.ByIdsFn`):
+    """``by_ids``'s call in two halves where it offers ``stage`` (:class:`kvswap.registry.impl.ByIdsFn`):
     the ids staged now, and the returned ``launch(stream)`` that enqueues (``cancel()``
     where it never will); without ``stage``, the whole call is left to ``launch``."""
     stage = getattr(by_ids, "stage", None)

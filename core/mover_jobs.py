@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from . import deferred
+from .registry import deferred
 from .mover_descriptors import JobDescriptors, enqueue
 from .mover_types import TransferResult
 from .pinned_pool import DescriptorBuffer
@@ -23,7 +23,7 @@ class Job:
     descriptors: int = 0
     error: Optional[str] = None
     staged: Optional[Staged] = None
-    issued: Optional[list] = None  # work left to other threads (kvswap.deferred), once issued
+    issued: Optional[list] = None  # work left to other threads (kvswap.registry.deferred), once issued
     ids: Any = None  # the checked ids, until the issuing thread builds the job
     fn: Any = None  # the SwapFn of the route this job takes instead of the mover's (``within``)
     within: Optional[float] = None  # seconds beside compute, where the issuing thread picks ``fn``

@@ -374,7 +374,7 @@ def host_memory_note(tensors: Sequence[Any], device_info: DeviceInfo, topo: Opti
 
 def accelerator_count() -> int:
     """GPUs torch sees in this process (CUDA or ROCm), 0 without any."""
-    from .platform import torch_platform
+    from .registry.platform import torch_platform
 
     if torch_platform() == "cpu":
         return 0
@@ -387,7 +387,7 @@ def gpu_rows(host: Any, count: Optional[int] = None, topo: Optional[Topology] = 
     """:func:`device_row` of every GPU torch sees (``cuda:0`` .. ``cuda:count-1``), each
     described by the plugins as a resolve would; a GPU that cannot be described says why."""
     from .errors import KvSwapError
-    from .platform import detect
+    from .registry.platform import detect
 
     count = accelerator_count() if count is None else count
     rows = []

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .errors import ProfileWarning
-from .thresholds import Calibration, Curve, host_cost_row
+from .registry.thresholds import Calibration, Curve, host_cost_row
 from .types import DeviceInfo
 
 __all__ = [

@@ -6,14 +6,14 @@ from dataclasses import replace
 from typing import Any, Iterable, Optional, Union
 
 from .errors import ConfigurationError, ResolutionError, UnknownImplError
-from .impl import BindContext, CopyImpl, same_addresses
+from .registry.impl import BindContext, CopyImpl, same_addresses
 from .lookup import find_calibration
 from .plan import Candidate, Plan, Route
 from .routing import knee_sms, routes as build_routes, tiers_at
-from .platform import detect
-from .plugins import PluginHost, collect_impls, plugin_host
+from .registry.platform import detect
+from .registry.plugins import PluginHost, collect_impls, plugin_host
 from .swapfn import SwapFn
-from .thresholds import Calibration
+from .registry.thresholds import Calibration
 from .types import DeviceInfo, Direction, DirectionLike, Policy, as_int
 
 FORCE_ENV = "KVSWAP_FORCE_IMPL"
@@ -106,7 +106,7 @@ def _link_for(usable: list[CopyImpl], bound: dict[str, Any], builtin: frozenset[
 
 def host_translator(host: PluginHost, device: DeviceInfo) -> Any:
     """The host address translation kernels on ``device`` use: the first plugin's (by
-    name) that offers one, else :func:`~kvswap.impl.same_addresses`."""
+    name) that offers one, else :func:`~kvswap.registry.impl.same_addresses`."""
     for plugin, fn in host.call_each("kvswap_host_address_translator", device=device):
         if fn is None:
             continue

@@ -10,9 +10,9 @@ import math
 from dataclasses import replace
 from typing import Iterable, Optional, Sequence
 
-from .impl import CopyImpl
+from .registry.impl import CopyImpl
 from .plan import Route
-from .thresholds import Calibration
+from .registry.thresholds import Calibration
 from .types import DeviceInfo, Direction, Policy
 
 __all__ = [

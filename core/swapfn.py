@@ -8,10 +8,10 @@ import numpy as np
 
 from .descriptors import coalesce, run_starts, validate
 from .errors import DriverError, InvalidTransferError
-from .impl import CopyImpl, TransferFn
+from .registry.impl import CopyImpl, TransferFn
 from .plan import Plan, Route
 from .routing import costs_at, quiet_rates, quieter_route
-from .thresholds import Calibration
+from .registry.thresholds import Calibration
 
 
 # Batches shorter than this are not worth a look for contiguous runs: the look costs more
@@ -229,7 +229,7 @@ class SwapFn:
         descriptor count: ``(starts, fns)``, a batch of ``n`` taking ``fns[i]`` for the last
         ``starts[i] <= n``; ``fns[i]`` is None where that implementation checks constraints
         per call. None when such a batch could span routes. BlockMover asks once, to bind
-        the optional ``by_ids`` capability (:class:`~kvswap.impl.ByIdsFn`) of those transfers."""
+        the optional ``by_ids`` capability (:class:`~kvswap.registry.impl.ByIdsFn`) of those transfers."""
         lows = self._low_list
         r = bisect_right(lows, smallest) - 1
         if r != bisect_right(lows, largest) - 1:

@@ -18,7 +18,7 @@ from kvswap.calibration.records import CEILING, SIZE
 from kvswap.calibration.sweep import Settings, Sweep
 from kvswap.calibration.timing import DeviceTimer
 from kvswap.calibration.workload import Pools, WrongResult
-from kvswap.plugins import plugin_host
+from kvswap.registry.plugins import plugin_host
 
 pytestmark = pytest.mark.gpu
 

@@ -12,7 +12,7 @@ import pytest
 import kvswap
 from kvswap import ProfileWarning, profiles
 from kvswap.calibration import store
-from kvswap.platform import cpu_device
+from kvswap.registry.platform import cpu_device
 
 CPU = cpu_device()
 

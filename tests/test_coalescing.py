@@ -7,8 +7,8 @@ import pytest
 
 import kvswap
 from kvswap import CopyImpl, Policy, hookimpl
-from kvswap.plugins import create_plugin_host
-from kvswap.reference import host_copy
+from kvswap.registry.plugins import create_plugin_host
+from kvswap.registry.reference import host_copy
 from kvswap.swapfn import COALESCE_FROM
 
 from fakes import address

@@ -14,8 +14,8 @@ from kvswap.backends.triton_generic import kernel as triton_kernel
 from kvswap.backends.cuda.batch import CUDA_BATCH
 from kvswap.backends.cuda import defaults, device, driver
 from kvswap.lookup import find_calibration
-from kvswap.platform import cpu_device
-from kvswap.plugins import create_plugin_host
+from kvswap.registry.platform import cpu_device
+from kvswap.registry.plugins import create_plugin_host
 
 from cuda_standin import fresh_driver  # noqa: F401 (autouse fixture)
 

@@ -21,8 +21,8 @@ import kvswap
 from kvswap import AllocationError, BlockMover, CopyImpl, Direction, ForkedProcessError, Policy, hookimpl
 from kvswap import pinned_pool
 from kvswap.mover import INTERRUPTED
-from kvswap.plugins import create_plugin_host, reset_plugin_host
-from kvswap.reference import host_copy
+from kvswap.registry.plugins import create_plugin_host, reset_plugin_host
+from kvswap.registry.reference import host_copy
 from fakes import DeferredStream
 from mover_layouts import expected_after, layouts, pool_pair, random_ids
 

@@ -7,7 +7,7 @@ import pytest
 
 import kvswap
 from kvswap import Calibration, InvalidImplError
-from kvswap.plugins import create_plugin_host
+from kvswap.registry.plugins import create_plugin_host
 from kvswap.routing import HOST_COST_AT, thread_bound
 
 from fakes import address

@@ -19,7 +19,7 @@ import torch
 import kvswap
 from kvswap import BlockLayoutError, BlockMover, CopyImpl, Direction, Policy, hookimpl
 from kvswap.block_major import block_major_layout
-from kvswap.plugins import create_plugin_host, reset_plugin_host
+from kvswap.registry.plugins import create_plugin_host, reset_plugin_host
 from mover_layouts import INT_OF, Pool, expected_after, layouts
 
 LAYOUTS = layouts()

@@ -1,5 +1,5 @@
 """BlockMover's by-id path on the host: a route whose transfer offers ``by_ids``
-(kvswap.impl.ByIdsFn) gets the template once and only block ids per submit.
+(kvswap.registry.impl.ByIdsFn) gets the template once and only block ids per submit.
 
 The route here is a throwaway plugin whose transfer is the Triton kernel in its CPU
 interpreter (``TRITON_INTERPRET=1``), so the whole path runs: the mover's choice, the
@@ -17,7 +17,7 @@ import pytest
 
 import kvswap
 from kvswap import BlockMover, CopyImpl, Direction, Policy, hookimpl
-from kvswap.plugins import create_plugin_host, reset_plugin_host
+from kvswap.registry.plugins import create_plugin_host, reset_plugin_host
 from mover_layouts import Pool, expected_after, layouts, pool_pair
 
 pytest.importorskip("triton")
@@ -120,7 +120,7 @@ def test_constrained_transfers_are_not_asked():
 
 
 def test_a_failure_reported_after_submit_fails_its_job():
-    from kvswap import deferred
+    from kvswap.registry import deferred
 
     pending: list = []
 
@@ -145,7 +145,7 @@ def test_a_failure_reported_after_submit_fails_its_job():
 
 
 def test_arrays_are_promised_stable_inside_submit():
-    from kvswap import deferred
+    from kvswap.registry import deferred
 
     seen = []
     _install(lambda src, dst, sizes, stream: seen.append((deferred.arrays_stable(), threading.get_ident())))

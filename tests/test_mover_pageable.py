@@ -14,8 +14,8 @@ import torch
 
 from kvswap import BlockMover, ConfigurationError, CopyImpl, Direction, PageableMemoryWarning, Policy, hookimpl
 from kvswap.errors import UnpinnedMemoryError
-from kvswap.plugins import create_plugin_host, reset_plugin_host
-from kvswap.reference import host_copy
+from kvswap.registry.plugins import create_plugin_host, reset_plugin_host
+from kvswap.registry.reference import host_copy
 from mover_shapes import KINDS, Side, expected_after
 
 TOKENS = 4

@@ -155,8 +155,8 @@ def test_sub_blocks_never_take_a_by_id_route():
     """A route that derives addresses from ``base + id * stride`` on the device cannot
     address sub-blocks: a mover with a block-size factor keeps to descriptors."""
     from kvswap import CopyImpl, Direction, hookimpl
-    from kvswap.plugins import create_plugin_host, reset_plugin_host
-    from kvswap.reference import host_copy
+    from kvswap.registry.plugins import create_plugin_host, reset_plugin_host
+    from kvswap.registry.reference import host_copy
 
     asked = []
 

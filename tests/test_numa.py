@@ -104,7 +104,7 @@ def test_near_cpus_fall_back_to_the_nodes_cpus(tmp_path):
     topo = Topology(two_sockets(tmp_path))
     assert topo.near_cpus(gpu(bus="0000:c1:00.0")) == topo.node_cpus(1)
     assert topo.near_cpus(gpu(bus="0000:50:00.0")) == ()
-    assert topo.near_cpus(kvswap.platform.cpu_device()) == ()
+    assert topo.near_cpus(kvswap.registry.platform.cpu_device()) == ()
 
 
 def test_nodes_without_online_list_come_from_the_folders(tmp_path):
@@ -123,7 +123,7 @@ def test_placement_target(tmp_path):
     assert node is None and "numa_node is -1 or missing" in why and "0000:50:00.0" in why
     node, why = topo.placement_target(gpu(bus="unknown"))
     assert node is None and "no known PCI address" in why
-    node, why = topo.placement_target(kvswap.platform.cpu_device())
+    node, why = topo.placement_target(kvswap.registry.platform.cpu_device())
     assert node is None and "host itself" in why
 
 

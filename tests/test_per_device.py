@@ -9,9 +9,9 @@ import kvswap
 from kvswap import Calibration, CopyImpl, Curve, DeviceInfo, Policy, hookimpl, numa
 from kvswap.inventory import format_report, report
 from kvswap.numa import Topology
-from kvswap.platform import detect
-from kvswap.plugins import create_plugin_host
-from kvswap.reference import host_copy
+from kvswap.registry.platform import detect
+from kvswap.registry.plugins import create_plugin_host
+from kvswap.registry.reference import host_copy
 
 from numa_fakes import fake_sysfs
 

@@ -11,7 +11,7 @@ import pytest
 
 import kvswap
 from kvswap import ProfileWarning
-from kvswap.platform import cpu_device
+from kvswap.registry.platform import cpu_device
 
 CPU = cpu_device()
 

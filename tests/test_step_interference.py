@@ -8,8 +8,8 @@ from kvswap import Calibration, Curve, Policy, models
 from kvswap.calibration import step_interference
 from kvswap.calibration.step import HostEnv
 from kvswap.errors import InvalidImplError
-from kvswap.platform import detect
-from kvswap.plugins import plugin_host
+from kvswap.registry.platform import detect
+from kvswap.registry.plugins import plugin_host
 from kvswap.types import Direction
 
 KiB = 1024

@@ -32,7 +32,7 @@ def link_calls(monkeypatch) -> list:
     """``triton.staged`` without its pinned-memory requirement (host tensors here are
     pageable, and the interpreter copies synchronously), its link the host reference,
     recording how many descriptors cross the link per call."""
-    import kvswap.reference as reference
+    import kvswap.registry.reference as reference
 
     calls: list = []
     plain = reference.host_copy
@@ -189,8 +189,8 @@ def test_the_link_copies_its_arrays_and_its_deferred_work_reaches_the_job(monkey
     is told they are not stable, and the work it reports still reaches the caller's job."""
     import types
 
-    import kvswap.reference as reference
-    from kvswap import deferred
+    import kvswap.registry.reference as reference
+    from kvswap.registry import deferred
 
     seen = []
     plain = reference.host_copy

@@ -12,7 +12,7 @@ import torch
 import kvswap
 from kvswap import BlockMover, ConfigurationError, Policy
 from kvswap.mover_within import QuietChoice
-from kvswap.plugins import create_plugin_host, reset_plugin_host
+from kvswap.registry.plugins import create_plugin_host, reset_plugin_host
 from kvswap.routing import step_cost
 
 from mover_layouts import Pool, expected_after, layouts

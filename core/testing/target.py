@@ -8,10 +8,10 @@ from typing import Any, Optional
 import numpy as np
 
 from ..errors import ConfigurationError
-from ..impl import CopyImpl
+from ..registry.impl import CopyImpl
 from ..inventory import KNOWN_PLATFORMS
-from ..platform import detect
-from ..plugins import PluginHost, plugin_host
+from ..registry.platform import detect
+from ..registry.plugins import PluginHost, plugin_host
 from ..resolver import collect_impls
 from ..types import DeviceInfo
 from .memory import round_up

@@ -7,9 +7,9 @@ from typing import Any, Callable, Mapping, Optional, Protocol
 
 import numpy as np
 
-from .descriptors import misaligned
-from .errors import InvalidImplError
-from .types import DeviceInfo, Direction, as_int
+from ..descriptors import misaligned
+from ..errors import InvalidImplError
+from ..types import DeviceInfo, Direction, as_int
 
 KINDS = ("batch", "kernel", "staged")
 _NAME = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z0-9_]+)+$")

@@ -10,8 +10,8 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
-from .errors import InvalidImplError
-from .types import Direction
+from ..errors import InvalidImplError
+from ..types import Direction
 
 SCOPES = ("device", "family", "platform")  # most specific first
 

@@ -7,9 +7,9 @@ import re
 from functools import lru_cache
 from typing import Any, Optional
 
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
 from .plugins import PluginHost
-from .types import DeviceInfo, slug
+from ..types import DeviceInfo, slug
 
 _SPEC = re.compile(r"^([a-z_]+)(?::(\d+))?$")
 

@@ -16,7 +16,7 @@ def torch_stream(stream: Any, device_index: int) -> Any:
         return torch.cuda.ExternalStream(stream, device=device_index)
     if hasattr(stream, "cuda_stream"):
         return stream
-    from .errors import ConfigurationError
+    from ..errors import ConfigurationError
 
     raise ConfigurationError(f"stream={stream!r} must be None, a torch.cuda.Stream or a raw handle (int)")
 

@@ -10,10 +10,10 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from . import hookspec
+from .. import hookspec
 from .impl import CopyImpl
 from .thresholds import Calibration
-from .types import DeviceInfo
+from ..types import DeviceInfo
 
 
 @hookspec

@@ -13,10 +13,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import hookimpl
+from .. import hookimpl
 from .impl import BindContext, CopyImpl
 from .thresholds import Calibration
-from .types import DeviceInfo, Direction
+from ..types import DeviceInfo, Direction
 
 NAME = "host.reference"
 

@@ -16,8 +16,9 @@ from typing import Any, Iterable, Iterator, Mapping, Optional
 
 import pluggy
 
-from . import PROJECT, hookspecs, reference
-from .errors import PluginWarning
+from .. import PROJECT
+from . import hookspecs, reference
+from ..errors import PluginWarning
 from .impl import CopyImpl
 
 ENTRY_POINT_GROUP = "kvswap.backends"
@@ -238,7 +239,7 @@ def create_plugin_host(
 
 
 def _own_version() -> str:
-    from . import __version__
+    from .. import __version__
 
     return __version__
 

@@ -32,7 +32,7 @@ import numpy as np
 
 from kvswap import resolve
 from kvswap.models import KVCache, get
-from kvswap.regions import pair_regions
+from kvswap.addressing.regions import pair_regions
 from kvswap.types import DeviceInfo, Direction
 
 from .binding import Failures, bound_at

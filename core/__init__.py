@@ -32,7 +32,7 @@ from .errors import (  # noqa: E402
     UnknownImplError,
     UnpinnedMemoryError,
 )
-from .descriptors import coalesce  # noqa: E402
+from .addressing.descriptors import coalesce  # noqa: E402
 from .registry.impl import BindContext, CopyImpl  # noqa: E402
 from .registry.thresholds import Calibration, Curve  # noqa: E402
 from .types import DeviceInfo, Direction, Policy  # noqa: E402

@@ -34,7 +34,7 @@ from .mover_inputs import (
 from .mover_types import GroupLayout, KVGroup, Tensors, TransferResult
 from .mover_staged import staged_steps
 from .mover_within import QuietChoice, check_within
-from .regions import BlockDim, DescriptorTemplate
+from .addressing.regions import BlockDim, DescriptorTemplate
 from .resolver import resolve
 from .staging import Stager
 from .swapfn import SwapFn

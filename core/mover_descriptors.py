@@ -11,10 +11,10 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .descriptors import coalesce, first_overlap
+from .addressing.descriptors import coalesce, first_overlap
 from .errors import AllocationError, BlockIdError
 from .pinned_pool import DescriptorBuffer, DescriptorPool
-from .regions import DescriptorTemplate
+from .addressing.regions import DescriptorTemplate
 from .swapfn import SwapFn
 
 Ids = list  # [(src ids, dst ids)] per KV group, int64, checked

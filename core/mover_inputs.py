@@ -10,10 +10,10 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from .descriptors import as_int64
+from .addressing.descriptors import as_int64
 from .errors import BlockIdError, BlockLayoutError, InvalidTransferError, TensorPlacementError, UnpinnedMemoryError
 from .mover_types import KVGroup, Tensors
-from .regions import DescriptorTemplate, pair_regions
+from .addressing.regions import DescriptorTemplate, pair_regions
 from .staging import PageableMemoryWarning, Stager, storage_spans
 from .swapfn import SwapFn
 from .types import Direction, Policy

@@ -14,9 +14,9 @@ from typing import Any, Optional
 
 from .errors import AllocationError
 from .mover_descriptors import by_ids_steps
-from .regions import DescriptorTemplate
+from .addressing.regions import DescriptorTemplate
 from .resolver import resolve
-from .runs import host_runs
+from .addressing.runs import host_runs
 from .swapfn import SwapFn
 from .types import Direction, Policy
 

@@ -12,7 +12,7 @@ import numbers
 from typing import Any, Optional
 
 from .errors import ConfigurationError
-from .regions import DescriptorTemplate
+from .addressing.regions import DescriptorTemplate
 from .resolver import resolve
 from .swapfn import SwapFn
 from .types import Direction, Policy

@@ -6,7 +6,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from .descriptors import coalesce, run_starts, validate
+from .addressing.descriptors import coalesce, run_starts, validate
 from .errors import DriverError, InvalidTransferError
 from .registry.impl import CopyImpl, TransferFn
 from .plan import Plan, Route
@@ -24,7 +24,7 @@ class SwapFn:
 
     Arguments are 1-D int64 CPU tensors, numpy arrays or sequences of addresses and byte
     counts. Per call it does only what cannot be known at resolve time: it validates the
-    whole batch (:func:`kvswap.descriptors.validate`), merges runs of descriptors that are
+    whole batch (:func:`kvswap.addressing.descriptors.validate`), merges runs of descriptors that are
     contiguous on both sides where that shortens the batch by a quarter or more
     (``Policy.coalesce``), routes each descriptor by size class and batch size, and sends
     descriptors a route's constraints refuse (alignment) to the next route that accepts

@@ -22,7 +22,7 @@ from kvswap import (
     Calibration, CopyImpl, Curve, DriverError, InvalidTransferError, Policy, PluginWarning, ResolutionError,
     hookimpl,
 )
-from kvswap.descriptors import SMALL_BATCH, validate
+from kvswap.addressing.descriptors import SMALL_BATCH, validate
 from kvswap.registry.plugins import create_plugin_host
 from kvswap.registry.reference import host_copy
 

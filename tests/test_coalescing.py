@@ -107,7 +107,7 @@ def test_batches_with_few_joins_or_few_descriptors_are_left_alone():
 
 
 def test_coalesce_is_public():
-    assert kvswap.coalesce is kvswap.descriptors.coalesce
+    assert kvswap.coalesce is kvswap.addressing.descriptors.coalesce
 
 
 def test_a_refusal_names_the_callers_descriptor_even_in_a_merged_run():

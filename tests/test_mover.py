@@ -22,7 +22,7 @@ from kvswap.errors import (
 )
 from kvswap.mover_inputs import SMALL_IDS
 from kvswap.registry.plugins import create_plugin_host, reset_plugin_host
-from kvswap.regions import block_regions
+from kvswap.addressing.regions import block_regions
 from fakes import DeferredStream
 from mover_layouts import Pool, expected_after, layouts, pool_pair, random_ids
 

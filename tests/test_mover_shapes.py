@@ -13,7 +13,7 @@ import torch
 import kvswap
 from kvswap import BlockMover
 from kvswap.errors import BlockIdError, BlockLayoutError
-from kvswap.regions import block_dims
+from kvswap.addressing.regions import block_dims
 from mover_shapes import KINDS, Side, expected_after
 
 MIXED = [KINDS["flash"], KINDS["mla"], KINDS["flashinfer"]]

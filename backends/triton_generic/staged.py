@@ -28,9 +28,9 @@ import numpy as np
 
 from kvswap.registry import deferred
 from kvswap.allocation import allocating
-from kvswap.descriptors import coalesce
+from kvswap.addressing.descriptors import coalesce
 from kvswap.registry.impl import BindContext, CopyImpl, TransferFn
-from kvswap.runs import SLOT_ALIGN, Runs, host_runs
+from kvswap.addressing.runs import SLOT_ALIGN, Runs, host_runs
 from kvswap.types import DeviceInfo, Direction
 
 from .by_ids import KernelCopyByIds

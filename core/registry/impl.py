@@ -7,7 +7,7 @@ from typing import Any, Callable, Mapping, Optional, Protocol
 
 import numpy as np
 
-from ..descriptors import misaligned
+from ..addressing.descriptors import misaligned
 from ..errors import InvalidImplError
 from ..types import DeviceInfo, Direction, as_int
 
@@ -20,7 +20,7 @@ class TransferFn(Protocol):
 
     ``src``, ``dst`` and ``sizes`` are 1-D, C-contiguous int64 numpy arrays of equal length
     (addresses and byte counts); ``stream`` is what the caller passed (None: the current one).
-    Core has validated the whole batch (:func:`kvswap.descriptors.validate`): every size is
+    Core has validated the whole batch (:func:`kvswap.addressing.descriptors.validate`): every size is
     at least 1, no address is null or negative, no range ends past ``2**63 - 1``, no two
     destinations overlap and no destination overlaps a source; and every descriptor meets
     the impl's declared constraints. An implementation need not check any of it again.

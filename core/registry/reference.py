@@ -3,7 +3,7 @@
 It is what ``resolve()`` returns on a machine without an accelerator, and the oracle the
 other backends' tests compare against, so it is deliberately plain: each descriptor is one
 ``memmove``. Like every implementation it is handed only batches that core has validated
-(:func:`kvswap.descriptors.validate`: no overlapping destinations, no null or overflowing
+(:func:`kvswap.addressing.descriptors.validate`: no overlapping destinations, no null or overflowing
 ranges). It is a built-in plugin, registered by core like any other.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ NAME = "host.reference"
 
 def host_copy(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream: Any = None) -> None:
     """Copy ``sizes[i]`` bytes from address ``src[i]`` to ``dst[i]`` for every i, of a
-    batch :func:`kvswap.descriptors.validate` has accepted."""
+    batch :func:`kvswap.addressing.descriptors.validate` has accepted."""
     memmove = ctypes.memmove
     for s, d, n in zip(src.tolist(), dst.tolist(), sizes.tolist()):
         memmove(d, s, n)

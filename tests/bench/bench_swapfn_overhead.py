@@ -20,7 +20,7 @@ import torch
 
 import kvswap
 from kvswap.calibration.binding import bound_at
-from kvswap.descriptors import checked
+from kvswap.addressing.descriptors import checked
 from kvswap.registry.platform import detect
 from kvswap.registry.plugins import plugin_host
 

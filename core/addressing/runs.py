@@ -42,7 +42,7 @@ class Runs:
 
 
 def host_runs(template: Any, host_is_src: bool) -> Runs:
-    """The host side's pieces of ``template`` (a :class:`~kvswap.regions.DescriptorTemplate`
+    """The host side's pieces of ``template`` (a :class:`~kvswap.addressing.regions.DescriptorTemplate`
     or anything with its arrays) merged into runs: pieces that follow each other in host
     memory with one block stride."""
     base = np.asarray(template.src_base if host_is_src else template.dst_base, dtype=np.int64)

@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 
 from .descriptors import coalesce, first_overlap
-from .errors import BlockLayoutError
+from ..errors import BlockLayoutError
 
 PairDim = Union[int, tuple[int, int]]
 BlockDim = Union[PairDim, Sequence[PairDim]]

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
-from .errors import InvalidTransferError
+from ..errors import InvalidTransferError
 
 
 def as_int64(values: Any, what: str) -> np.ndarray:

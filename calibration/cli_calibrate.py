@@ -110,7 +110,7 @@ def duration(seconds: float) -> str:
 
 
 def strip(paths: list[Path]) -> int:
-    from kvswap.profiles import ProfileError
+    from kvswap.resolution.profiles import ProfileError
 
     from . import store
 
@@ -166,8 +166,8 @@ def run(args: argparse.Namespace) -> int:
         return strip(args.strip)
     if args.update is not None:
         return run_update(args)
-    from kvswap import profiles
-    from kvswap.lookup import find_calibration
+    from kvswap.resolution import profiles
+    from kvswap.resolution.lookup import find_calibration
     from kvswap.registry.platform import detect
     from kvswap.registry.plugins import plugin_host
 

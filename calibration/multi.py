@@ -134,7 +134,7 @@ class DeviceRun:
         from kvswap import numa
         from kvswap.registry.platform import detect
         from kvswap.registry.plugins import plugin_host
-        from kvswap.resolver import resolve
+        from kvswap.resolution.resolver import resolve
         from kvswap.types import Policy
 
         from .bench import label

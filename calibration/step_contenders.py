@@ -77,7 +77,7 @@ def routes_available(direction: Direction, device: Any, host: Any = None) -> Rou
     """The batch-, kernel- and staged-kind implementations a mover can use here. A route
     that needs pinned host memory (a kernel, a staged route as shipped) is left out on a
     machine without an accelerator, which has none (Triton's interpreter included)."""
-    from kvswap.resolver import resolve
+    from kvswap.resolution.resolver import resolve
 
     plan = resolve(direction, device=device, host=host).plan
     on_cpu = plan.device.platform == "cpu"

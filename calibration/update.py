@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from kvswap import __version__, profiles
+from kvswap import __version__
+from kvswap.resolution import profiles
 from kvswap.errors import ConfigurationError
 from kvswap.types import DeviceInfo, Direction
 

@@ -36,9 +36,9 @@ from .addressing.descriptors import coalesce  # noqa: E402
 from .registry.impl import BindContext, CopyImpl  # noqa: E402
 from .registry.thresholds import Calibration, Curve  # noqa: E402
 from .types import DeviceInfo, Direction, Policy  # noqa: E402
-from .plan import Plan, Route  # noqa: E402
-from .resolver import resolve  # noqa: E402
-from .swapfn import SwapFn  # noqa: E402
+from .resolution.plan import Plan, Route  # noqa: E402
+from .resolution.resolver import resolve  # noqa: E402
+from .resolution.swapfn import SwapFn  # noqa: E402
 from .mover import BlockMover, GroupLayout, KVGroup, TransferResult  # noqa: E402
 from .staging import PageableMemoryWarning  # noqa: E402
 from .host_memory import host_empty  # noqa: E402

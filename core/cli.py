@@ -97,7 +97,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from .resolver import resolve
+    from .resolution.resolver import resolve
 
     policy = Policy(max_sms=args.max_sms, prefer=args.prefer, force=args.force)
     fn = resolve(args.direction, device=args.device, block_bytes=args.block_bytes, policy=policy)

@@ -4,10 +4,10 @@ from __future__ import annotations
 from typing import Any
 
 from . import __version__, numa
-from .lookup import find_calibration
+from .resolution.lookup import find_calibration
 from .registry.platform import detect
 from .registry.plugins import PluginHost
-from .resolver import collect_impls
+from .resolution.resolver import collect_impls
 from .types import DeviceInfo
 
 KNOWN_PLATFORMS = ("cpu", "cuda", "rocm")

@@ -35,9 +35,9 @@ from .mover_types import GroupLayout, KVGroup, Tensors, TransferResult
 from .mover_staged import staged_steps
 from .mover_within import QuietChoice, check_within
 from .addressing.regions import BlockDim, DescriptorTemplate
-from .resolver import resolve
+from .resolution.resolver import resolve
 from .staging import Stager
-from .swapfn import SwapFn
+from .resolution.swapfn import SwapFn
 from .registry.thresholds import Calibration
 from .types import Direction, DirectionLike, Policy
 

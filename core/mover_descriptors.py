@@ -15,7 +15,7 @@ from .addressing.descriptors import coalesce, first_overlap
 from .errors import AllocationError, BlockIdError
 from .pinned_pool import DescriptorBuffer, DescriptorPool
 from .addressing.regions import DescriptorTemplate
-from .swapfn import SwapFn
+from .resolution.swapfn import SwapFn
 
 Ids = list  # [(src ids, dst ids)] per KV group, int64, checked
 

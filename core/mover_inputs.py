@@ -15,7 +15,7 @@ from .errors import BlockIdError, BlockLayoutError, InvalidTransferError, Tensor
 from .mover_types import KVGroup, Tensors
 from .addressing.regions import DescriptorTemplate, pair_regions
 from .staging import PageableMemoryWarning, Stager, storage_spans
-from .swapfn import SwapFn
+from .resolution.swapfn import SwapFn
 from .types import Direction, Policy
 
 

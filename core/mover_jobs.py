@@ -10,7 +10,7 @@ from .mover_descriptors import JobDescriptors, enqueue
 from .mover_types import TransferResult
 from .pinned_pool import DescriptorBuffer
 from .staging import Staged
-from .swapfn import SwapFn
+from .resolution.swapfn import SwapFn
 
 
 @dataclass(eq=False, slots=True)

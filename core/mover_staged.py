@@ -15,9 +15,9 @@ from typing import Any, Optional
 from .errors import AllocationError
 from .mover_descriptors import by_ids_steps
 from .addressing.regions import DescriptorTemplate
-from .resolver import resolve
+from .resolution.resolver import resolve
 from .addressing.runs import host_runs
-from .swapfn import SwapFn
+from .resolution.swapfn import SwapFn
 from .types import Direction, Policy
 
 # The shortest host run a staged route takes. Batch copies of 64 KiB blocks ran at 0.8 of the

@@ -13,8 +13,8 @@ from typing import Any, Optional
 
 from .errors import ConfigurationError
 from .addressing.regions import DescriptorTemplate
-from .resolver import resolve
-from .swapfn import SwapFn
+from .resolution.resolver import resolve
+from .resolution.swapfn import SwapFn
 from .types import Direction, Policy
 
 

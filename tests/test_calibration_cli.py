@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvswap import profiles
+from kvswap.resolution import profiles
 from kvswap.registry import plugins
 from kvswap.calibration import store
 from kvswap.calibration import sweep as sweep_module

@@ -8,7 +8,7 @@ import numpy as np
 
 import kvswap
 from kvswap import Calibration, Curve, DeviceInfo, InvalidImplError
-from kvswap import profiles
+from kvswap.resolution import profiles
 from kvswap.calibration import fit, store
 from kvswap.calibration.decisions import ClassRoute
 from kvswap.registry.plugins import create_plugin_host

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 import kvswap
-from kvswap import profiles
+from kvswap.resolution import profiles
 from kvswap.calibration import fit, store, update
 from kvswap.calibration.bench import bench_settings, run_bench
 from kvswap.calibration.plot import plot_profile

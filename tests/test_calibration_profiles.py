@@ -9,7 +9,8 @@ from typing import Any, Callable, Optional
 import pytest
 
 import kvswap
-from kvswap import CopyImpl, DeviceInfo, Direction, Policy, hookimpl, profiles
+from kvswap import CopyImpl, DeviceInfo, Direction, Policy, hookimpl
+from kvswap.resolution import profiles
 from kvswap.calibration import store
 from kvswap.calibration.records import SIZE, Measurement
 from kvswap.cli import main

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 import kvswap
-from kvswap import ProfileWarning, profiles
+from kvswap import ProfileWarning
+from kvswap.resolution import profiles
 from kvswap.calibration import store
 from kvswap.registry.platform import cpu_device
 

@@ -9,7 +9,7 @@ import kvswap
 from kvswap import CopyImpl, Policy, hookimpl
 from kvswap.registry.plugins import create_plugin_host
 from kvswap.registry.reference import host_copy
-from kvswap.swapfn import COALESCE_FROM
+from kvswap.resolution.swapfn import COALESCE_FROM
 
 from fakes import address
 

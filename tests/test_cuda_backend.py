@@ -20,7 +20,7 @@ from kvswap.backends import cuda as plugin
 from kvswap.backends.cuda import batch, device, driver
 from kvswap.registry.platform import cpu_device
 from kvswap.registry.plugins import create_plugin_host
-from kvswap.resolver import collect_impls
+from kvswap.resolution.resolver import collect_impls
 
 from cuda_standin import HostPools, StandInLibcuda, fresh_driver, standin_driver  # noqa: F401 (fixture)
 

@@ -127,8 +127,8 @@ def test_no_import_cycles(package):
 
 
 def test_the_graph_is_read_whole():
-    assert {"kvswap.resolver", "kvswap.routing", "kvswap.profiles", "kvswap.calibration.store"} <= set(MODULES)
-    assert ("kvswap.calibration.store", "kvswap.profiles", "") in IMPORTS  # calibration reads through core
+    assert {"kvswap.resolution.resolver", "kvswap.resolution.routing", "kvswap.resolution.profiles", "kvswap.calibration.store"} <= set(MODULES)
+    assert ("kvswap.calibration.store", "kvswap.resolution.profiles", "") in IMPORTS  # calibration reads through core
 
 
 def test_resolving_and_explaining_loads_no_calibration_module(tmp_path):

@@ -367,11 +367,11 @@ def test_a_failing_route_reports_a_failed_job_and_keeps_its_buffer():
 def test_a_submit_validates_its_batch_once(monkeypatch):
     """BlockMover checks ids against a checked template; the SwapFn does not check the
     descriptors it built a second time (the whole-batch check is O(n log n))."""
-    import kvswap.swapfn
+    import kvswap.resolution.swapfn
 
     calls = []
-    real = kvswap.swapfn.validate
-    monkeypatch.setattr(kvswap.swapfn, "validate", lambda *a: calls.append(1) or real(*a))
+    real = kvswap.resolution.swapfn.validate
+    monkeypatch.setattr(kvswap.resolution.swapfn, "validate", lambda *a: calls.append(1) or real(*a))
     src = torch.randn(16, 4, 32)
     dst = torch.zeros(16, 4, 32)
     with BlockMover(src, dst, "h2d") as mover:

@@ -121,7 +121,7 @@ def test_calibration_settings_take_each_devices_sm_count(rig):
     _, host = rig
     big, small = detect(host, "cuda:0"), detect(host, "cuda:2")
     assert max(settings_for(big).sm_counts) > 8 and max(settings_for(small).sm_counts) <= 8
-    from kvswap import profiles
+    from kvswap.resolution import profiles
 
     assert profiles.default_path(big) != profiles.default_path(small)
     assert profiles.default_path(big) == profiles.default_path(detect(host, "cuda:1"))  # one kind, one profile

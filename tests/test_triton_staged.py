@@ -172,7 +172,7 @@ def test_a_staged_impl_without_a_batch_route_is_unavailable_with_the_reason():
     # No batch route copies d2d here: the staged route (h2d, d2h) is bound for neither.
     with pytest.raises(kvswap.ResolutionError, match="staging_bytes=0 allows no staged routes"):
         kvswap.resolve("h2d", device="cpu", policy=Policy(force="triton.staged", staging_bytes=0))
-    from kvswap.resolver import _link_for
+    from kvswap.resolution.resolver import _link_for
 
     assert _link_for([], {}, frozenset(), Policy())[1] == (
         "needs a batch route of this direction for the link, and none is usable here")

@@ -126,7 +126,7 @@ class Calibration:
         per-layer tensors (an engine's layout), with the transfer stream busy so only host
         work counts: ``((route, a_us, b_us), ...)`` with ``route`` an impl name or a kind.
         :meth:`host_us` answers from it; the resolver excludes a route whose call holds the
-        thread longer than the whole transfer takes on another (:mod:`kvswap.routing`).
+        thread longer than the whole transfer takes on another (:mod:`kvswap.resolution.routing`).
     :param ceiling_gbps: per direction, the contiguous copy ceiling when measured.
     :param calibrated: False for guesses; ``explain()`` then says how to calibrate.
     :param host_reference: measured host memory copies (the host reference, on a machine

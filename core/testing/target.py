@@ -12,7 +12,7 @@ from ..registry.impl import CopyImpl
 from ..inventory import KNOWN_PLATFORMS
 from ..registry.platform import detect
 from ..registry.plugins import PluginHost, plugin_host
-from ..resolver import collect_impls
+from ..resolution.resolver import collect_impls
 from ..types import DeviceInfo
 from .memory import round_up
 

@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from .profiles import is_shipped
-from .types import DeviceInfo, Direction, Policy
+from ..types import DeviceInfo, Direction, Policy
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class Route:
     :ivar excluded: ``(impl, host_us, other_us, other_impl)`` for each candidate left out
         because its call holds the thread longer (``host_us``) than the whole transfer takes
         on ``other_impl`` (``other_us``), both at ``host_at`` descriptors
-        (:func:`kvswap.routing.thread_bound`).
+        (:func:`kvswap.resolution.routing.thread_bound`).
     """
 
     min_bytes: int

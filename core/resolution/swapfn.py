@@ -6,12 +6,12 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from .addressing.descriptors import coalesce, run_starts, validate
-from .errors import DriverError, InvalidTransferError
-from .registry.impl import CopyImpl, TransferFn
+from ..addressing.descriptors import coalesce, run_starts, validate
+from ..errors import DriverError, InvalidTransferError
+from ..registry.impl import CopyImpl, TransferFn
 from .plan import Plan, Route
 from .routing import costs_at, quiet_rates, quieter_route
-from .registry.thresholds import Calibration
+from ..registry.thresholds import Calibration
 
 
 # Batches shorter than this are not worth a look for contiguous runs: the look costs more
@@ -195,7 +195,7 @@ class SwapFn:
         """The implementation that takes no SMs, by name, where a batch of ``count``
         descriptors of ``size`` bytes (``nbytes`` in all) that has ``within`` seconds beside
         the engine's compute is predicted to end the step sooner on it than on the kernel
-        this function gives it (:func:`kvswap.routing.quieter_route`); None otherwise, and
+        this function gives it (:func:`kvswap.resolution.routing.quieter_route`); None otherwise, and
         for a forced route."""
         if self._cal is None or self.plan.forced:
             return None
@@ -208,7 +208,7 @@ class SwapFn:
 
     def prepare_quieter(self, size: int) -> Optional[tuple]:
         """Predict now what :meth:`quieter` weighs for blocks of ``size`` bytes at every batch
-        tier (:func:`kvswap.routing.quiet_rates`), so that an engine's step pays only a few
+        tier (:func:`kvswap.resolution.routing.quiet_rates`), so that an engine's step pays only a few
         float operations per batch: ``(tier starts, rates per tier)``, remembered per size
         (up to 4096 sizes); None for a forced route or without a calibration."""
         if self._cal is None or self.plan.forced:

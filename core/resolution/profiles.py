@@ -29,9 +29,9 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional
 
-from .errors import ProfileWarning
-from .registry.thresholds import Calibration, Curve, host_cost_row
-from .types import DeviceInfo
+from ..errors import ProfileWarning
+from ..registry.thresholds import Calibration, Curve, host_cost_row
+from ..types import DeviceInfo
 
 __all__ = [
     "PROFILE_ENV",

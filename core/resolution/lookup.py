@@ -5,10 +5,10 @@ from dataclasses import replace
 from typing import Optional
 
 from . import profiles as profile_files
-from .registry.impl import CopyImpl
-from .registry.plugins import PluginHost, collect_impls
-from .registry.thresholds import FALLBACK, SCOPES, Calibration
-from .types import DeviceInfo
+from ..registry.impl import CopyImpl
+from ..registry.plugins import PluginHost, collect_impls
+from ..registry.thresholds import FALLBACK, SCOPES, Calibration
+from ..types import DeviceInfo
 
 
 def find_calibration(host: PluginHost, device: DeviceInfo, profiles: bool = True,

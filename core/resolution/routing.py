@@ -10,10 +10,10 @@ import math
 from dataclasses import replace
 from typing import Iterable, Optional, Sequence
 
-from .registry.impl import CopyImpl
+from ..registry.impl import CopyImpl
 from .plan import Route
-from .registry.thresholds import Calibration
-from .types import DeviceInfo, Direction, Policy
+from ..registry.thresholds import Calibration
+from ..types import DeviceInfo, Direction, Policy
 
 __all__ = [
     "EDGES",

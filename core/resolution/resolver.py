@@ -5,16 +5,16 @@ import os
 from dataclasses import replace
 from typing import Any, Iterable, Optional, Union
 
-from .errors import ConfigurationError, ResolutionError, UnknownImplError
-from .registry.impl import BindContext, CopyImpl, same_addresses
+from ..errors import ConfigurationError, ResolutionError, UnknownImplError
+from ..registry.impl import BindContext, CopyImpl, same_addresses
 from .lookup import find_calibration
 from .plan import Candidate, Plan, Route
 from .routing import knee_sms, routes as build_routes, tiers_at
-from .registry.platform import detect
-from .registry.plugins import PluginHost, collect_impls, plugin_host
+from ..registry.platform import detect
+from ..registry.plugins import PluginHost, collect_impls, plugin_host
 from .swapfn import SwapFn
-from .registry.thresholds import Calibration
-from .types import DeviceInfo, Direction, DirectionLike, Policy, as_int
+from ..registry.thresholds import Calibration
+from ..types import DeviceInfo, Direction, DirectionLike, Policy, as_int
 
 FORCE_ENV = "KVSWAP_FORCE_IMPL"
 

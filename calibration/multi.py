@@ -131,7 +131,7 @@ class DeviceRun:
     windows it is asked to time."""
 
     def __init__(self, spec: str, settings: MultiSettings, directions: Sequence[str]) -> None:
-        from kvswap import numa
+        from kvswap.memory import numa
         from kvswap.registry.platform import detect
         from kvswap.registry.plugins import plugin_host
         from kvswap.resolution.resolver import resolve

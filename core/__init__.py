@@ -40,10 +40,10 @@ from .resolution.plan import Plan, Route  # noqa: E402
 from .resolution.resolver import resolve  # noqa: E402
 from .resolution.swapfn import SwapFn  # noqa: E402
 from .mover import BlockMover, GroupLayout, KVGroup, TransferResult  # noqa: E402
-from .staging import PageableMemoryWarning  # noqa: E402
-from .host_memory import host_empty  # noqa: E402
-from .block_major import HostCache, host_cache  # noqa: E402
-from .numa import NumaWarning  # noqa: E402
+from .memory.staging import PageableMemoryWarning  # noqa: E402
+from .memory.host_memory import host_empty  # noqa: E402
+from .memory.block_major import HostCache, host_cache  # noqa: E402
+from .memory.numa import NumaWarning  # noqa: E402
 
 __all__ = [
     "AllocationError",

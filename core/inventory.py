@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import __version__, numa
+from . import __version__
+from .memory import numa
 from .resolution.lookup import find_calibration
 from .registry.platform import detect
 from .registry.plugins import PluginHost

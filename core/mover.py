@@ -19,12 +19,13 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 
 from .registry import deferred
-from . import numa, process
-from .allocation import allocating
+from .memory import numa
+from . import process
+from .memory.allocation import allocating
 from .completion import CURRENT_STREAM, CudaCompletion, HostCompletion
 from .errors import ConfigurationError, ForkedProcessError, InvalidTransferError, MoverClosedError
 from .issuing import IssuingThread
-from .pinned_pool import DescriptorPool
+from .memory.pinned_pool import DescriptorPool
 from .mover_descriptors import JobDescriptors, by_ids_steps, enqueue, stage_ids
 from .mover_jobs import Job, complete, issue_with, result, wait_from_worker
 from .mover_inputs import (
@@ -36,7 +37,7 @@ from .mover_staged import staged_steps
 from .mover_within import QuietChoice, check_within
 from .addressing.regions import BlockDim, DescriptorTemplate
 from .resolution.resolver import resolve
-from .staging import Stager
+from .memory.staging import Stager
 from .resolution.swapfn import SwapFn
 from .registry.thresholds import Calibration
 from .types import Direction, DirectionLike, Policy

@@ -13,7 +13,7 @@ import numpy as np
 
 from .addressing.descriptors import coalesce, first_overlap
 from .errors import AllocationError, BlockIdError
-from .pinned_pool import DescriptorBuffer, DescriptorPool
+from .memory.pinned_pool import DescriptorBuffer, DescriptorPool
 from .addressing.regions import DescriptorTemplate
 from .resolution.swapfn import SwapFn
 

@@ -14,7 +14,7 @@ from .addressing.descriptors import as_int64
 from .errors import BlockIdError, BlockLayoutError, InvalidTransferError, TensorPlacementError, UnpinnedMemoryError
 from .mover_types import KVGroup, Tensors
 from .addressing.regions import DescriptorTemplate, pair_regions
-from .staging import PageableMemoryWarning, Stager, storage_spans
+from .memory.staging import PageableMemoryWarning, Stager, storage_spans
 from .resolution.swapfn import SwapFn
 from .types import Direction, Policy
 

@@ -8,8 +8,8 @@ from typing import Any, Callable, Optional
 from .registry import deferred
 from .mover_descriptors import JobDescriptors, enqueue
 from .mover_types import TransferResult
-from .pinned_pool import DescriptorBuffer
-from .staging import Staged
+from .memory.pinned_pool import DescriptorBuffer
+from .memory.staging import Staged
 from .resolution.swapfn import SwapFn
 
 

@@ -19,7 +19,7 @@ import torch
 
 import kvswap
 from kvswap import AllocationError, BlockMover, CopyImpl, Direction, ForkedProcessError, Policy, hookimpl
-from kvswap import pinned_pool
+from kvswap.memory import pinned_pool
 from kvswap.mover import INTERRUPTED
 from kvswap.registry.plugins import create_plugin_host, reset_plugin_host
 from kvswap.registry.reference import host_copy
@@ -153,7 +153,7 @@ def test_a_staging_buffer_that_cannot_be_allocated_fails_the_submit_before_any_b
 
 
 def test_running_out_is_told_apart_from_other_failures():
-    from kvswap.allocation import allocating, out_of_memory
+    from kvswap.memory.allocation import allocating, out_of_memory
 
     assert out_of_memory(MemoryError()) and out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
     assert out_of_memory(RuntimeError("CUDA error: out of memory")) and not out_of_memory(RuntimeError("bad"))

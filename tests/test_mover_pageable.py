@@ -203,7 +203,7 @@ def test_after_that_cannot_be_honoured_is_refused_before_any_byte_moves():
 
 
 def test_staging_copies_split_over_threads_move_every_byte(monkeypatch):
-    from kvswap import staging
+    from kvswap.memory import staging
 
     monkeypatch.setattr(staging, "PARALLEL_BYTES", 1 << 14)
     rng = np.random.default_rng(57)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import kvswap
-from kvswap import BlockMover, NumaWarning, Policy, numa
+from kvswap import BlockMover, NumaWarning, Policy
+from kvswap.memory import numa
 
 pytestmark = pytest.mark.gpu
 

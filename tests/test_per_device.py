@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 import kvswap
-from kvswap import Calibration, CopyImpl, Curve, DeviceInfo, Policy, hookimpl, numa
+from kvswap import Calibration, CopyImpl, Curve, DeviceInfo, Policy, hookimpl
+from kvswap.memory import numa
 from kvswap.inventory import format_report, report
-from kvswap.numa import Topology
+from kvswap.memory.numa import Topology
 from kvswap.registry.platform import detect
 from kvswap.registry.plugins import create_plugin_host
 from kvswap.registry.reference import host_copy

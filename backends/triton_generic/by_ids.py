@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from kvswap.allocation import allocating
+from kvswap.memory.allocation import allocating
 
 from .compiled import Variant, direct_parts, hook_is_set
 from .launch import KernelCopy, Tile, batch_alignment

@@ -27,7 +27,7 @@ from typing import Any, Optional
 import numpy as np
 
 from kvswap.registry import deferred
-from kvswap.allocation import allocating
+from kvswap.memory.allocation import allocating
 from kvswap.addressing.descriptors import coalesce
 from kvswap.registry.impl import BindContext, CopyImpl, TransferFn
 from kvswap.addressing.runs import SLOT_ALIGN, Runs, host_runs

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from kvswap.allocation import allocating
+from kvswap.memory.allocation import allocating
 
 MIN_ELEMS = 3 * 1024  # the smallest buffer: batches up to 1024 descriptors
 # How many kept buffers one take() asks about before making a new one: every query is a

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
-from .errors import BlockLayoutError, ConfigurationError
+from ..errors import BlockLayoutError, ConfigurationError
 from .host_memory import host_empty
 
 __all__ = ["BlockMajorLayout", "HostCache", "block_major_layout", "host_cache"]

@@ -23,8 +23,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-from .errors import KvSwapWarning
-from .types import DeviceInfo
+from ..errors import KvSwapWarning
+from ..types import DeviceInfo
 
 SYSFS_ROOT = Path("/sys")
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -374,7 +374,7 @@ def host_memory_note(tensors: Sequence[Any], device_info: DeviceInfo, topo: Opti
 
 def accelerator_count() -> int:
     """GPUs torch sees in this process (CUDA or ROCm), 0 without any."""
-    from .registry.platform import torch_platform
+    from ..registry.platform import torch_platform
 
     if torch_platform() == "cpu":
         return 0
@@ -386,8 +386,8 @@ def accelerator_count() -> int:
 def gpu_rows(host: Any, count: Optional[int] = None, topo: Optional[Topology] = None) -> list[dict[str, Any]]:
     """:func:`device_row` of every GPU torch sees (``cuda:0`` .. ``cuda:count-1``), each
     described by the plugins as a resolve would; a GPU that cannot be described says why."""
-    from .errors import KvSwapError
-    from .registry.platform import detect
+    from ..errors import KvSwapError
+    from ..registry.platform import detect
 
     count = accelerator_count() if count is None else count
     rows = []

@@ -10,7 +10,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
-from .errors import AllocationError
+from ..errors import AllocationError
 
 
 def out_of_memory(e: BaseException) -> bool:

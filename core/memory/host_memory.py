@@ -30,9 +30,9 @@ import threading
 import warnings
 from typing import Any, Optional, Sequence, Union
 
-from .errors import ConfigurationError, DriverError
+from ..errors import ConfigurationError, DriverError
 from .numa import PAGE, NumaWarning, PagePlacement, page_nodes, topology
-from .types import DeviceInfo
+from ..types import DeviceInfo
 
 # cudaHostRegisterPortable | cudaHostRegisterMapped (the same bits for hipHostRegister):
 # pinned for every device's context (one KV pool may serve several GPUs' movers), and
@@ -102,8 +102,8 @@ def _first_touch(addr: int, nbytes: int, cpus: frozenset[int]) -> None:
 def _device_info(device: Any) -> tuple[Optional[DeviceInfo], str]:
     if isinstance(device, DeviceInfo):
         return device, ""
-    from .registry.platform import detect, device_spec, torch_platform
-    from .registry.plugins import plugin_host
+    from ..registry.platform import detect, device_spec, torch_platform
+    from ..registry.plugins import plugin_host
 
     device_spec(device)  # a malformed spec is the caller's mistake on any machine
     try:
@@ -138,7 +138,7 @@ def host_empty(shape: Union[int, Sequence[int]], dtype: Any = None, *, device: A
     :raises ConfigurationError: a bad shape, dtype, device or node.
     :raises DriverError: the pages could not be pinned.
 
-    Placement is skipped, with a :class:`~kvswap.numa.NumaWarning` once per reason, where the
+    Placement is skipped, with a :class:`~kvswap.memory.numa.NumaWarning` once per reason, where the
     device's node is unknown or the node has no CPU this process may run on; on a machine
     without an accelerator the tensor is not pinned (nothing could use the pinning).
     """

@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from .errors import KvSwapWarning
+from ..errors import KvSwapWarning
 from .pinned_pool import DescriptorBuffer, StagingPool
 
 

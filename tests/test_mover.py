@@ -20,7 +20,7 @@ from kvswap.errors import (
     TensorPlacementError,
     UnpinnedMemoryError,
 )
-from kvswap.mover_inputs import SMALL_IDS
+from kvswap.mover.inputs import SMALL_IDS
 from kvswap.registry.plugins import create_plugin_host, reset_plugin_host
 from kvswap.addressing.regions import block_regions
 from fakes import DeferredStream
@@ -388,7 +388,7 @@ def test_id_checks_agree_on_both_sides_of_the_small_batch_path(n, sort, monkeypa
     # a bitmap of the destination blocks, or by sorting for pools large against the ids):
     # the same verdicts and messages, and nothing copied on a refusal.
     if sort:
-        monkeypatch.setattr(kvswap.mover_inputs, "BITMAP_BLOCKS_PER_ID", 0)
+        monkeypatch.setattr(kvswap.mover.inputs, "BITMAP_BLOCKS_PER_ID", 0)
     rng = np.random.default_rng(n)
     src = torch.from_numpy(rng.integers(0, 256, (700, 48), dtype=np.uint8))
     dst = torch.full((650, 48), 0xA5, dtype=torch.uint8)

@@ -15,7 +15,7 @@ import torch
 
 import kvswap
 from kvswap import BlockMover, Direction, Policy
-from kvswap.mover_staged import MIN_RUN_BYTES, staged_steps
+from kvswap.mover.staged import MIN_RUN_BYTES, staged_steps
 from kvswap.addressing.runs import SLOT_ALIGN, host_runs
 from fakes import install_staged_on_cpu
 from mover_layouts import Pool, expected_after, layouts

@@ -11,7 +11,7 @@ import torch
 
 import kvswap
 from kvswap import BlockMover, ConfigurationError, Policy
-from kvswap.mover_within import QuietChoice
+from kvswap.mover.within import QuietChoice
 from kvswap.registry.plugins import create_plugin_host, reset_plugin_host
 from kvswap.resolution.routing import step_cost
 

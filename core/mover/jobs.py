@@ -1,16 +1,16 @@
 """A BlockMover job from ``submit`` to its result: what the issuing thread does with it
-(:mod:`kvswap.issuing`), when it is complete, and what its result says."""
+(:mod:`kvswap.mover.issuing`), when it is complete, and what its result says."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from .registry import deferred
-from .mover_descriptors import JobDescriptors, enqueue
-from .mover_types import TransferResult
-from .memory.pinned_pool import DescriptorBuffer
-from .memory.staging import Staged
-from .resolution.swapfn import SwapFn
+from ..registry import deferred
+from .descriptors import JobDescriptors, enqueue
+from .types import TransferResult
+from ..memory.pinned_pool import DescriptorBuffer
+from ..memory.staging import Staged
+from ..resolution.swapfn import SwapFn
 
 
 @dataclass(eq=False, slots=True)

@@ -14,7 +14,7 @@ import contextlib
 import time
 from typing import Any, ContextManager
 
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
 
 
 class _CurrentStream:
@@ -106,7 +106,7 @@ class CudaCompletion:
     def __init__(self, device_index: int, stream: Any = None) -> None:
         import torch
 
-        from .registry.streams import torch_stream
+        from ..registry.streams import torch_stream
 
         self._torch = torch
         self.index = device_index

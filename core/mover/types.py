@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
-from .addressing.regions import BlockDim
+from ..addressing.regions import BlockDim
 
 Tensors = Union[Any, Sequence[Any]]
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Optional
 
-from .errors import AllocationError
-from .mover_descriptors import by_ids_steps
-from .addressing.regions import DescriptorTemplate
-from .resolution.resolver import resolve
-from .addressing.runs import host_runs
-from .resolution.swapfn import SwapFn
-from .types import Direction, Policy
+from ..errors import AllocationError
+from .descriptors import by_ids_steps
+from ..addressing.regions import DescriptorTemplate
+from ..resolution.resolver import resolve
+from ..addressing.runs import host_runs
+from ..resolution.swapfn import SwapFn
+from ..types import Direction, Policy
 
 # The shortest host run a staged route takes. Batch copies of 64 KiB blocks ran at 0.8 of the
 # link's ceiling on an H200 and of 128 KiB at 0.88 (docs/benchmarks.md), against 0.1-0.4 at

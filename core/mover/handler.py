@@ -6,7 +6,7 @@ block ids into descriptors (one numpy broadcast over all layers, chunks and ids,
 pooled pinned buffer), coalesces contiguous runs, and enqueues the copy on its own
 transfer stream after what the engine says the copy waits for (by default, the work
 already queued on the current stream). On a device, the work that grows with layers x
-blocks and the copy route's call run on the mover's issuing thread (:mod:`kvswap.issuing`).
+blocks and the copy route's call run on the mover's issuing thread (:mod:`kvswap.mover.issuing`).
 """
 from __future__ import annotations
 
@@ -18,29 +18,29 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
-from .registry import deferred
-from .memory import numa
+from ..registry import deferred
+from ..memory import numa
 from . import process
-from .memory.allocation import allocating
+from ..memory.allocation import allocating
 from .completion import CURRENT_STREAM, CudaCompletion, HostCompletion
-from .errors import ConfigurationError, ForkedProcessError, InvalidTransferError, MoverClosedError
+from ..errors import ConfigurationError, ForkedProcessError, InvalidTransferError, MoverClosedError
 from .issuing import IssuingThread
-from .memory.pinned_pool import DescriptorPool
-from .mover_descriptors import JobDescriptors, by_ids_steps, enqueue, stage_ids
-from .mover_jobs import Job, complete, issue_with, result, wait_from_worker
-from .mover_inputs import (
+from ..memory.pinned_pool import DescriptorPool
+from .descriptors import JobDescriptors, by_ids_steps, enqueue, stage_ids
+from .jobs import Job, complete, issue_with, result, wait_from_worker
+from .inputs import (
     checked_groups, checked_pair, device_side, group_specs, group_templates, groups_share_destinations,
     paired_sides, stager_for,
 )
-from .mover_types import GroupLayout, KVGroup, Tensors, TransferResult
-from .mover_staged import staged_steps
-from .mover_within import QuietChoice, check_within
-from .addressing.regions import BlockDim, DescriptorTemplate
-from .resolution.resolver import resolve
-from .memory.staging import Stager
-from .resolution.swapfn import SwapFn
-from .registry.thresholds import Calibration
-from .types import Direction, DirectionLike, Policy
+from .types import GroupLayout, KVGroup, Tensors, TransferResult
+from .staged import staged_steps
+from .within import QuietChoice, check_within
+from ..addressing.regions import BlockDim, DescriptorTemplate
+from ..resolution.resolver import resolve
+from ..memory.staging import Stager
+from ..resolution.swapfn import SwapFn
+from ..registry.thresholds import Calibration
+from ..types import Direction, DirectionLike, Policy
 
 # A launch in submit holds the engine's thread 50-100 us longer than a handoff to the
 # issuing thread (measured cold, beside queued GEMMs, on an H100); submit's budget of

@@ -11,11 +11,11 @@ import dataclasses
 import numbers
 from typing import Any, Optional
 
-from .errors import ConfigurationError
-from .addressing.regions import DescriptorTemplate
-from .resolution.resolver import resolve
-from .resolution.swapfn import SwapFn
-from .types import Direction, Policy
+from ..errors import ConfigurationError
+from ..addressing.regions import DescriptorTemplate
+from ..resolution.resolver import resolve
+from ..resolution.swapfn import SwapFn
+from ..types import Direction, Policy
 
 
 def check_within(within: Any) -> None:

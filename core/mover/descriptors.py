@@ -2,7 +2,7 @@
 buffer, or the ids themselves for a route that derives addresses on the device.
 
 This is the work that grows with layers x blocks; a device mover does it on its issuing
-thread (:mod:`kvswap.issuing`), off the engine's thread.
+thread (:mod:`kvswap.mover.issuing`), off the engine's thread.
 """
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .addressing.descriptors import coalesce, first_overlap
-from .errors import AllocationError, BlockIdError
-from .memory.pinned_pool import DescriptorBuffer, DescriptorPool
-from .addressing.regions import DescriptorTemplate
-from .resolution.swapfn import SwapFn
+from ..addressing.descriptors import coalesce, first_overlap
+from ..errors import AllocationError, BlockIdError
+from ..memory.pinned_pool import DescriptorBuffer, DescriptorPool
+from ..addressing.regions import DescriptorTemplate
+from ..resolution.swapfn import SwapFn
 
 Ids = list  # [(src ids, dst ids)] per KV group, int64, checked
 

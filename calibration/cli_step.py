@@ -9,7 +9,7 @@ from typing import Any
 
 from kvswap.cli import block_list, positive
 from kvswap.errors import ConfigurationError, KvSwapError
-from kvswap.models import DEFAULT_BLOCK_TOKENS, add_shape_arguments, shapes_from_args
+from kvswap.cli.models import DEFAULT_BLOCK_TOKENS, add_shape_arguments, shapes_from_args
 
 
 def _names(text: str) -> list[str]:

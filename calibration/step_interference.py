@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from kvswap.models import KVCache, get
+from kvswap.cli.models import KVCache, get
 from kvswap.types import DeviceInfo, Direction, Policy
 
 from .progress import Progress

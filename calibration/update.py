@@ -56,7 +56,7 @@ def make_env(dev: DeviceInfo) -> Any:
 
 def host_interference_cache() -> Any:
     """A small layout for the slowdown on the host (4 KiB chunks, 4 layers)."""
-    from kvswap.models import ModelShape
+    from kvswap.cli.models import ModelShape
 
     return ModelShape("host layout", 4, 2, 64).at(1)
 

@@ -314,7 +314,7 @@ def test_history_patterns_leave_product_words_alone(text):
     assert history_in(text) == []
 
 
-OWN_FILES = ("README.md", "docs/", ".ci/", "pyproject.toml", "core/cli.py", "tests/bench/README.md",
+OWN_FILES = ("README.md", "docs/", ".ci/", "pyproject.toml", "core/cli/__init__.py", "tests/bench/README.md",
              "tests/bench/gpu_session.sh", "tests/test_cli.py", "tests/test_packaging.py")
 
 

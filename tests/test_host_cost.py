@@ -7,7 +7,8 @@ import json
 import re
 import pytest
 
-from kvswap import CopyImpl, Direction, ProfileWarning, hookimpl, models
+from kvswap import CopyImpl, Direction, ProfileWarning, hookimpl
+from kvswap.cli import models
 from kvswap.resolution import profiles
 from kvswap.calibration import fit, host_cost, store
 from kvswap.calibration.binding import Failures

@@ -8,7 +8,7 @@ import pytest
 import kvswap
 from kvswap import Calibration, CopyImpl, Curve, DeviceInfo, Policy, hookimpl
 from kvswap.memory import numa
-from kvswap.inventory import format_report, report
+from kvswap.cli.inventory import format_report, report
 from kvswap.memory.numa import Topology
 from kvswap.registry.platform import detect
 from kvswap.registry.plugins import create_plugin_host

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvswap import Policy, models
+from kvswap import Policy
+from kvswap.cli import models
 from kvswap.calibration import step, step_report, step_workload
 from kvswap.calibration.step import Contender, HostEnv, StepPools, StepSettings, WrongBytes
 from kvswap.registry.platform import detect

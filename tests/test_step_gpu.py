@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kvswap import models
+from kvswap.cli import models
 from kvswap.calibration import step, step_report
 from kvswap.mover.staged import MIN_RUN_BYTES
 from kvswap.registry.platform import detect

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvswap import Calibration, Curve, Policy, models
+from kvswap import Calibration, Curve, Policy
+from kvswap.cli import models
 from kvswap.calibration import step_interference
 from kvswap.calibration.step import HostEnv
 from kvswap.errors import InvalidImplError

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import kvswap
-from kvswap import BlockMover, Direction, Policy, models
+from kvswap import BlockMover, Direction, Policy
+from kvswap.cli import models
 from kvswap.calibration import step, step_contenders, step_interference
 from kvswap.calibration.step import HostEnv, StepSettings
 from kvswap.mover.staged import MIN_RUN_BYTES, staged_steps

@@ -9,7 +9,7 @@ import numpy as np
 
 from ..errors import ConfigurationError
 from ..registry.impl import CopyImpl
-from ..inventory import KNOWN_PLATFORMS
+from ..cli.inventory import KNOWN_PLATFORMS
 from ..registry.platform import detect
 from ..registry.plugins import PluginHost, plugin_host
 from ..resolution.resolver import collect_impls

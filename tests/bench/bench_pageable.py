@@ -1,6 +1,6 @@
 """How much slower BlockMover is on pageable host memory than on pinned (not a test).
 
-For each model shape (``kvswap.models``), direction and job size, two movers over the same
+For each model shape (``kvswap.cli.models``), direction and job size, two movers over the same
 device tensors: one with pinned host tensors, one with pageable host tensors (staged
 through kvswap's pinned buffers). Jobs alternate between the two, so drift hits both
 alike. Per job it times, on the host clock:
@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 import kvswap
-from kvswap import BlockMover, PageableMemoryWarning, models
+from kvswap import BlockMover, PageableMemoryWarning
+from kvswap.cli import models
 from kvswap.memory import staging
 
 

@@ -15,15 +15,15 @@ import sys
 import warnings
 from typing import Any, Callable, Optional, Sequence
 
-from . import __version__
-from .errors import ConfigurationError, KvSwapError, ResolutionError
-from .types import Direction, Policy
+from .. import __version__
+from ..errors import ConfigurationError, KvSwapError, ResolutionError
+from ..types import Direction, Policy
 
 # Subcommands whose code lives elsewhere: name -> module with HELP, DESCRIPTION,
 # add_arguments(p) and run(args). A command whose module fails to import is still listed,
 # and running it says why.
 EXTERNAL = {
-    "models": "kvswap.models",
+    "models": "kvswap.cli.models",
     "calibrate": "kvswap.calibration.cli_calibrate",
     "bench": "kvswap.calibration.cli_bench",
 }
@@ -89,7 +89,7 @@ def add_device(p: argparse.ArgumentParser) -> None:
 
 def cmd_info(args: argparse.Namespace) -> int:
     from .inventory import format_report, report
-    from .registry.plugins import plugin_host
+    from ..registry.plugins import plugin_host
 
     info = report(plugin_host(), args.device)
     print(json.dumps(info, indent=1) if args.json else format_report(info))
@@ -97,7 +97,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from .resolution.resolver import resolve
+    from ..resolution.resolver import resolve
 
     policy = Policy(max_sms=args.max_sms, prefer=args.prefer, force=args.force)
     fn = resolve(args.direction, device=args.device, block_bytes=args.block_bytes, policy=policy)

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import __version__
-from .memory import numa
-from .resolution.lookup import find_calibration
-from .registry.platform import detect
-from .registry.plugins import PluginHost
-from .resolution.resolver import collect_impls
-from .types import DeviceInfo
+from .. import __version__
+from ..memory import numa
+from ..resolution.lookup import find_calibration
+from ..registry.platform import detect
+from ..registry.plugins import PluginHost
+from ..resolution.resolver import collect_impls
+from ..types import DeviceInfo
 
 KNOWN_PLATFORMS = ("cpu", "cuda", "rocm")
 

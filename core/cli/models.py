@@ -27,7 +27,7 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence
 
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
 
 __all__ = ["DTYPES", "LAYOUTS", "PRESETS", "KVCache", "ModelShape", "get", "names", "shapes_from_args",
            "add_shape_arguments"]
@@ -268,7 +268,7 @@ DESCRIPTION = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .cli import positive
+    from . import positive
 
     p.add_argument("models", nargs="*", metavar="MODEL", help=f"models to show (default: all): {', '.join(PRESETS)}")
     p.add_argument("--tp", type=positive, default=DEFAULT_TP, metavar="N", help="tensor-parallel ranks (default 1)")

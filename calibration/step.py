@@ -42,7 +42,7 @@ import numpy as np
 
 from kvswap.errors import ConfigurationError, KvSwapError
 from kvswap.cli.models import KVCache
-from kvswap.mover.handler import BlockMover, TransferResult
+from kvswap import BlockMover, TransferResult
 from kvswap.types import DeviceInfo, Direction
 
 from .progress import Progress

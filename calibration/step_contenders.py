@@ -9,7 +9,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import numpy as np
 
 from kvswap.cli.models import KVCache
-from kvswap.mover.handler import BlockMover
+from kvswap import BlockMover
 from kvswap.registry.thresholds import Calibration
 from kvswap.types import DeviceInfo, Direction, Policy
 

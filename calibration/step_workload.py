@@ -20,7 +20,7 @@ import numpy as np
 from kvswap.memory.block_major import HostCache, block_major_layout
 from kvswap.errors import ConfigurationError, KvSwapError
 from kvswap.cli.models import KVCache
-from kvswap.mover.handler import BlockMover
+from kvswap import BlockMover
 from kvswap.types import DeviceInfo, Direction
 
 from .timing import median

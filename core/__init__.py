@@ -39,7 +39,8 @@ from .types import DeviceInfo, Direction, Policy  # noqa: E402
 from .resolution.plan import Plan, Route  # noqa: E402
 from .resolution.resolver import resolve  # noqa: E402
 from .resolution.swapfn import SwapFn  # noqa: E402
-from .mover.handler import BlockMover, GroupLayout, KVGroup, TransferResult  # noqa: E402
+from .mover.handler import BlockMover  # noqa: E402
+from .mover.types import GroupLayout, KVGroup, TransferResult  # noqa: E402
 from .memory.staging import PageableMemoryWarning  # noqa: E402
 from .memory.host_memory import host_empty  # noqa: E402
 from .memory.block_major import HostCache, host_cache  # noqa: E402

@@ -20,7 +20,7 @@ import torch
 import kvswap
 from kvswap import AllocationError, BlockMover, CopyImpl, Direction, ForkedProcessError, Policy, hookimpl
 from kvswap.memory import pinned_pool
-from kvswap.mover.handler import INTERRUPTED
+from kvswap.mover.submit import INTERRUPTED
 from kvswap.registry.plugins import create_plugin_host, reset_plugin_host
 from kvswap.registry.reference import host_copy
 from fakes import DeferredStream
@@ -217,7 +217,7 @@ def test_a_mover_used_in_a_forked_child_refuses_and_a_mover_built_there_works():
 
 def test_a_child_forked_after_cuda_was_initialised_is_recognised(monkeypatch):
     """What decides that a device mover cannot be built here (tested for real on a GPU)."""
-    from kvswap.mover.handler import process
+    from kvswap.mover import process
 
     assert process.cuda_forked() is False
     monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)

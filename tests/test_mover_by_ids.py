@@ -229,7 +229,7 @@ def test_with_the_thread_idle_a_by_id_job_launches_in_submit_and_behind_a_queued
     while the thread holds nothing and the call is only a launch; while an earlier job
     still waits there, the by-id job goes behind it, so the copies run in submission order
     (they write the same blocks); a call that uploads first goes to the thread too."""
-    monkeypatch.setattr("kvswap.mover.handler.LAUNCH_HERE_MIN_DESCRIPTORS", 0)  # these jobs are small
+    monkeypatch.setattr("kvswap.mover.submit.LAUNCH_HERE_MIN_DESCRIPTORS", 0)  # these jobs are small
     t = Gated()
     _install(t)
     rng = np.random.default_rng(12)
@@ -273,7 +273,7 @@ def test_a_by_id_job_below_the_launch_minimum_goes_to_the_thread():
     jobs = [(np.arange(8, dtype=np.int64), np.arange(8, 16, dtype=np.int64))]
     with BlockMover(src.tensors, dst.tensors, "h2d", block_dim=1, policy=Policy(force="test.kernel"),
                     issuing_thread=True) as mover:
-        assert 8 * mover.chunks_per_block < kvswap.mover.handler.LAUNCH_HERE_MIN_DESCRIPTORS
+        assert 8 * mover.chunks_per_block < kvswap.mover.submit.LAUNCH_HERE_MIN_DESCRIPTORS
         mover.submit(*jobs[0])
         mover.wait()
         assert all(r.ok for r in mover.poll())
@@ -282,7 +282,7 @@ def test_a_by_id_job_below_the_launch_minimum_goes_to_the_thread():
 
 
 def test_a_by_id_launch_that_fails_in_submit_raises_and_fails_its_job(monkeypatch):
-    monkeypatch.setattr("kvswap.mover.handler.LAUNCH_HERE_MIN_DESCRIPTORS", 0)
+    monkeypatch.setattr("kvswap.mover.submit.LAUNCH_HERE_MIN_DESCRIPTORS", 0)
     class Broken(Recording):
         def by_ids(self, template):
             def fn(src_ids, dst_ids, stream):
@@ -336,7 +336,7 @@ def test_ids_are_staged_before_the_start_marker_and_launched_after_it(monkeypatc
     """A job's time is the device's: where the route stages its ids apart from the launch,
     the mover stages them before it records the job's start marker (on the caller's path
     and when it launches in submit), and every byte still lands."""
-    monkeypatch.setattr("kvswap.mover.handler.LAUNCH_HERE_MIN_DESCRIPTORS", 0)
+    monkeypatch.setattr("kvswap.mover.submit.LAUNCH_HERE_MIN_DESCRIPTORS", 0)
     log: list = []
     _install(Staging(log))
     src, dst = _pools("flash", 16)

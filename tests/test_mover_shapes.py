@@ -134,12 +134,12 @@ def test_block_dim_forms():
 
 
 def test_calibration_and_profiles_pass_through_to_resolve(monkeypatch):
-    import kvswap.mover.handler
+    import kvswap.mover.build
     from kvswap import Calibration
 
     seen = []
-    real = kvswap.mover.handler.resolve
-    monkeypatch.setattr(kvswap.mover.handler, "resolve", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    real = kvswap.mover.build.resolve
+    monkeypatch.setattr(kvswap.mover.build, "resolve", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
     cal = Calibration(source="a calibration handed to the mover", platform="cpu", calibrated=False)
     gen = torch.Generator().manual_seed(36)
     s, d = Side([KINDS["mla"]], 4, TOKENS, gen), Side([KINDS["mla"]], 4, TOKENS, gen)

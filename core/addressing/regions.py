@@ -14,8 +14,8 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
-from .descriptors import coalesce, first_overlap
 from ..errors import BlockLayoutError
+from .descriptors import coalesce, first_overlap
 
 PairDim = Union[int, tuple[int, int]]
 BlockDim = Union[PairDim, Sequence[PairDim]]

@@ -5,9 +5,9 @@ from typing import Any
 
 from .. import __version__
 from ..memory import numa
-from ..resolution.lookup import find_calibration
 from ..registry.platform import detect
 from ..registry.plugins import PluginHost
+from ..resolution.lookup import find_calibration
 from ..resolution.resolver import collect_impls
 from ..types import DeviceInfo
 

@@ -31,8 +31,8 @@ import warnings
 from typing import Any, Optional, Sequence, Union
 
 from ..errors import ConfigurationError, DriverError
-from .numa import PAGE, NumaWarning, PagePlacement, page_nodes, topology
 from ..types import DeviceInfo
+from .numa import PAGE, NumaWarning, PagePlacement, page_nodes, topology
 
 # cudaHostRegisterPortable | cudaHostRegisterMapped (the same bits for hipHostRegister):
 # pinned for every device's context (one KV pool may serve several GPUs' movers), and

@@ -12,9 +12,9 @@ from typing import Any, Optional
 import numpy as np
 
 from ..addressing.descriptors import coalesce, first_overlap
+from ..addressing.regions import DescriptorTemplate
 from ..errors import AllocationError, BlockIdError
 from ..memory.pinned_pool import DescriptorBuffer, DescriptorPool
-from ..addressing.regions import DescriptorTemplate
 from ..resolution.swapfn import SwapFn
 
 Ids = list  # [(src ids, dst ids)] per KV group, int64, checked

@@ -11,12 +11,12 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from ..addressing.descriptors import as_int64
-from ..errors import BlockIdError, BlockLayoutError, InvalidTransferError, TensorPlacementError, UnpinnedMemoryError
-from .types import KVGroup, Tensors
 from ..addressing.regions import DescriptorTemplate, pair_regions
+from ..errors import BlockIdError, BlockLayoutError, InvalidTransferError, TensorPlacementError, UnpinnedMemoryError
 from ..memory.staging import PageableMemoryWarning, Stager, storage_spans
 from ..resolution.swapfn import SwapFn
 from ..types import Direction, Policy
+from .types import KVGroup, Tensors
 
 
 

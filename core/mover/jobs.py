@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from ..registry import deferred
-from .descriptors import JobDescriptors, enqueue
-from .types import TransferResult
 from ..memory.pinned_pool import DescriptorBuffer
 from ..memory.staging import Staged
+from ..registry import deferred
 from ..resolution.swapfn import SwapFn
+from .descriptors import JobDescriptors, enqueue
+from .types import TransferResult
 
 
 @dataclass(eq=False, slots=True)

@@ -11,8 +11,8 @@ import dataclasses
 import numbers
 from typing import Any, Optional
 
-from ..errors import ConfigurationError
 from ..addressing.regions import DescriptorTemplate
+from ..errors import ConfigurationError
 from ..resolution.resolver import resolve
 from ..resolution.swapfn import SwapFn
 from ..types import Direction, Policy

@@ -11,9 +11,9 @@ from typing import Callable, Optional
 import numpy as np
 
 from .. import hookspec
+from ..types import DeviceInfo
 from .impl import CopyImpl
 from .thresholds import Calibration
-from ..types import DeviceInfo
 
 
 @hookspec

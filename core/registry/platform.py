@@ -8,8 +8,8 @@ from functools import lru_cache
 from typing import Any, Optional
 
 from ..errors import ConfigurationError
-from .plugins import PluginHost
 from ..types import DeviceInfo, slug
+from .plugins import PluginHost
 
 _SPEC = re.compile(r"^([a-z_]+)(?::(\d+))?$")
 

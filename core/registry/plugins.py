@@ -17,8 +17,8 @@ from typing import Any, Iterable, Iterator, Mapping, Optional
 import pluggy
 
 from .. import PROJECT
-from . import hookspecs, reference
 from ..errors import PluginWarning
+from . import hookspecs, reference
 from .impl import CopyImpl
 
 ENTRY_POINT_GROUP = "kvswap.backends"

@@ -14,9 +14,9 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import hookimpl
+from ..types import DeviceInfo, Direction
 from .impl import BindContext, CopyImpl
 from .thresholds import Calibration
-from ..types import DeviceInfo, Direction
 
 NAME = "host.reference"
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional
 
-from . import profiles as profile_files
 from ..registry.impl import CopyImpl
 from ..registry.plugins import PluginHost, collect_impls
 from ..registry.thresholds import FALLBACK, SCOPES, Calibration
 from ..types import DeviceInfo
+from . import profiles as profile_files
 
 
 def find_calibration(host: PluginHost, device: DeviceInfo, profiles: bool = True,

@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from .profiles import is_shipped
 from ..types import DeviceInfo, Direction, Policy
+from .profiles import is_shipped
 
 
 @dataclass(frozen=True)

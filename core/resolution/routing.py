@@ -11,9 +11,9 @@ from dataclasses import replace
 from typing import Iterable, Optional, Sequence
 
 from ..registry.impl import CopyImpl
-from .plan import Route
 from ..registry.thresholds import Calibration
 from ..types import DeviceInfo, Direction, Policy
+from .plan import Route
 
 __all__ = [
     "EDGES",

@@ -9,9 +9,9 @@ import numpy as np
 from ..addressing.descriptors import coalesce, run_starts, validate
 from ..errors import DriverError, InvalidTransferError
 from ..registry.impl import CopyImpl, TransferFn
+from ..registry.thresholds import Calibration
 from .plan import Plan, Route
 from .routing import costs_at, quiet_rates, quieter_route
-from ..registry.thresholds import Calibration
 
 
 # Batches shorter than this are not worth a look for contiguous runs: the look costs more

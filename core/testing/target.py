@@ -7,9 +7,9 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..cli.inventory import KNOWN_PLATFORMS
 from ..errors import ConfigurationError
 from ..registry.impl import CopyImpl
-from ..cli.inventory import KNOWN_PLATFORMS
 from ..registry.platform import detect
 from ..registry.plugins import PluginHost, plugin_host
 from ..resolution.resolver import collect_impls

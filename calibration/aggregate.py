@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any, Optional, Sequence
 
-from kvswap.plan import human_bytes
+from kvswap.resolution.plan import human_bytes
 
 from .timing import median
 

@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
 from kvswap import Direction, Policy, resolve
-from kvswap.platform import detect
-from kvswap.plugins import PluginHost, plugin_host
+from kvswap.registry.platform import detect
+from kvswap.registry.plugins import PluginHost, plugin_host
 
 from .binding import bound_at
 from .bench_records import (BenchFailure, BenchResult, BenchRow, CandidateTiming, Confirm, PeerTiming, Ratios,

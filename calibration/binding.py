@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from kvswap import Calibration, DeviceInfo, Direction, Policy, resolve
-from kvswap.plugins import PluginHost
+from kvswap.registry.plugins import PluginHost
 
 from .records import Failure
 

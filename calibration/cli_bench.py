@@ -56,8 +56,8 @@ def run(args: argparse.Namespace) -> int:
 
     if cli_step.wanted(args):  # --model, a custom shape or --render: the step benchmark
         return cli_step.run(args)
-    from kvswap.platform import detect
-    from kvswap.plugins import plugin_host
+    from kvswap.registry.platform import detect
+    from kvswap.registry.plugins import plugin_host
 
     from .bench import PEER_BATCH, PEER_KERNEL, bench_settings, run_bench
     from .report import bench_report

@@ -110,7 +110,7 @@ def duration(seconds: float) -> str:
 
 
 def strip(paths: list[Path]) -> int:
-    from kvswap.profiles import ProfileError
+    from kvswap.resolution.profiles import ProfileError
 
     from . import store
 
@@ -126,8 +126,8 @@ def strip(paths: list[Path]) -> int:
 
 
 def run_update(args: argparse.Namespace) -> int:
-    from kvswap.platform import detect
-    from kvswap.plugins import plugin_host
+    from kvswap.registry.platform import detect
+    from kvswap.registry.plugins import plugin_host
 
     from . import update
     from .progress import Progress
@@ -166,10 +166,10 @@ def run(args: argparse.Namespace) -> int:
         return strip(args.strip)
     if args.update is not None:
         return run_update(args)
-    from kvswap import profiles
-    from kvswap.lookup import find_calibration
-    from kvswap.platform import detect
-    from kvswap.plugins import plugin_host
+    from kvswap.resolution import profiles
+    from kvswap.resolution.lookup import find_calibration
+    from kvswap.registry.platform import detect
+    from kvswap.registry.plugins import plugin_host
 
     from . import fit, store, update
     from .progress import Progress

@@ -9,7 +9,7 @@ from typing import Any
 
 from kvswap.cli import block_list, positive
 from kvswap.errors import ConfigurationError, KvSwapError
-from kvswap.models import DEFAULT_BLOCK_TOKENS, add_shape_arguments, shapes_from_args
+from kvswap.cli.models import DEFAULT_BLOCK_TOKENS, add_shape_arguments, shapes_from_args
 
 
 def _names(text: str) -> list[str]:
@@ -115,8 +115,8 @@ def render(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.render:
         return render(args)
-    from kvswap.platform import detect
-    from kvswap.plugins import plugin_host
+    from kvswap.registry.platform import detect
+    from kvswap.registry.plugins import plugin_host
 
     from .progress import Progress
     from .step import DeviceEnv, StepSettings, run_step_bench

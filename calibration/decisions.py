@@ -1,6 +1,6 @@
 """What a fit decides, as dataclasses that serialise to and from a profile's JSON.
 
-A profile (``kvswap.profile/1``, read by :mod:`kvswap.profiles`) holds, besides the device
+A profile (``kvswap.profile/1``, read by :mod:`kvswap.resolution.profiles`) holds, besides the device
 and how it was measured, the fields of :class:`Fitted`: ``curves`` (GB/s against block size
 per route, the size sweep's), ``decisions`` (one :class:`Decision` per direction),
 ``ceiling_gbps``, ``slowdown_by_sms`` and ``host_cost``, each with its ``*_source`` in
@@ -40,7 +40,7 @@ class SizeRoute:
 @dataclass(frozen=True)
 class ClassRoute:
     """The route for block sizes ``[min_bytes, max_bytes]`` (None: no upper end), as the
-    resolver ranks the profile's curves (:mod:`kvswap.routing`); what ``explain()`` shows."""
+    resolver ranks the profile's curves (:mod:`kvswap.resolution.routing`); what ``explain()`` shows."""
 
     min_bytes: int
     max_bytes: Optional[int]

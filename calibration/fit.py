@@ -9,7 +9,7 @@ Per direction (:class:`~.decisions.Decision`):
   range its SMs. Every SM a copy kernel holds is taken from compute (docs/design.md), so
   nothing beyond the knee is worth taking.
 * **Route per block size**: the fastest of the batch routes and the kernel *at the knee*,
-  ranked by the resolver's rule (:mod:`kvswap.routing`: a kernel must be faster by more
+  ranked by the resolver's rule (:mod:`kvswap.resolution.routing`: a kernel must be faster by more
   than its margin; ties go to the route that takes no SMs). ``by_size`` says it for each
   measured size; ``routes`` for each of the resolver's block-size classes, ranked from the
   profile's curves as the resolver ranks them, so ``explain()`` shows what the fit decided.
@@ -39,7 +39,7 @@ from typing import Any, Iterable, Optional
 
 from kvswap import BindContext, Calibration, CopyImpl, Curve, DeviceInfo, Direction, Policy
 
-from kvswap import routing
+from kvswap.resolution import routing
 from .decisions import ClassRoute, Decision, Fitted, SizeRoute
 from .records import BATCH, CEILING, SIZE, Measurement
 from .timing import standard_error
@@ -127,7 +127,7 @@ Option = tuple[str, str, Optional[int], float]  # (impl, kind, num_sms, GB/s)
 
 
 def best(options: Iterable[Option]) -> Option:
-    """The route the resolver's rule (:func:`kvswap.routing.rank_key`) ranks first."""
+    """The route the resolver's rule (:func:`kvswap.resolution.routing.rank_key`) ranks first."""
     return min(options, key=lambda o: routing.rank_key(o[3], o[1] == "kernel", o[0]))
 
 
@@ -136,7 +136,7 @@ HostCost = dict[str, list[float]]  # one direction's [a_us, b_us] by route, as a
 
 def resolver_routes(curves: list[Curve], direction: str, knee: Optional[int],
                     host_cost: Optional[HostCost] = None) -> list[ClassRoute]:
-    """The route per block-size class that the resolver (:func:`kvswap.routing.routes`)
+    """The route per block-size class that the resolver (:func:`kvswap.resolution.routing.routes`)
     gives routes of these names under ``curves`` and ``host_cost`` (the thread-time rule),
     kernels bound at ``knee`` SMs; runs of one route merged."""
     mine = [c for c in curves if str(c.direction) == direction]

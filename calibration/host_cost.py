@@ -31,8 +31,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from kvswap import resolve
-from kvswap.models import KVCache, get
-from kvswap.regions import pair_regions
+from kvswap.cli.models import KVCache, get
+from kvswap.addressing.regions import pair_regions
 from kvswap.types import DeviceInfo, Direction
 
 from .binding import Failures, bound_at
@@ -81,7 +81,7 @@ def workload(settings: HostCostSettings, device: DeviceInfo) -> KVCache:
     name, tp = settings.workload
     cache = get(name).at(tp)
     if on_host(device):  # a few layers: the host reference copies every byte inside the call
-        from kvswap.models import ModelShape
+        from kvswap.cli.models import ModelShape
 
         m = cache.model
         cache = ModelShape(f"{m.name} (8 layers)", 8, m.kv_heads, m.head_dim, m.dtype, m.layout).at(tp)
@@ -247,8 +247,8 @@ def describe(field: dict[str, dict[str, list[float]]], at: Sequence[int] = (2048
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from kvswap.cli import directions as parse_directions
-    from kvswap.platform import detect
-    from kvswap.plugins import plugin_host
+    from kvswap.registry.platform import detect
+    from kvswap.registry.plugins import plugin_host
 
     from .step_workload import DeviceEnv, HostEnv
 

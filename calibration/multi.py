@@ -131,10 +131,10 @@ class DeviceRun:
     windows it is asked to time."""
 
     def __init__(self, spec: str, settings: MultiSettings, directions: Sequence[str]) -> None:
-        from kvswap import numa
-        from kvswap.platform import detect
-        from kvswap.plugins import plugin_host
-        from kvswap.resolver import resolve
+        from kvswap.memory import numa
+        from kvswap.registry.platform import detect
+        from kvswap.registry.plugins import plugin_host
+        from kvswap.resolution.resolver import resolve
         from kvswap.types import Policy
 
         from .bench import label

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from kvswap.plan import human_bytes
+from kvswap.resolution.plan import human_bytes
 
 from .bench import BAR_BEST, BAR_PEER
 from .bench_records import BenchResult

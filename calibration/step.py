@@ -1,6 +1,6 @@
 """The step benchmark: what a KV transfer costs an engine's step, on a model's own layout.
 
-For a model shape (:mod:`kvswap.models`) at a TP degree, one rank's per-layer KV tensors
+For a model shape (:mod:`kvswap.cli.models`) at a TP degree, one rank's per-layer KV tensors
 are allocated on the device and in pinned host memory, in either host layout (one tensor
 per layer in the device's layout, or block-major: :func:`kvswap.host_cache`), filled with
 random bytes, and BlockMover jobs of ``B`` random blocks are moved as an engine moves them,
@@ -41,8 +41,8 @@ from typing import Any, Iterable, Optional, Sequence
 import numpy as np
 
 from kvswap.errors import ConfigurationError, KvSwapError
-from kvswap.models import KVCache
-from kvswap.mover import BlockMover, TransferResult
+from kvswap.cli.models import KVCache
+from kvswap import BlockMover, TransferResult
 from kvswap.types import DeviceInfo, Direction
 
 from .progress import Progress

@@ -8,9 +8,9 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import numpy as np
 
-from kvswap.models import KVCache
-from kvswap.mover import BlockMover
-from kvswap.thresholds import Calibration
+from kvswap.cli.models import KVCache
+from kvswap import BlockMover
+from kvswap.registry.thresholds import Calibration
 from kvswap.types import DeviceInfo, Direction, Policy
 
 from .bench import PEER_KERNEL, PEER_MAX_BLOCK, PEER_MIN_BATCH, PEER_SMS, label, peer_route
@@ -77,7 +77,7 @@ def routes_available(direction: Direction, device: Any, host: Any = None) -> Rou
     """The batch-, kernel- and staged-kind implementations a mover can use here. A route
     that needs pinned host memory (a kernel, a staged route as shipped) is left out on a
     machine without an accelerator, which has none (Triton's interpreter included)."""
-    from kvswap.resolver import resolve
+    from kvswap.resolution.resolver import resolve
 
     plan = resolve(direction, device=device, host=host).plan
     on_cpu = plan.device.platform == "cpu"

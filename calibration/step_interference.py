@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from kvswap.models import KVCache, get
+from kvswap.cli.models import KVCache, get
 from kvswap.types import DeviceInfo, Direction, Policy
 
 from .progress import Progress
@@ -186,8 +186,8 @@ def profile_rows(records: Sequence[dict[str, Any]]) -> dict[str, list[list[Any]]
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from kvswap.cli import directions as parse_directions
-    from kvswap.platform import detect
-    from kvswap.plugins import plugin_host
+    from kvswap.registry.platform import detect
+    from kvswap.registry.plugins import plugin_host
 
     from .step import DeviceEnv
     from .step_report import interference_markdown

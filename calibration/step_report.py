@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-from kvswap.models import PRESETS
+from kvswap.cli.models import PRESETS
 
 from .plot import save_png
 

@@ -17,10 +17,10 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from kvswap.block_major import HostCache, block_major_layout
+from kvswap.memory.block_major import HostCache, block_major_layout
 from kvswap.errors import ConfigurationError, KvSwapError
-from kvswap.models import KVCache
-from kvswap.mover import BlockMover
+from kvswap.cli.models import KVCache
+from kvswap import BlockMover
 from kvswap.types import DeviceInfo, Direction
 
 from .timing import median
@@ -143,7 +143,7 @@ class DeviceEnv:
 
     def block_major(self, device_tensors: list, num_blocks: int, block_dim: int) -> HostCache:
         """:func:`kvswap.host_cache` for ``device_tensors``: pinned, on the device's NUMA node."""
-        from kvswap.block_major import host_cache
+        from kvswap.memory.block_major import host_cache
 
         return host_cache(device_tensors, num_blocks, block_dim=block_dim)
 

@@ -1,6 +1,6 @@
 """Writing calibration profiles: versioned JSON keyed by device identity.
 
-Reading and finding them is :mod:`kvswap.profiles` (the resolver's); this module writes what
+Reading and finding them is :mod:`kvswap.resolution.profiles` (the resolver's); this module writes what
 it reads. A profile document (schema ``kvswap.profile/1``) holds: ``schema``,
 ``kvswap_version``, ``identity``, ``device`` (the full DeviceInfo), ``created``, ``measured``
 (what was timed, in words), ``host_reference`` (true where the host reference's host memory
@@ -27,7 +27,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
-from kvswap import Curve, DeviceInfo, profiles
+from kvswap import Curve, DeviceInfo
+from kvswap.resolution import profiles
 
 from .decisions import Fitted, curve_to_dict
 from .records import Measurement

@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Sequence
 
 from kvswap import DeviceInfo, Direction, KvSwapError, resolve
-from kvswap.platform import detect
-from kvswap.plugins import PluginHost, plugin_host
+from kvswap.registry.platform import detect
+from kvswap.registry.plugins import PluginHost, plugin_host
 
 from . import fit
 from .binding import Bound, Failures, bound_at

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from kvswap import __version__, profiles
+from kvswap import __version__
+from kvswap.resolution import profiles
 from kvswap.errors import ConfigurationError
 from kvswap.types import DeviceInfo, Direction
 
@@ -55,7 +56,7 @@ def make_env(dev: DeviceInfo) -> Any:
 
 def host_interference_cache() -> Any:
     """A small layout for the slowdown on the host (4 KiB chunks, 4 layers)."""
-    from kvswap.models import ModelShape
+    from kvswap.cli.models import ModelShape
 
     return ModelShape("host layout", 4, 2, 64).at(1)
 

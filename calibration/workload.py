@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from kvswap.errors import KvSwapError
-from kvswap.host_memory import host_empty
+from kvswap.memory.host_memory import host_empty
 from kvswap.types import DeviceInfo, Direction
 
 from .timing import on_host

@@ -32,18 +32,19 @@ from .errors import (  # noqa: E402
     UnknownImplError,
     UnpinnedMemoryError,
 )
-from .descriptors import coalesce  # noqa: E402
-from .impl import BindContext, CopyImpl  # noqa: E402
-from .thresholds import Calibration, Curve  # noqa: E402
+from .addressing.descriptors import coalesce  # noqa: E402
+from .registry.impl import BindContext, CopyImpl  # noqa: E402
+from .registry.thresholds import Calibration, Curve  # noqa: E402
 from .types import DeviceInfo, Direction, Policy  # noqa: E402
-from .plan import Plan, Route  # noqa: E402
-from .resolver import resolve  # noqa: E402
-from .swapfn import SwapFn  # noqa: E402
-from .mover import BlockMover, GroupLayout, KVGroup, TransferResult  # noqa: E402
-from .staging import PageableMemoryWarning  # noqa: E402
-from .host_memory import host_empty  # noqa: E402
-from .block_major import HostCache, host_cache  # noqa: E402
-from .numa import NumaWarning  # noqa: E402
+from .resolution.plan import Plan, Route  # noqa: E402
+from .resolution.resolver import resolve  # noqa: E402
+from .resolution.swapfn import SwapFn  # noqa: E402
+from .mover.handler import BlockMover  # noqa: E402
+from .mover.types import GroupLayout, KVGroup, TransferResult  # noqa: E402
+from .memory.staging import PageableMemoryWarning  # noqa: E402
+from .memory.host_memory import host_empty  # noqa: E402
+from .memory.block_major import HostCache, host_cache  # noqa: E402
+from .memory.numa import NumaWarning  # noqa: E402
 
 __all__ = [
     "AllocationError",

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from kvswap import CopyImpl, DeviceInfo, Direction, hookimpl
-from kvswap.reference import host_copy
+from kvswap.registry.reference import host_copy
 
 KiB = 1024
 BOTH = (Direction.H2D, Direction.D2H)

@@ -98,7 +98,7 @@ class DeferredStream:
             self.queue.append((src, dst, sizes))
 
     def run(self, count: int) -> None:
-        from kvswap.reference import host_copy
+        from kvswap.registry.reference import host_copy
 
         with self.lock:
             for s, d, n in self.queue[self.executed:self.executed + count]:
@@ -142,7 +142,7 @@ def install_staged_on_cpu() -> None:
 
     from kvswap import hookimpl
     from kvswap.backends.triton_generic.staged import staged_impl
-    from kvswap.plugins import create_plugin_host, reset_plugin_host
+    from kvswap.registry.plugins import create_plugin_host, reset_plugin_host
 
     class Plugin:
         @hookimpl

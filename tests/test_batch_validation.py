@@ -22,9 +22,9 @@ from kvswap import (
     Calibration, CopyImpl, Curve, DriverError, InvalidTransferError, Policy, PluginWarning, ResolutionError,
     hookimpl,
 )
-from kvswap.descriptors import SMALL_BATCH, validate
-from kvswap.plugins import create_plugin_host
-from kvswap.reference import host_copy
+from kvswap.addressing.descriptors import SMALL_BATCH, validate
+from kvswap.registry.plugins import create_plugin_host
+from kvswap.registry.reference import host_copy
 
 from fakes import address
 
@@ -292,7 +292,7 @@ def test_an_in_tree_backends_names_are_reserved_too():
 
     host = create_plugin_host(entry_points=[], env={}, extra=[("aaa", Offer([impostor("triton.kernel", "cuda")])),
                                                               ("triton", triton_generic)])
-    from kvswap.plugins import collect_impls
+    from kvswap.registry.plugins import collect_impls
 
     with pytest.warns(PluginWarning, match="'aaa'.*registers 'triton.kernel', already registered by kvswap's own"):
         owners = {impl.name: p for p, impl in collect_impls(host, "cuda")}

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvswap import plugins
+from kvswap.registry import plugins
 from kvswap.calibration import bench as bench_module
 from kvswap.calibration import sweep as sweep_module
 from kvswap.calibration.bench import BenchSettings, peer_route, run_bench

@@ -9,11 +9,12 @@ import sys
 
 import pytest
 
-from kvswap import plugins, profiles
+from kvswap.resolution import profiles
+from kvswap.registry import plugins
 from kvswap.calibration import store
 from kvswap.calibration import sweep as sweep_module
 from kvswap.cli import main
-from kvswap.platform import cpu_device
+from kvswap.registry.platform import cpu_device
 
 from calibration_fakes import Ledger, LedgerTimer, ModelPlatform, modelled_host_cost
 

@@ -8,12 +8,12 @@ import numpy as np
 
 import kvswap
 from kvswap import Calibration, Curve, DeviceInfo, InvalidImplError
-from kvswap import profiles
+from kvswap.resolution import profiles
 from kvswap.calibration import fit, store
 from kvswap.calibration.decisions import ClassRoute
-from kvswap.plugins import create_plugin_host
+from kvswap.registry.plugins import create_plugin_host
 from kvswap.calibration.records import BATCH, CEILING, SIZE, Measurement
-from kvswap.thresholds import FALLBACK
+from kvswap.registry.thresholds import FALLBACK
 
 from calibration_fakes import Ledger, ModelPlatform
 

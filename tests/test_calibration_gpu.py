@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 import kvswap
-from kvswap import profiles
+from kvswap.resolution import profiles
 from kvswap.calibration import fit, store, update
 from kvswap.calibration.bench import bench_settings, run_bench
 from kvswap.calibration.plot import plot_profile
@@ -18,7 +18,7 @@ from kvswap.calibration.records import CEILING, SIZE
 from kvswap.calibration.sweep import Settings, Sweep
 from kvswap.calibration.timing import DeviceTimer
 from kvswap.calibration.workload import Pools, WrongResult
-from kvswap.plugins import plugin_host
+from kvswap.registry.plugins import plugin_host
 
 pytestmark = pytest.mark.gpu
 

@@ -9,11 +9,12 @@ from typing import Any, Callable, Optional
 import pytest
 
 import kvswap
-from kvswap import CopyImpl, DeviceInfo, Direction, Policy, hookimpl, profiles
+from kvswap import CopyImpl, DeviceInfo, Direction, Policy, hookimpl
+from kvswap.resolution import profiles
 from kvswap.calibration import store
 from kvswap.calibration.records import SIZE, Measurement
 from kvswap.cli import main
-from kvswap.plugins import create_plugin_host
+from kvswap.registry.plugins import create_plugin_host
 
 KiB = 1024
 SHIPPED = sorted(p for p in profiles.shipped_dir().glob("*.json") if not p.name.endswith(".measurements.json"))

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 import kvswap
-from kvswap import ProfileWarning, profiles
+from kvswap import ProfileWarning
+from kvswap.resolution import profiles
 from kvswap.calibration import store
-from kvswap.platform import cpu_device
+from kvswap.registry.platform import cpu_device
 
 CPU = cpu_device()
 

@@ -7,13 +7,13 @@ import pytest
 
 import kvswap
 from kvswap import DeviceInfo, Policy
-from kvswap import profiles
+from kvswap.resolution import profiles
 from kvswap.calibration import fit, store, timing
 from kvswap.calibration.records import BATCH, CEILING, SIZE
 from kvswap.calibration.sweep import Settings, Sweep, grid_sizes, settings_for
-from kvswap.plugins import create_plugin_host
-from kvswap.platform import cpu_device
-from kvswap.routing import EDGES
+from kvswap.registry.plugins import create_plugin_host
+from kvswap.registry.platform import cpu_device
+from kvswap.resolution.routing import EDGES
 
 from calibration_fakes import KiB, Ledger, LedgerTimer, ModelPlatform, SpellTimer
 

@@ -7,9 +7,9 @@ import pytest
 
 import kvswap
 from kvswap import CopyImpl, Policy, hookimpl
-from kvswap.plugins import create_plugin_host
-from kvswap.reference import host_copy
-from kvswap.swapfn import COALESCE_FROM
+from kvswap.registry.plugins import create_plugin_host
+from kvswap.registry.reference import host_copy
+from kvswap.resolution.swapfn import COALESCE_FROM
 
 from fakes import address
 
@@ -107,7 +107,7 @@ def test_batches_with_few_joins_or_few_descriptors_are_left_alone():
 
 
 def test_coalesce_is_public():
-    assert kvswap.coalesce is kvswap.descriptors.coalesce
+    assert kvswap.coalesce is kvswap.addressing.descriptors.coalesce
 
 
 def test_a_refusal_names_the_callers_descriptor_even_in_a_merged_run():

@@ -129,7 +129,7 @@ def kit_backends(tmp_path, monkeypatch):
 
 
 def run_kit(pytester: pytest.Pytester, impl: str, *extra: str) -> pytest.RunResult:
-    from kvswap.plugins import reset_plugin_host
+    from kvswap.registry.plugins import reset_plugin_host
 
     reset_plugin_host()  # the kit loads plugins afresh, as a new process would
     try:

@@ -18,9 +18,9 @@ import kvswap
 from kvswap import Direction, DriverError, KvSwapError
 from kvswap.backends import cuda as plugin
 from kvswap.backends.cuda import batch, device, driver
-from kvswap.platform import cpu_device
-from kvswap.plugins import create_plugin_host
-from kvswap.resolver import collect_impls
+from kvswap.registry.platform import cpu_device
+from kvswap.registry.plugins import create_plugin_host
+from kvswap.resolution.resolver import collect_impls
 
 from cuda_standin import HostPools, StandInLibcuda, fresh_driver, standin_driver  # noqa: F401 (fixture)
 

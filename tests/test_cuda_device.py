@@ -13,9 +13,9 @@ from kvswap import DeviceInfo, Direction, Policy
 from kvswap.backends.triton_generic import kernel as triton_kernel
 from kvswap.backends.cuda.batch import CUDA_BATCH
 from kvswap.backends.cuda import defaults, device, driver
-from kvswap.lookup import find_calibration
-from kvswap.platform import cpu_device
-from kvswap.plugins import create_plugin_host
+from kvswap.resolution.lookup import find_calibration
+from kvswap.registry.platform import cpu_device
+from kvswap.registry.plugins import create_plugin_host
 
 from cuda_standin import fresh_driver  # noqa: F401 (autouse fixture)
 
@@ -205,7 +205,7 @@ def test_h100_curves_cross_at_28_kib():
 
 
 def test_published_h100_thresholds_resolve_as_published_without_the_measurement_margin():
-    from kvswap.routing import rank
+    from kvswap.resolution.routing import rank
 
     impls = [CUDA_BATCH, triton_kernel.copy_impl()]
     for size, route in ((27 * KiB, "triton.kernel"), (28 * KiB - 1, "triton.kernel"), (28 * KiB, "cuda.batch")):

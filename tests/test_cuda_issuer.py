@@ -345,7 +345,7 @@ def test_issued_wraps_the_bound_copy_unless_switched_off(monkeypatch):
 
 
 def test_a_collected_failure_is_reported_once_not_raised_again(cleanup):
-    from kvswap import deferred
+    from kvswap.registry import deferred
 
     lib, iss, fn = make(fail_at=2, version=12080)
     cleanup.append(iss)
@@ -365,7 +365,7 @@ def test_a_collected_failure_is_reported_once_not_raised_again(cleanup):
 
 
 def test_arrays_promised_stable_are_kept_not_copied(cleanup):
-    from kvswap import deferred
+    from kvswap.registry import deferred
 
     gate = threading.Event()
     lib, iss, fn = make(gate=gate)

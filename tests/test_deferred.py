@@ -1,10 +1,10 @@
-"""kvswap.deferred: work a copy function leaves to another thread reaches the job that collected it."""
+"""kvswap.registry.deferred: work a copy function leaves to another thread reaches the job that collected it."""
 from __future__ import annotations
 
 import threading
 import types
 
-from kvswap import deferred
+from kvswap.registry import deferred
 
 
 def item(error=None):

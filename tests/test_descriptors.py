@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from kvswap import InvalidTransferError
-from kvswap.descriptors import SMALL_BATCH, as_int64, checked, coalesce, first_overlap, normalize
+from kvswap.addressing.descriptors import SMALL_BATCH, as_int64, checked, coalesce, first_overlap, normalize
 
 
 def test_as_int64_is_zero_copy_for_int64_and_refuses_the_rest():

@@ -19,10 +19,10 @@ import torch
 
 import kvswap
 from kvswap import AllocationError, BlockMover, CopyImpl, Direction, ForkedProcessError, Policy, hookimpl
-from kvswap import pinned_pool
-from kvswap.mover import INTERRUPTED
-from kvswap.plugins import create_plugin_host, reset_plugin_host
-from kvswap.reference import host_copy
+from kvswap.memory import pinned_pool
+from kvswap.mover.submit import INTERRUPTED
+from kvswap.registry.plugins import create_plugin_host, reset_plugin_host
+from kvswap.registry.reference import host_copy
 from fakes import DeferredStream
 from mover_layouts import expected_after, layouts, pool_pair, random_ids
 
@@ -153,7 +153,7 @@ def test_a_staging_buffer_that_cannot_be_allocated_fails_the_submit_before_any_b
 
 
 def test_running_out_is_told_apart_from_other_failures():
-    from kvswap.allocation import allocating, out_of_memory
+    from kvswap.memory.allocation import allocating, out_of_memory
 
     assert out_of_memory(MemoryError()) and out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
     assert out_of_memory(RuntimeError("CUDA error: out of memory")) and not out_of_memory(RuntimeError("bad"))
@@ -217,7 +217,7 @@ def test_a_mover_used_in_a_forked_child_refuses_and_a_mover_built_there_works():
 
 def test_a_child_forked_after_cuda_was_initialised_is_recognised(monkeypatch):
     """What decides that a device mover cannot be built here (tested for real on a GPU)."""
-    from kvswap import process
+    from kvswap.mover import process
 
     assert process.cuda_forked() is False
     monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
@@ -339,7 +339,7 @@ def test_an_interrupt_in_the_hand_off_to_the_issuing_thread_is_completed_by_the_
     """Interrupted just before or just after the job reached the thread's queue: the next
     call hands it over (a second hand-off is issued once), ids stay consecutive and every
     job is reported once."""
-    from kvswap.issuing import IssuingThread
+    from kvswap.mover.issuing import IssuingThread
 
     rng = np.random.default_rng(15)
     src, dst = _pools("mla", 16)

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 import kvswap
-from kvswap import Calibration, CopyImpl, Curve, DeviceInfo, Policy, hookimpl, hookspecs
-from kvswap.plugins import create_plugin_host
-from kvswap.reference import host_copy
+from kvswap import Calibration, CopyImpl, Curve, DeviceInfo, Policy, hookimpl
+from kvswap.registry import hookspecs
+from kvswap.registry.plugins import create_plugin_host
+from kvswap.registry.reference import host_copy
 
 ROOT = Path(__file__).resolve().parents[1]
 HOOKS = sorted(n for n, f in vars(hookspecs).items() if n.startswith("kvswap_") and inspect.isfunction(f))

@@ -7,14 +7,16 @@ import json
 import re
 import pytest
 
-from kvswap import CopyImpl, Direction, ProfileWarning, hookimpl, models, profiles
+from kvswap import CopyImpl, Direction, ProfileWarning, hookimpl
+from kvswap.cli import models
+from kvswap.resolution import profiles
 from kvswap.calibration import fit, host_cost, store
 from kvswap.calibration.binding import Failures
 from kvswap.calibration.step_workload import HostEnv
 from kvswap.cli import main
-from kvswap.platform import detect
-from kvswap.plugins import create_plugin_host, plugin_host
-from kvswap.reference import host_copy
+from kvswap.registry.platform import detect
+from kvswap.registry.plugins import create_plugin_host, plugin_host
+from kvswap.registry.reference import host_copy
 
 KiB = 1024
 BOTH = [Direction.H2D, Direction.D2H]

@@ -7,8 +7,8 @@ import pytest
 
 import kvswap
 from kvswap import Calibration, InvalidImplError
-from kvswap.plugins import create_plugin_host
-from kvswap.routing import HOST_COST_AT, thread_bound
+from kvswap.registry.plugins import create_plugin_host
+from kvswap.resolution.routing import HOST_COST_AT, thread_bound
 
 from fakes import address
 from test_resolver import LOG, Offer, cpu_cal, host_batch, recording_impl

@@ -1,6 +1,7 @@
-"""Dependencies point one way: core never imports calibration or a backend, no private name
-crosses a package, and no modules import each other in a cycle. Read from the source (every
-``import``, lazy ones inside functions included) and checked at run time."""
+"""Dependencies point one way: core never imports calibration or a backend, the parts of core
+stand on each other in layers, no private name crosses a package, and no modules import each
+other in a cycle. Read from the source (every ``import``, lazy ones inside functions included)
+and checked at run time."""
 from __future__ import annotations
 
 import ast
@@ -119,6 +120,33 @@ def cycles(within: str) -> list[list[str]]:
 
 PACKAGES = sorted({package_of(m) for m in MODULES})
 
+# The parts of core, lowest first: a part imports only parts below it. The package's face
+# (core/__init__.py) imports from every part to export the public names; below it, a part
+# takes only the markers and the version from the face, except the two that stand on the
+# public API.
+LAYERS = (
+    ("kvswap.errors",),
+    ("kvswap.types",),
+    ("kvswap.addressing",),
+    ("kvswap.registry",),
+    ("kvswap.resolution", "kvswap.memory"),
+    ("kvswap.mover", "kvswap.cli"),
+    ("kvswap.testing",),
+    ("kvswap.integrations",),
+    ("kvswap.__main__",),
+)
+RANK = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}
+FACE_NAMES = {"PROJECT", "hookimpl", "hookspec", "__version__"}
+ON_THE_PUBLIC_API = {"kvswap.testing", "kvswap.integrations"}
+
+
+CORE = {m for m, path in MODULES.items() if path.is_relative_to(ROOT / "core")}
+
+
+def part_of(module: str) -> str:
+    """The part of core a module belongs to: ``kvswap.mover`` for ``kvswap.mover.jobs``."""
+    return ".".join(module.split(".")[:2])
+
 
 @pytest.mark.parametrize("package", PACKAGES)
 def test_no_import_cycles(package):
@@ -126,9 +154,30 @@ def test_no_import_cycles(package):
     assert not found, f"modules of {package} that import each other: {found}"
 
 
+def test_every_part_of_core_has_a_layer():
+    parts = {part_of(m) for m in CORE} - {"kvswap"}
+    assert parts == set(RANK), f"parts of core without a layer: {sorted(parts - set(RANK))}; " \
+                               f"layers without a part: {sorted(set(RANK) - parts)}"
+
+
+def test_parts_of_core_import_only_the_layers_below_them():
+    wrong = [(m, t) for m, t, _ in IMPORTS
+             if m in CORE and t in CORE and "kvswap" not in (m, t)
+             and part_of(m) != part_of(t) and RANK[part_of(t)] >= RANK[part_of(m)]]
+    assert not wrong, f"imports that run up or across the layers of core: {wrong}"
+
+
+def test_parts_of_core_take_only_markers_and_version_from_the_face():
+    wrong = [(m, n) for m, t, n in IMPORTS
+             if t == "kvswap" and m in CORE and m != "kvswap"
+             and part_of(m) not in ON_THE_PUBLIC_API and n not in FACE_NAMES]
+    assert not wrong, wrong
+
+
 def test_the_graph_is_read_whole():
-    assert {"kvswap.resolver", "kvswap.routing", "kvswap.profiles", "kvswap.calibration.store"} <= set(MODULES)
-    assert ("kvswap.calibration.store", "kvswap.profiles", "") in IMPORTS  # calibration reads through core
+    assert {"kvswap.resolution.resolver", "kvswap.resolution.routing", "kvswap.resolution.profiles",
+            "kvswap.mover.handler", "kvswap.calibration.store"} <= set(MODULES)
+    assert ("kvswap.calibration.store", "kvswap.resolution.profiles", "") in IMPORTS  # calibration reads through core
 
 
 def test_resolving_and_explaining_loads_no_calibration_module(tmp_path):

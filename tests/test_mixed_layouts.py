@@ -18,8 +18,8 @@ import torch
 
 import kvswap
 from kvswap import BlockLayoutError, BlockMover, CopyImpl, Direction, Policy, hookimpl
-from kvswap.block_major import block_major_layout
-from kvswap.plugins import create_plugin_host, reset_plugin_host
+from kvswap.memory.block_major import block_major_layout
+from kvswap.registry.plugins import create_plugin_host, reset_plugin_host
 from mover_layouts import INT_OF, Pool, expected_after, layouts
 
 LAYOUTS = layouts()
@@ -177,7 +177,7 @@ def test_host_cache_is_block_major_and_a_mover_fills_it_element_by_element(direc
 
 
 def test_host_cache_places_and_pins_through_host_empty(monkeypatch):
-    import kvswap.block_major as module
+    import kvswap.memory.block_major as module
 
     calls = []
 

@@ -1,4 +1,4 @@
-"""kvswap.models: built-in KV shapes, TP sharding, and ``kvswap models``."""
+"""kvswap.cli.models: built-in KV shapes, TP sharding, and ``kvswap models``."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvswap
-from kvswap import models
+from kvswap.cli import models
 from kvswap.errors import ConfigurationError
 
 

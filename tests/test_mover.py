@@ -20,9 +20,9 @@ from kvswap.errors import (
     TensorPlacementError,
     UnpinnedMemoryError,
 )
-from kvswap.mover_inputs import SMALL_IDS
-from kvswap.plugins import create_plugin_host, reset_plugin_host
-from kvswap.regions import block_regions
+from kvswap.mover.inputs import SMALL_IDS
+from kvswap.registry.plugins import create_plugin_host, reset_plugin_host
+from kvswap.addressing.regions import block_regions
 from fakes import DeferredStream
 from mover_layouts import Pool, expected_after, layouts, pool_pair, random_ids
 
@@ -367,11 +367,11 @@ def test_a_failing_route_reports_a_failed_job_and_keeps_its_buffer():
 def test_a_submit_validates_its_batch_once(monkeypatch):
     """BlockMover checks ids against a checked template; the SwapFn does not check the
     descriptors it built a second time (the whole-batch check is O(n log n))."""
-    import kvswap.swapfn
+    import kvswap.resolution.swapfn
 
     calls = []
-    real = kvswap.swapfn.validate
-    monkeypatch.setattr(kvswap.swapfn, "validate", lambda *a: calls.append(1) or real(*a))
+    real = kvswap.resolution.swapfn.validate
+    monkeypatch.setattr(kvswap.resolution.swapfn, "validate", lambda *a: calls.append(1) or real(*a))
     src = torch.randn(16, 4, 32)
     dst = torch.zeros(16, 4, 32)
     with BlockMover(src, dst, "h2d") as mover:
@@ -388,7 +388,7 @@ def test_id_checks_agree_on_both_sides_of_the_small_batch_path(n, sort, monkeypa
     # a bitmap of the destination blocks, or by sorting for pools large against the ids):
     # the same verdicts and messages, and nothing copied on a refusal.
     if sort:
-        monkeypatch.setattr(kvswap.mover_inputs, "BITMAP_BLOCKS_PER_ID", 0)
+        monkeypatch.setattr(kvswap.mover.inputs, "BITMAP_BLOCKS_PER_ID", 0)
     rng = np.random.default_rng(n)
     src = torch.from_numpy(rng.integers(0, 256, (700, 48), dtype=np.uint8))
     dst = torch.full((650, 48), 0xA5, dtype=torch.uint8)

@@ -1,5 +1,5 @@
 """BlockMover's by-id path on the host: a route whose transfer offers ``by_ids``
-(kvswap.impl.ByIdsFn) gets the template once and only block ids per submit.
+(kvswap.registry.impl.ByIdsFn) gets the template once and only block ids per submit.
 
 The route here is a throwaway plugin whose transfer is the Triton kernel in its CPU
 interpreter (``TRITON_INTERPRET=1``), so the whole path runs: the mover's choice, the
@@ -17,7 +17,7 @@ import pytest
 
 import kvswap
 from kvswap import BlockMover, CopyImpl, Direction, Policy, hookimpl
-from kvswap.plugins import create_plugin_host, reset_plugin_host
+from kvswap.registry.plugins import create_plugin_host, reset_plugin_host
 from mover_layouts import Pool, expected_after, layouts, pool_pair
 
 pytest.importorskip("triton")
@@ -120,7 +120,7 @@ def test_constrained_transfers_are_not_asked():
 
 
 def test_a_failure_reported_after_submit_fails_its_job():
-    from kvswap import deferred
+    from kvswap.registry import deferred
 
     pending: list = []
 
@@ -145,7 +145,7 @@ def test_a_failure_reported_after_submit_fails_its_job():
 
 
 def test_arrays_are_promised_stable_inside_submit():
-    from kvswap import deferred
+    from kvswap.registry import deferred
 
     seen = []
     _install(lambda src, dst, sizes, stream: seen.append((deferred.arrays_stable(), threading.get_ident())))
@@ -229,7 +229,7 @@ def test_with_the_thread_idle_a_by_id_job_launches_in_submit_and_behind_a_queued
     while the thread holds nothing and the call is only a launch; while an earlier job
     still waits there, the by-id job goes behind it, so the copies run in submission order
     (they write the same blocks); a call that uploads first goes to the thread too."""
-    monkeypatch.setattr("kvswap.mover.LAUNCH_HERE_MIN_DESCRIPTORS", 0)  # these jobs are small
+    monkeypatch.setattr("kvswap.mover.submit.LAUNCH_HERE_MIN_DESCRIPTORS", 0)  # these jobs are small
     t = Gated()
     _install(t)
     rng = np.random.default_rng(12)
@@ -273,7 +273,7 @@ def test_a_by_id_job_below_the_launch_minimum_goes_to_the_thread():
     jobs = [(np.arange(8, dtype=np.int64), np.arange(8, 16, dtype=np.int64))]
     with BlockMover(src.tensors, dst.tensors, "h2d", block_dim=1, policy=Policy(force="test.kernel"),
                     issuing_thread=True) as mover:
-        assert 8 * mover.chunks_per_block < kvswap.mover.LAUNCH_HERE_MIN_DESCRIPTORS
+        assert 8 * mover.chunks_per_block < kvswap.mover.submit.LAUNCH_HERE_MIN_DESCRIPTORS
         mover.submit(*jobs[0])
         mover.wait()
         assert all(r.ok for r in mover.poll())
@@ -282,7 +282,7 @@ def test_a_by_id_job_below_the_launch_minimum_goes_to_the_thread():
 
 
 def test_a_by_id_launch_that_fails_in_submit_raises_and_fails_its_job(monkeypatch):
-    monkeypatch.setattr("kvswap.mover.LAUNCH_HERE_MIN_DESCRIPTORS", 0)
+    monkeypatch.setattr("kvswap.mover.submit.LAUNCH_HERE_MIN_DESCRIPTORS", 0)
     class Broken(Recording):
         def by_ids(self, template):
             def fn(src_ids, dst_ids, stream):
@@ -336,7 +336,7 @@ def test_ids_are_staged_before_the_start_marker_and_launched_after_it(monkeypatc
     """A job's time is the device's: where the route stages its ids apart from the launch,
     the mover stages them before it records the job's start marker (on the caller's path
     and when it launches in submit), and every byte still lands."""
-    monkeypatch.setattr("kvswap.mover.LAUNCH_HERE_MIN_DESCRIPTORS", 0)
+    monkeypatch.setattr("kvswap.mover.submit.LAUNCH_HERE_MIN_DESCRIPTORS", 0)
     log: list = []
     _install(Staging(log))
     src, dst = _pools("flash", 16)

@@ -14,8 +14,8 @@ import torch
 
 from kvswap import BlockMover, ConfigurationError, CopyImpl, Direction, PageableMemoryWarning, Policy, hookimpl
 from kvswap.errors import UnpinnedMemoryError
-from kvswap.plugins import create_plugin_host, reset_plugin_host
-from kvswap.reference import host_copy
+from kvswap.registry.plugins import create_plugin_host, reset_plugin_host
+from kvswap.registry.reference import host_copy
 from mover_shapes import KINDS, Side, expected_after
 
 TOKENS = 4
@@ -203,7 +203,7 @@ def test_after_that_cannot_be_honoured_is_refused_before_any_byte_moves():
 
 
 def test_staging_copies_split_over_threads_move_every_byte(monkeypatch):
-    from kvswap import staging
+    from kvswap.memory import staging
 
     monkeypatch.setattr(staging, "PARALLEL_BYTES", 1 << 14)
     rng = np.random.default_rng(57)

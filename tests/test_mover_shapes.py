@@ -13,7 +13,7 @@ import torch
 import kvswap
 from kvswap import BlockMover
 from kvswap.errors import BlockIdError, BlockLayoutError
-from kvswap.regions import block_dims
+from kvswap.addressing.regions import block_dims
 from mover_shapes import KINDS, Side, expected_after
 
 MIXED = [KINDS["flash"], KINDS["mla"], KINDS["flashinfer"]]
@@ -134,12 +134,12 @@ def test_block_dim_forms():
 
 
 def test_calibration_and_profiles_pass_through_to_resolve(monkeypatch):
-    import kvswap.mover
+    import kvswap.mover.build
     from kvswap import Calibration
 
     seen = []
-    real = kvswap.mover.resolve
-    monkeypatch.setattr(kvswap.mover, "resolve", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    real = kvswap.mover.build.resolve
+    monkeypatch.setattr(kvswap.mover.build, "resolve", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
     cal = Calibration(source="a calibration handed to the mover", platform="cpu", calibrated=False)
     gen = torch.Generator().manual_seed(36)
     s, d = Side([KINDS["mla"]], 4, TOKENS, gen), Side([KINDS["mla"]], 4, TOKENS, gen)
@@ -155,8 +155,8 @@ def test_sub_blocks_never_take_a_by_id_route():
     """A route that derives addresses from ``base + id * stride`` on the device cannot
     address sub-blocks: a mover with a block-size factor keeps to descriptors."""
     from kvswap import CopyImpl, Direction, hookimpl
-    from kvswap.plugins import create_plugin_host, reset_plugin_host
-    from kvswap.reference import host_copy
+    from kvswap.registry.plugins import create_plugin_host, reset_plugin_host
+    from kvswap.registry.reference import host_copy
 
     asked = []
 

@@ -18,8 +18,8 @@ import torch
 
 from kvswap import BlockMover, CopyImpl, Direction, KVGroup, Policy, hookimpl
 from kvswap.errors import BlockIdError, ConfigurationError, InvalidTransferError
-from kvswap.plugins import create_plugin_host, reset_plugin_host
-from kvswap.reference import host_copy
+from kvswap.registry.plugins import create_plugin_host, reset_plugin_host
+from kvswap.registry.reference import host_copy
 from fakes import DeferredStream
 from mover_layouts import Pool, expected_after, layouts, pool_pair, random_ids
 

@@ -83,7 +83,7 @@ def test_by_id_launches_in_submit_and_jobs_on_the_thread_keep_submission_order(d
     import kvswap
     from kvswap.calibration.step import exact_sms_calibration
 
-    monkeypatch.setattr("kvswap.mover.LAUNCH_HERE_MIN_DESCRIPTORS", 0)  # these jobs are small
+    monkeypatch.setattr("kvswap.mover.submit.LAUNCH_HERE_MIN_DESCRIPTORS", 0)  # these jobs are small
     rng = np.random.default_rng(zlib.crc32(f"mixed/{direction}".encode()))
     src, dst = _pair("flash", direction, seed=5, dst_blocks=24)
     # 32 SMs: the kernel reads the ids where submit staged them, so a call is only a launch.

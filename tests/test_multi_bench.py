@@ -11,7 +11,7 @@ from kvswap.calibration import multi
 from kvswap.calibration.aggregate import BAR, aggregate, multi_report
 from kvswap.calibration.multi import MultiSettings, Step, schedule
 from kvswap.cli import main
-from kvswap.numa import Topology
+from kvswap.memory.numa import Topology
 
 from numa_fakes import fake_sysfs
 

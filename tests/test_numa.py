@@ -12,9 +12,10 @@ import pytest
 import torch
 
 import kvswap
-from kvswap import ConfigurationError, NumaWarning, numa
-from kvswap import host_memory
-from kvswap.numa import PagePlacement, Topology, format_cpulist, parse_cpulist, pci_address
+from kvswap import ConfigurationError, NumaWarning
+from kvswap.memory import numa
+from kvswap.memory import host_memory
+from kvswap.memory.numa import PagePlacement, Topology, format_cpulist, parse_cpulist, pci_address
 
 from numa_fakes import allowed_cpus, fake_sysfs, gpu
 
@@ -104,7 +105,7 @@ def test_near_cpus_fall_back_to_the_nodes_cpus(tmp_path):
     topo = Topology(two_sockets(tmp_path))
     assert topo.near_cpus(gpu(bus="0000:c1:00.0")) == topo.node_cpus(1)
     assert topo.near_cpus(gpu(bus="0000:50:00.0")) == ()
-    assert topo.near_cpus(kvswap.platform.cpu_device()) == ()
+    assert topo.near_cpus(kvswap.registry.platform.cpu_device()) == ()
 
 
 def test_nodes_without_online_list_come_from_the_folders(tmp_path):
@@ -123,7 +124,7 @@ def test_placement_target(tmp_path):
     assert node is None and "numa_node is -1 or missing" in why and "0000:50:00.0" in why
     node, why = topo.placement_target(gpu(bus="unknown"))
     assert node is None and "no known PCI address" in why
-    node, why = topo.placement_target(kvswap.platform.cpu_device())
+    node, why = topo.placement_target(kvswap.registry.platform.cpu_device())
     assert node is None and "host itself" in why
 
 
@@ -257,7 +258,7 @@ def test_host_empty_touches_its_pages_from_threads_bound_to_the_node(tmp_path, m
     assert all(spans[i][1] == spans[i + 1][0] for i in range(len(spans) - 1))
     assert spans[-1][1] >= t.data_ptr() + t.numel() * 4
     assert os.sched_getaffinity(0) == before  # the caller's thread was never bound
-    placed = kvswap.host_memory.host_placement(t)
+    placed = kvswap.memory.host_memory.host_placement(t)
     assert placed.missing == 0 and placed.nodes == {node: placed.sampled}
 
 
@@ -378,12 +379,12 @@ def test_host_empty_is_exported():
 
 
 def test_a_mover_warns_and_explains_host_memory_on_a_remote_node(monkeypatch):
-    """BlockMover asks kvswap.numa where its host tensors sit; a remote placement is one
+    """BlockMover asks kvswap.memory.numa where its host tensors sit; a remote placement is one
     NumaWarning at construction and a note at the end of explain()."""
     import torch
 
     import kvswap
-    from kvswap import numa
+    from kvswap.memory import numa
 
     asked = []
 
@@ -407,7 +408,7 @@ def test_a_mover_with_local_host_memory_says_nothing(monkeypatch):
     import torch
 
     import kvswap
-    from kvswap import numa
+    from kvswap.memory import numa
 
     monkeypatch.setattr(numa, "host_memory_note", lambda tensors, device_info, topo=None: None)
     with warnings.catch_warnings():

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import kvswap
-from kvswap import BlockMover, NumaWarning, Policy, numa
+from kvswap import BlockMover, NumaWarning, Policy
+from kvswap.memory import numa
 
 pytestmark = pytest.mark.gpu
 
@@ -28,7 +29,7 @@ def _host(shape, index, **kw):
 def test_pinned_mapped_and_on_the_devices_node(index):
     t = _host((8, 1 << 20), index)
     assert t.is_pinned() and not t.any()
-    dev = kvswap.platform.detect(kvswap.plugins.plugin_host(), f"cuda:{index}")
+    dev = kvswap.registry.platform.detect(kvswap.registry.plugins.plugin_host(), f"cuda:{index}")
     node, why = numa.topology().placement_target(dev)
     placed = numa.tensor_nodes(t)
     print(f"cuda:{index} {dev.pci_bus_id}: node {node} ({why or 'placed'}); pages {placed and placed.describe()}")
@@ -78,7 +79,7 @@ def test_the_wrong_node_lands_where_asked():
     nodes = numa.topology().memory_nodes()
     if len(nodes) < 2:
         pytest.skip("one NUMA node with memory: no wrong node")
-    dev = kvswap.platform.detect(kvswap.plugins.plugin_host(), "cuda:0")
+    dev = kvswap.registry.platform.detect(kvswap.registry.plugins.plugin_host(), "cuda:0")
     right, _ = numa.topology().placement_target(dev)
     if right is None:
         pytest.skip("sysfs gives no node for cuda:0")

@@ -6,12 +6,13 @@ import numpy as np
 import pytest
 
 import kvswap
-from kvswap import Calibration, CopyImpl, Curve, DeviceInfo, Policy, hookimpl, numa
-from kvswap.inventory import format_report, report
-from kvswap.numa import Topology
-from kvswap.platform import detect
-from kvswap.plugins import create_plugin_host
-from kvswap.reference import host_copy
+from kvswap import Calibration, CopyImpl, Curve, DeviceInfo, Policy, hookimpl
+from kvswap.memory import numa
+from kvswap.cli.inventory import format_report, report
+from kvswap.memory.numa import Topology
+from kvswap.registry.platform import detect
+from kvswap.registry.plugins import create_plugin_host
+from kvswap.registry.reference import host_copy
 
 from numa_fakes import fake_sysfs
 
@@ -121,7 +122,7 @@ def test_calibration_settings_take_each_devices_sm_count(rig):
     _, host = rig
     big, small = detect(host, "cuda:0"), detect(host, "cuda:2")
     assert max(settings_for(big).sm_counts) > 8 and max(settings_for(small).sm_counts) <= 8
-    from kvswap import profiles
+    from kvswap.resolution import profiles
 
     assert profiles.default_path(big) != profiles.default_path(small)
     assert profiles.default_path(big) == profiles.default_path(detect(host, "cuda:1"))  # one kind, one profile

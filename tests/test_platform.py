@@ -5,8 +5,8 @@ import pytest
 
 import kvswap
 from kvswap import ConfigurationError, DeviceInfo, PluginWarning, hookimpl
-from kvswap.platform import cpu_device, detect, device_spec
-from kvswap.plugins import create_plugin_host
+from kvswap.registry.platform import cpu_device, detect, device_spec
+from kvswap.registry.plugins import create_plugin_host
 
 
 @pytest.mark.parametrize("given, spec", [(None, None), ("CPU", "cpu"), ("cuda", "cuda"), ("cuda:1", "cuda:1"), (2, "cuda:2")])

@@ -8,7 +8,7 @@ import pytest
 
 import kvswap
 from kvswap import PluginWarning, Policy
-from kvswap.plugins import create_plugin_host, plugin_host, reset_plugin_host
+from kvswap.registry.plugins import create_plugin_host, plugin_host, reset_plugin_host
 
 from fakes import COPYING_PLUGIN, entry_points_from, forget_modules, make_distribution
 

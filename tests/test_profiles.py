@@ -1,4 +1,4 @@
-"""Profile reading in core (kvswap.profiles): malformed files are skipped with a warning naming
+"""Profile reading in core (kvswap.resolution.profiles): malformed files are skipped with a warning naming
 them, switches that name nothing say so, and resolve() takes a calibration as an argument."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 import kvswap
 from kvswap import ProfileWarning
-from kvswap.platform import cpu_device
+from kvswap.registry.platform import cpu_device
 
 CPU = cpu_device()
 
@@ -29,7 +29,7 @@ def document(sms=6, gbps=3.0, device=CPU) -> dict:
 @pytest.fixture
 def user_profile(tmp_path, monkeypatch):
     """A good profile in the user dir (knee 5), to fall through to."""
-    from kvswap import profiles
+    from kvswap.resolution import profiles
 
     shipped = tmp_path / "shipped"
     shipped.mkdir()
@@ -96,7 +96,7 @@ def test_core_reads_profiles_and_explains_without_importing_calibration(tmp_path
         "import sys, kvswap\n"
         "fn = kvswap.resolve('h2d', device='cpu')\n"
         "fn.explain()\n"
-        "from kvswap import profiles\n"
+        "from kvswap.resolution import profiles\n"
         "assert profiles.shipped_dir().name == 'profiles' and profiles.shipped_dir().is_dir()\n"
         "leaked = sorted(m for m in sys.modules if m.startswith(('kvswap.calibration', 'kvswap.backends')))\n"
         "print(leaked)\n"
@@ -108,7 +108,7 @@ def test_core_reads_profiles_and_explains_without_importing_calibration(tmp_path
 
 
 def test_every_shipped_profile_reads_through_core():
-    from kvswap import profiles
+    from kvswap.resolution import profiles
 
     shipped = sorted(profiles.shipped_dir().glob("*.json"))
     assert shipped

@@ -12,9 +12,9 @@ from kvswap import (
     Calibration, ConfigurationError, CopyImpl, Curve, InvalidTransferError, Policy,
     ResolutionError, hookimpl,
 )
-from kvswap.plugins import create_plugin_host
-from kvswap.routing import KERNEL_MARGIN
-from kvswap.reference import host_copy
+from kvswap.registry.plugins import create_plugin_host
+from kvswap.resolution.routing import KERNEL_MARGIN
+from kvswap.registry.reference import host_copy
 
 from fakes import address, scattered
 
@@ -509,8 +509,8 @@ def test_a_zero_sm_tier_gives_a_batch_routed_size_to_the_kernel_only_where_it_wa
 
 
 def test_zero_sm_tiers_keep_the_knee_where_no_route_without_sms_is_usable():
-    from kvswap.platform import detect
-    from kvswap.routing import routes
+    from kvswap.registry.platform import detect
+    from kvswap.resolution.routing import routes
 
     cal = cpu_cal([("acme.kern", KERNEL, 8)], kernel_sms={"h2d": 8}, kernel_sms_by_batch=ZERO_TIERS)
     dev = detect(create_plugin_host(entry_points=[], env={}), "cpu")

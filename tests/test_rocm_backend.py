@@ -29,8 +29,8 @@ import kvswap.backends.rocm as rocm_plugin
 from kvswap.backends.rocm import batch, hip
 from kvswap.backends.rocm.batch import CHUNK_ENV, DEFAULT_CHUNK
 from kvswap.backends.rocm.hip import HipUnavailable, HipVersion, load_hip
-from kvswap.plugins import create_plugin_host
-from kvswap.resolver import collect_impls
+from kvswap.registry.plugins import create_plugin_host
+from kvswap.resolution.resolver import collect_impls
 
 from fakes import address
 from rocm_standin import RecordingHipStandIn, fresh_hip  # noqa: F401 (fixture)

@@ -12,8 +12,8 @@ from kvswap.backends.rocm import hip
 from kvswap.backends.rocm.defaults import calibration_for
 from kvswap.backends.rocm.device import detect
 from kvswap.backends.rocm.hip import HipUnavailable
-from kvswap.platform import detect as core_detect
-from kvswap.plugins import create_plugin_host
+from kvswap.registry.platform import detect as core_detect
+from kvswap.registry.plugins import create_plugin_host
 
 from rocm_standin import RecordingHipStandIn, fresh_hip  # noqa: F401 (fixture)
 

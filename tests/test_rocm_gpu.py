@@ -87,8 +87,8 @@ def test_device_description():
 
 
 def _translator():
-    from kvswap.platform import detect
-    from kvswap.plugins import plugin_host
+    from kvswap.registry.platform import detect
+    from kvswap.registry.plugins import plugin_host
 
     host = plugin_host()
     dev = detect(host, "cuda:0")

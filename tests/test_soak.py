@@ -61,8 +61,8 @@ def test_the_soak_catches_a_wrong_byte():
     """A route that flips one byte of every batch is caught (the first job of a mover is
     checked on every block)."""
     from kvswap import CopyImpl, Direction, hookimpl
-    from kvswap.plugins import create_plugin_host, reset_plugin_host
-    from kvswap.reference import host_copy
+    from kvswap.registry.plugins import create_plugin_host, reset_plugin_host
+    from kvswap.registry.reference import host_copy
 
     soak = _load()
 

@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from kvswap import Policy, models
+from kvswap import Policy
+from kvswap.cli import models
 from kvswap.calibration import step, step_report, step_workload
 from kvswap.calibration.step import Contender, HostEnv, StepPools, StepSettings, WrongBytes
-from kvswap.platform import detect
-from kvswap.plugins import plugin_host
+from kvswap.registry.platform import detect
+from kvswap.registry.plugins import plugin_host
 from kvswap.types import Direction
 
 KiB = 1024

@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from kvswap import models
+from kvswap.cli import models
 from kvswap.calibration import step, step_report
-from kvswap.mover_staged import MIN_RUN_BYTES
-from kvswap.platform import detect
-from kvswap.plugins import plugin_host
+from kvswap.mover.staged import MIN_RUN_BYTES
+from kvswap.registry.platform import detect
+from kvswap.registry.plugins import plugin_host
 from kvswap.types import Direction
 
 pytestmark = pytest.mark.gpu

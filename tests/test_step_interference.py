@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from kvswap import Calibration, Curve, Policy, models
+from kvswap import Calibration, Curve, Policy
+from kvswap.cli import models
 from kvswap.calibration import step_interference
 from kvswap.calibration.step import HostEnv
 from kvswap.errors import InvalidImplError
-from kvswap.platform import detect
-from kvswap.plugins import plugin_host
+from kvswap.registry.platform import detect
+from kvswap.registry.plugins import plugin_host
 from kvswap.types import Direction
 
 KiB = 1024
@@ -123,7 +124,7 @@ def test_rows_measured_at_block_sizes_answer_by_the_nearest_size():
 def test_within_weighs_the_batch_route_at_the_block_size_it_was_measured_at():
     """The same job shape at 16 and 32 KiB blocks: the copy engines' slowdown measured at
     each decides whether the route that takes no SMs ends the step sooner."""
-    from kvswap.routing import costs_at, quiet_rates, quieter_route
+    from kvswap.resolution.routing import costs_at, quiet_rates, quieter_route
 
     class Impl:
         def __init__(self, name, kind):
@@ -150,7 +151,7 @@ def test_within_weighs_the_batch_route_at_the_block_size_it_was_measured_at():
 def test_low_interference_uses_slowdown_by_sms():
     """The kernel is 20% faster than the batch route; beside compute it costs 40% of the
     GEMMs on h2d but 5% on d2h: low_interference takes the batch route h2d only."""
-    from kvswap.routing import rank
+    from kvswap.resolution.routing import rank
 
     class Impl:
         def __init__(self, name, kind):

@@ -11,12 +11,13 @@ import pytest
 import torch
 
 import kvswap
-from kvswap import BlockMover, Direction, Policy, models
+from kvswap import BlockMover, Direction, Policy
+from kvswap.cli import models
 from kvswap.calibration import step, step_contenders, step_interference
 from kvswap.calibration.step import HostEnv, StepSettings
-from kvswap.mover_staged import MIN_RUN_BYTES, staged_steps
-from kvswap.platform import detect
-from kvswap.plugins import plugin_host
+from kvswap.mover.staged import MIN_RUN_BYTES, staged_steps
+from kvswap.registry.platform import detect
+from kvswap.registry.plugins import plugin_host
 from fakes import install_staged_on_cpu
 
 pytest.importorskip("triton")

@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 
 from kvswap.backends.triton_generic.by_ids import FIELDS, CopyByIds, KernelCopyByIds, bind_by_ids, pack_template  # noqa: E402
 from kvswap.backends.triton_generic.launch import KernelCopy, TilePlan, interpreting  # noqa: E402
-from kvswap.regions import pair_regions  # noqa: E402
+from kvswap.addressing.regions import pair_regions  # noqa: E402
 
 from mover_layouts import Pool, expected_after, layouts  # noqa: E402
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvswap.regions import pair_regions
+from kvswap.addressing.regions import pair_regions
 from mover_layouts import Pool, expected_after, layouts
 
 pytestmark = pytest.mark.gpu

@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 
 import kvswap
-from kvswap import BindContext, DeviceInfo, Direction, Policy, plugins
+from kvswap import BindContext, DeviceInfo, Direction, Policy
+from kvswap.registry import plugins
 from kvswap.backends import triton_generic as tg
 from kvswap.backends.triton_generic import kernel as tk
 from kvswap.backends.triton_generic import launch
 from kvswap.backends.triton_generic.launch import KernelCopy, TilePlan, batch_alignment, interpreting
-from kvswap.platform import cpu_device
+from kvswap.registry.platform import cpu_device
 from kvswap.testing.memory import Layout, make_transfer, scattered
 
 from triton_cases import log_sizes, mixed_layout
@@ -329,7 +330,7 @@ def test_launchers_of_one_device_share_one_staging_pool() -> None:
 
 
 def test_the_identity_translation_costs_a_kernel_route_nothing_per_call() -> None:
-    from kvswap.impl import same_addresses
+    from kvswap.registry.impl import same_addresses
 
     ctx = BindContext(Direction.H2D, cpu_device(), {"num_sms": 2, "precompile": ()})
     assert ctx.translate_host is same_addresses

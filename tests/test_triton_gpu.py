@@ -33,8 +33,8 @@ def gpu():
         pytest.skip("needs a GPU")
     if interpreting():
         pytest.skip("TRITON_INTERPRET=1 is set: Triton would not run on the GPU")
-    from kvswap.platform import detect
-    from kvswap.plugins import plugin_host
+    from kvswap.registry.platform import detect
+    from kvswap.registry.plugins import plugin_host
 
     return detect(plugin_host(), "cuda:0")
 

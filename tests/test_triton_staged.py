@@ -15,8 +15,8 @@ import torch
 
 import kvswap
 from kvswap import BlockMover, Direction, Policy
-from kvswap.mover_staged import MIN_RUN_BYTES, staged_steps
-from kvswap.runs import SLOT_ALIGN, host_runs
+from kvswap.mover.staged import MIN_RUN_BYTES, staged_steps
+from kvswap.addressing.runs import SLOT_ALIGN, host_runs
 from fakes import install_staged_on_cpu
 from mover_layouts import Pool, expected_after, layouts
 
@@ -32,7 +32,7 @@ def link_calls(monkeypatch) -> list:
     """``triton.staged`` without its pinned-memory requirement (host tensors here are
     pageable, and the interpreter copies synchronously), its link the host reference,
     recording how many descriptors cross the link per call."""
-    import kvswap.reference as reference
+    import kvswap.registry.reference as reference
 
     calls: list = []
     plain = reference.host_copy
@@ -210,7 +210,7 @@ def test_a_staged_impl_without_a_batch_route_is_unavailable_with_the_reason():
     # No batch route copies d2d here: the staged route (h2d, d2h) is bound for neither.
     with pytest.raises(kvswap.ResolutionError, match="staging_bytes=0 allows no staged routes"):
         kvswap.resolve("h2d", device="cpu", policy=Policy(force="triton.staged", staging_bytes=0))
-    from kvswap.resolver import _link_for
+    from kvswap.resolution.resolver import _link_for
 
     assert _link_for([], {}, frozenset(), Policy())[1] == (
         "needs a batch route of this direction for the link, and none is usable here")
@@ -227,8 +227,8 @@ def test_the_link_copies_its_arrays_and_its_deferred_work_reaches_the_job(monkey
     is told they are not stable, and the work it reports still reaches the caller's job."""
     import types
 
-    import kvswap.reference as reference
-    from kvswap import deferred
+    import kvswap.registry.reference as reference
+    from kvswap.registry import deferred
 
     seen = []
     plain = reference.host_copy

@@ -57,7 +57,7 @@ import json, sys, warnings
 import numpy as np
 import kvswap
 from kvswap import InvalidTransferError, Policy, ResolutionError
-from kvswap.plugins import create_plugin_host
+from kvswap.registry.plugins import create_plugin_host
 
 rng = np.random.default_rng()
 def copy_through(fn):

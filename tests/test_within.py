@@ -11,9 +11,9 @@ import torch
 
 import kvswap
 from kvswap import BlockMover, ConfigurationError, Policy
-from kvswap.mover_within import QuietChoice
-from kvswap.plugins import create_plugin_host, reset_plugin_host
-from kvswap.routing import step_cost
+from kvswap.mover.within import QuietChoice
+from kvswap.registry.plugins import create_plugin_host, reset_plugin_host
+from kvswap.resolution.routing import step_cost
 
 from mover_layouts import Pool, expected_after, layouts
 from test_resolver import LOG, Offer, cpu_cal, recording_impl
@@ -81,7 +81,7 @@ def test_predictions_made_up_front_serve_every_batch_length(monkeypatch):
     def no_more(*a, **k):
         raise AssertionError("predicted again during a step")
 
-    monkeypatch.setattr(kvswap.swapfn, "quiet_rates", no_more)
+    monkeypatch.setattr(kvswap.resolution.swapfn, "quiet_rates", no_more)
     assert {(n, w): ready.quieter(4 * KiB, n, n * 4 * KiB, w) for n, w in want} == want
 
 

@@ -5,7 +5,7 @@ A measured profile of the device (``kvswap calibrate``) overrides all of these. 
 """
 from __future__ import annotations
 
-from kvswap.thresholds import Calibration, Curve
+from kvswap.registry.thresholds import Calibration, Curve
 from kvswap.types import DeviceInfo, Direction
 
 KiB = 1024

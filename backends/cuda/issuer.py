@@ -29,7 +29,7 @@ written on the issuer stream after the failed call (in order, so earlier jobs ke
 guarantee); should even that enqueue fail, the thread waits for its stream, then writes
 the word from the host.
 The error is kept on the job (:class:`Ticket`), which a BlockMover collects
-(:mod:`kvswap.deferred`) and reports as a failed job once its stream passed it; a
+(:mod:`kvswap.registry.deferred`) and reports as a failed job once its stream passed it; a
 failure nobody reported is raised by the owner's next call (:class:`IssuedCopy`), which
 then copies nothing; the call after that works again.
 
@@ -37,7 +37,7 @@ The descriptor arrays are copied on the caller's thread (24 bytes a descriptor, 
 each) and held by the job until the issuer's driver call has returned, because the batch
 call reads them during the call and the caller may reuse its arrays as soon as it
 returns; a caller that keeps them until its stream passed the job (BlockMover, through
-``kvswap.deferred.collect(stable=True)``) saves the copy. Events go back to their pool only after ``cuStreamWaitEvent`` captured them.
+``kvswap.registry.deferred.collect(stable=True)``) saves the copy. Events go back to their pool only after ``cuStreamWaitEvent`` captured them.
 
 The issuer is opt-in: ``KVSWAP_CUDA_ISSUER=on`` sends batches from the thresholds of
 :data:`ASYNC_MIN` (smaller ones, whose synchronous call fits the budget, stay on the
@@ -59,7 +59,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from kvswap import deferred
+from kvswap.registry import deferred
 from kvswap.errors import ConfigurationError, DriverError
 
 from . import driver as drv
@@ -151,7 +151,7 @@ class Ticket:
     seq: int
     done: threading.Event = field(default_factory=threading.Event)
     error: Optional[BaseException] = None
-    reported: bool = False  # the failure already reached a job (kvswap.deferred.failure)
+    reported: bool = False  # the failure already reached a job (kvswap.registry.deferred.failure)
 
 
 @dataclass(eq=False)
@@ -405,7 +405,7 @@ class IssuedCopy:
         count = len(sizes)
         if count == 0:
             return
-        from kvswap.streams import raw_handle
+        from kvswap.registry.streams import raw_handle
 
         inner = self.inner
         handle = raw_handle(stream, inner.device_index)

@@ -25,8 +25,8 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from kvswap import hookimpl
-from kvswap.impl import CopyImpl
-from kvswap.thresholds import Calibration
+from kvswap.registry.impl import CopyImpl
+from kvswap.registry.thresholds import Calibration
 from kvswap.types import DeviceInfo
 
 __all__ = [

@@ -25,8 +25,8 @@ import numpy as np
 
 from kvswap.backends import chunking
 from kvswap.errors import DriverError
-from kvswap.impl import BindContext, CopyImpl
-from kvswap.streams import raw_handle
+from kvswap.registry.impl import BindContext, CopyImpl
+from kvswap.registry.streams import raw_handle
 from kvswap.types import DeviceInfo, Direction
 
 from . import hip as runtime

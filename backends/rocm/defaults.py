@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from kvswap.thresholds import Calibration, Curve
+from kvswap.registry.thresholds import Calibration, Curve
 from kvswap.types import DeviceInfo, Direction
 
 KiB = 1024

@@ -45,7 +45,7 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
-from kvswap.descriptors import as_int64
+from kvswap.addressing.descriptors import as_int64
 from kvswap.errors import InvalidTransferError
 from kvswap.types import DeviceInfo
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Callable
 
 from kvswap import hookimpl
-from kvswap.impl import CopyImpl
+from kvswap.registry.impl import CopyImpl
 
 from .copy import copy
 from .launch import HAS_TRITON, KernelCopy, Launch, Tile, TilePlan

@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from kvswap.allocation import allocating
+from kvswap.memory.allocation import allocating
 
 from .compiled import Variant, direct_parts, hook_is_set
 from .launch import KernelCopy, Tile, batch_alignment
@@ -387,7 +387,7 @@ def _compile(device_index: int, tile: Tile) -> Variant:
 
 class KernelCopyByIds(KernelCopy):
     """The bound ``triton.kernel`` transfer: a :class:`KernelCopy` that also offers the
-    optional ``by_ids`` capability (:class:`kvswap.impl.ByIdsFn`)."""
+    optional ``by_ids`` capability (:class:`kvswap.registry.impl.ByIdsFn`)."""
 
     def by_ids(self, template: Any) -> Optional[CopyByIds]:
         """Copy blocks by id with the addresses derived on the device from ``template``,

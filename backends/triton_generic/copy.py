@@ -4,7 +4,7 @@ For code that has already decided to use the kernel (a benchmark, an engine with
 routing) and wants one launch over a batch of descriptors, with an explicit SM budget.
 It takes the same arguments as a :class:`~kvswap.SwapFn` plus ``num_sms`` and ``device``,
 validates the whole batch with the same check a ``SwapFn`` makes
-(:func:`kvswap.descriptors.validate`) before any byte moves, and reuses one bound
+(:func:`kvswap.addressing.descriptors.validate`) before any byte moves, and reuses one bound
 launcher per ``(num_sms, device)``. It does not merge contiguous runs: it launches what
 it is given.
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from kvswap.descriptors import validate
+from kvswap.addressing.descriptors import validate
 from kvswap.errors import ConfigurationError
 
 from . import launch
@@ -62,7 +62,7 @@ def copy(src_ptrs: Any, dst_ptrs: Any, sizes: Any, *, num_sms: int,
     :param stream: where to enqueue (None: the current stream; a torch stream; a raw handle).
     :return: what was launched (:class:`~kvswap.backends.triton_generic.launch.Launch`:
         grid size and tile shape).
-    :raises InvalidTransferError: a batch :func:`kvswap.descriptors.validate` refuses (the
+    :raises InvalidTransferError: a batch :func:`kvswap.addressing.descriptors.validate` refuses (the
         check every ``SwapFn`` makes), before any byte moves.
     :raises ConfigurationError: no Triton, no device to run on, or a bad ``num_sms``.
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from kvswap.impl import BindContext, CopyImpl, same_addresses
+from kvswap.registry.impl import BindContext, CopyImpl, same_addresses
 from kvswap.types import DeviceInfo, Direction
 
 from . import launch

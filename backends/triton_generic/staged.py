@@ -26,11 +26,11 @@ from typing import Any, Optional
 
 import numpy as np
 
-from kvswap import deferred
-from kvswap.allocation import allocating
-from kvswap.descriptors import coalesce
-from kvswap.impl import BindContext, CopyImpl, TransferFn
-from kvswap.runs import SLOT_ALIGN, Runs, host_runs
+from kvswap.registry import deferred
+from kvswap.memory.allocation import allocating
+from kvswap.addressing.descriptors import coalesce
+from kvswap.registry.impl import BindContext, CopyImpl, TransferFn
+from kvswap.addressing.runs import SLOT_ALIGN, Runs, host_runs
 from kvswap.types import DeviceInfo, Direction
 
 from .by_ids import KernelCopyByIds
@@ -148,7 +148,7 @@ class _Halves:
 
 class StagedCopy:
     """The bound ``triton.staged`` transfer: ``fn(src, dst, sizes, stream)`` for raw
-    descriptors, and ``fn.by_ids(template)`` for a BlockMover (:class:`kvswap.impl.ByIdsFn`).
+    descriptors, and ``fn.by_ids(template)`` for a BlockMover (:class:`kvswap.registry.impl.ByIdsFn`).
 
     :param kernel: the device-side copy (device to device, on ``kernel.num_sms`` SMs).
     :param link: the batch route that crosses the link.

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from kvswap.allocation import allocating
+from kvswap.memory.allocation import allocating
 
 MIN_ELEMS = 3 * 1024  # the smallest buffer: batches up to 1024 descriptors
 # How many kept buffers one take() asks about before making a new one: every query is a
@@ -148,7 +148,7 @@ def shared_pool(device_index: int, translate: Optional[Callable[[np.ndarray], np
 
 class Streams:
     """Turns the ``stream`` argument into a torch stream, keeping the wrappers of raw
-    handles (making an ``ExternalStream`` per call costs µs) — see kvswap.streams."""
+    handles (making an ``ExternalStream`` per call costs µs) — see kvswap.registry.streams."""
 
     KEEP = 64  # raw handles remembered
 
@@ -170,6 +170,6 @@ class Streams:
                     self._external.clear()
                 s = self._external[stream] = torch.cuda.ExternalStream(stream, device=self.device_index)
             return s
-        from kvswap.streams import torch_stream
+        from kvswap.registry.streams import torch_stream
 
         return torch_stream(stream, self.device_index)

@@ -16,8 +16,8 @@ import pytest
 
 import kvswap
 from kvswap import BindContext, Direction, InvalidTransferError, Policy, ResolutionError
-from kvswap.inventory import KNOWN_PLATFORMS
-from kvswap.resolver import collect_impls, host_translator
+from kvswap.cli.inventory import KNOWN_PLATFORMS
+from kvswap.resolution.resolver import collect_impls, host_translator
 from kvswap.testing import Target, get_target
 from kvswap.testing.memory import Transfer, adjacent_runs, make_transfer
 from kvswap.testing.target import REFUSAL_CAP, Violation

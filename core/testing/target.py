@@ -7,12 +7,12 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..cli.inventory import KNOWN_PLATFORMS
 from ..errors import ConfigurationError
-from ..impl import CopyImpl
-from ..inventory import KNOWN_PLATFORMS
-from ..platform import detect
-from ..plugins import PluginHost, plugin_host
-from ..resolver import collect_impls
+from ..registry.impl import CopyImpl
+from ..registry.platform import detect
+from ..registry.plugins import PluginHost, plugin_host
+from ..resolution.resolver import collect_impls
 from ..types import DeviceInfo
 from .memory import round_up
 

@@ -1,6 +1,6 @@
 """How much slower BlockMover is on pageable host memory than on pinned (not a test).
 
-For each model shape (``kvswap.models``), direction and job size, two movers over the same
+For each model shape (``kvswap.cli.models``), direction and job size, two movers over the same
 device tensors: one with pinned host tensors, one with pageable host tensors (staged
 through kvswap's pinned buffers). Jobs alternate between the two, so drift hits both
 alike. Per job it times, on the host clock:
@@ -12,7 +12,7 @@ alike. Per job it times, on the host clock:
 
 and prints the medians with the pageable/pinned ratio (the slowdown), measured in this
 one run, for each number of host copy threads in ``--copy-threads`` (the staging copy of
-a large job is split over threads; ``kvswap.staging.COPY_THREADS`` is the default). Every job's bytes are checked on sampled blocks. JSON goes to ``--json`` or to
+a large job is split over threads; ``kvswap.memory.staging.COPY_THREADS`` is the default). Every job's bytes are checked on sampled blocks. JSON goes to ``--json`` or to
 ``$OUT/bench_pageable.json``.
 
     python tests/bench/bench_pageable.py [--models llama-3.1-8b,qwen2.5-7b] [--blocks 32,512] [--reps 15]
@@ -32,7 +32,9 @@ import numpy as np
 import torch
 
 import kvswap
-from kvswap import BlockMover, PageableMemoryWarning, models, staging
+from kvswap import BlockMover, PageableMemoryWarning
+from kvswap.cli import models
+from kvswap.memory import staging
 
 
 def _tensors(cache: Any, blocks: int, where: str, pinned: bool = False) -> list[torch.Tensor]:

@@ -20,9 +20,9 @@ import torch
 
 import kvswap
 from kvswap.calibration.binding import bound_at
-from kvswap.descriptors import checked
-from kvswap.platform import detect
-from kvswap.plugins import plugin_host
+from kvswap.addressing.descriptors import checked
+from kvswap.registry.platform import detect
+from kvswap.registry.plugins import plugin_host
 
 BLOCK = 16384
 

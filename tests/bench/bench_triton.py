@@ -52,8 +52,8 @@ class Bench:
     def __init__(self, n: int, reps: int) -> None:
         import torch
 
-        from kvswap.platform import detect
-        from kvswap.plugins import plugin_host
+        from kvswap.registry.platform import detect
+        from kvswap.registry.plugins import plugin_host
 
         self.torch = torch
         self.n, self.reps = n, reps

@@ -7,7 +7,7 @@ bench's peer (vLLM's policy), the same way.
 
 Not a test. It answers "would another fit of the same measurements have done better in
 this bench?" without a device. Routes are decided by the resolver's own route
-building (:func:`kvswap.routing.routes`) from each profile's decisions, at the bench's exact
+building (:func:`kvswap.resolution.routing.routes`) from each profile's decisions, at the bench's exact
 block size, as ``kvswap bench`` resolves them; a point is left out where a profile picks a
 kernel SM count the bench did not time. The first PROFILE should be the one the bench ran
 with: its routes must match the bench's resolved ones, which the script checks.
@@ -31,7 +31,8 @@ def route_at(routes, block: int, batch: int, knee: int) -> str:
 
 
 def routes_of(path: Path, direction: str, block: int):
-    from kvswap import CopyImpl, DeviceInfo, Direction, Policy, profiles, routing
+    from kvswap import CopyImpl, DeviceInfo, Direction, Policy
+    from kvswap.resolution import profiles, routing
 
     cal = profiles.load(path)
     device = DeviceInfo(platform="cuda", name=cal.identity, identity=cal.identity, compute_units=132)

@@ -1,0 +1,216 @@
+"""The ``kvswap`` command: ``info``, ``explain``, ``calibrate``, ``bench``.
+
+Exit status: 0 done; 1 the work failed (a driver error, nothing usable); 2 a usage error
+(bad arguments, a forced implementation that cannot be honoured); 130 interrupted; 141
+(as for SIGPIPE) when whoever reads stdout stops reading, e.g. ``kvswap info | head -1``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import signal
+import sys
+import warnings
+from typing import Any, Callable, Optional, Sequence
+
+from .. import __version__
+from ..errors import ConfigurationError, KvSwapError, ResolutionError
+from ..types import Direction, Policy
+
+# Subcommands whose code lives elsewhere: name -> module with HELP, DESCRIPTION,
+# add_arguments(p) and run(args). A command whose module fails to import is still listed,
+# and running it says why.
+EXTERNAL = {
+    "models": "kvswap.cli.models",
+    "calibrate": "kvswap.calibration.cli_calibrate",
+    "bench": "kvswap.calibration.cli_bench",
+}
+FORCE_ENV = "KVSWAP_FORCE_IMPL"
+EXIT_SIGPIPE = 128 + int(getattr(signal, "SIGPIPE", 13))
+
+
+class UsageError(Exception):
+    """Bad command-line arguments: one line on stderr, exit status 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse prints usage + message; we print one line
+        raise UsageError(f"{self.prog}: error: {message} (see --help)")
+
+
+def block_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of byte counts") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: byte counts must be positive")
+    return values
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum``, else a one-line error."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} must be >= {minimum}")
+        return v
+
+    return parse
+
+
+non_negative = int_at_least(0)
+positive = int_at_least(1)
+
+
+def direction(text: str) -> Direction:
+    try:
+        return Direction.parse(text)
+    except ConfigurationError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def directions(text: str) -> list[Direction]:
+    try:
+        return [Direction.parse(t.strip()) for t in text.split(",") if t.strip()]
+    except ConfigurationError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_device(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", help="device to use: cpu, cuda, cuda:N (default: the current accelerator, else the CPU)")
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from .inventory import format_report, report
+    from ..registry.plugins import plugin_host
+
+    info = report(plugin_host(), args.device)
+    print(json.dumps(info, indent=1) if args.json else format_report(info))
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from ..resolution.resolver import resolve
+
+    policy = Policy(max_sms=args.max_sms, prefer=args.prefer, force=args.force)
+    fn = resolve(args.direction, device=args.device, block_bytes=args.block_bytes, policy=policy)
+    print(json.dumps(fn.plan.to_dict(), indent=1) if args.json else fn.explain())
+    return 0
+
+
+def build_parser() -> Parser:
+    parser = Parser(
+        prog="kvswap",
+        description="Move KV-cache blocks between pinned host memory and accelerator memory. "
+        "Inspect the backends (info), see how a transfer would be routed (explain), "
+        "list the KV shapes of known models (models), "
+        "measure this device (calibrate) and compare routes (bench).",
+    )
+    parser.add_argument("--version", action="version", version=f"kvswap {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    sub.required = True
+
+    p = sub.add_parser("info", help="platform, device, plugins and every implementation with its availability",
+                       description="Show the platform, the device, the plugins loaded (with distribution and "
+                       "version), every implementation available or not with the reason, and where the "
+                       "calibration comes from.")
+    add_device(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout (warnings go to stderr)")
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("explain", help="how a transfer would be routed, and why",
+                       description="Resolve a swap function as an engine would and print its decision trace: "
+                       "candidates, rejections with reasons, calibration source, route per block-size class.")
+    p.add_argument("--direction", required=True, type=direction, metavar="h2d|d2h|d2d",
+                   help="h2d (host to device), d2h (device to host) or d2d (within one device)")
+    p.add_argument("--block-bytes", type=block_list, metavar="N[,N...]",
+                   help="block sizes the engine will copy, e.g. 8192,16384")
+    add_device(p)
+    p.add_argument("--max-sms", type=non_negative, metavar="N", help="most SMs a kernel route may take (0: none)")
+    p.add_argument("--prefer", choices=["throughput", "low_interference"], default="throughput",
+                   help="rank by bandwidth alone, or discount routes that slow compute down")
+    p.add_argument("--force", metavar="IMPL", help="use this implementation for everything")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=cmd_explain)
+
+    for name, module in EXTERNAL.items():
+        add_external(sub, name, module)
+    return parser
+
+
+def add_external(sub: Any, name: str, module: str) -> None:
+    """Register ``name`` from ``module``; if the module cannot load, a stub that says why."""
+    try:
+        mod = importlib.import_module(module)
+    except Exception as e:  # any failure of an optional part: report it, keep the CLI working
+        why = f"kvswap {name} is unavailable: importing {module} failed: {type(e).__name__}: {e}"
+        p = sub.add_parser(name, help=f"unavailable ({type(e).__name__}: {e}); `kvswap {name}` says more",
+                           description=why)
+        p.set_defaults(func=unavailable(why), any_arguments=True)
+        return
+    p = sub.add_parser(name, help=mod.HELP, description=mod.DESCRIPTION)
+    mod.add_arguments(p)
+    p.set_defaults(func=mod.run)
+
+
+def unavailable(why: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        print(f"kvswap: error: {why}", file=sys.stderr)
+        return 1
+
+    return run
+
+
+def _one_line_warning(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+    print(f"kvswap: warning: {message}", file=sys.stderr if file is None else file)
+
+
+def forced(args: Optional[argparse.Namespace]) -> Optional[str]:
+    """The implementation this command was told to use (``--force``, else the switch)."""
+    return getattr(args, "force", None) or os.environ.get(FORCE_ENV) or None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    warnings.showwarning = _one_line_warning
+    args = None
+    try:
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
+        if extra and not getattr(args, "any_arguments", False):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        status = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler below
+        return status
+    except UsageError as e:
+        print(e, file=sys.stderr)
+        return 2
+    except ConfigurationError as e:
+        print(f"kvswap: error: {e}", file=sys.stderr)
+        return 2
+    except ResolutionError as e:
+        # A forced implementation that cannot be honoured is a mistake in the flag or switch.
+        flag = "--force: " if getattr(args, "force", None) else ""
+        print(f"kvswap: error: {flag}{e}", file=sys.stderr)
+        return 2 if forced(args) else 1
+    except KvSwapError as e:
+        print(f"kvswap: error: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        # The reader went away (``| head``): say nothing, and keep the interpreter's final
+        # flush of stdout from failing again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_SIGPIPE
+    except KeyboardInterrupt:
+        print("kvswap: interrupted", file=sys.stderr)
+        return 130
+
+

@@ -1,0 +1,3 @@
+"""Host memory kvswap allocates and uses: pinned and NUMA-local host tensors, the block-major
+host cache, descriptor pools, and staging for pageable memory.
+"""

@@ -75,7 +75,7 @@ def test_descriptors_land_exactly_in_slices(direction, staging, link_calls):
 def test_a_half_spreads_its_link_over_the_link_streams_in_parts_of_equal_bytes(direction, link_calls, monkeypatch):
     from kvswap.backends.triton_generic import staged as staged_mod
 
-    import kvswap.reference as reference
+    import kvswap.registry.reference as reference
 
     monkeypatch.setattr(staged_mod, "LINK_STREAMS", 3)
     part_bytes: list = []

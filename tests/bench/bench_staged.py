@@ -13,6 +13,10 @@ counts) it prints, as ratios measured in this run:
 * ``makespan/bound``: launch to both done, over max(compute alone, bytes / ceiling).
 
 Every job's bytes are checked once. ``python3 tests/bench/bench_staged.py --json out.json``
+
+``--link-only`` measures the link by itself instead: the batch route copying runs of 64 KiB
+to 1 MiB between a contiguous device buffer and scattered host runs, its descriptors spread
+over 1-4 streams, as a fraction of the contiguous copy of the same bytes.
 """
 from __future__ import annotations
 
@@ -44,6 +48,44 @@ def timed(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def link_only(streams: list[int], reps: int) -> list[dict]:
+    """The batch route's runs over 1..N streams against the contiguous ceiling."""
+    dev, total = torch.device("cuda:0"), 128 << 20
+    host = torch.empty(2 * total, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(total, dtype=torch.uint8, device=dev)
+    contiguous = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    side = [torch.cuda.Stream() for _ in range(max(streams))]
+    rng, rows = np.random.default_rng(1), []
+    for direction in ("h2d", "d2h"):
+        ceil_t = timed(lambda: (device.copy_(contiguous, non_blocking=True) if direction == "h2d"
+                                else contiguous.copy_(device, non_blocking=True)), reps)
+        fn = kvswap.resolve(direction, device=dev, policy=Policy(force="cuda.batch"))
+        for run in (64 << 10, 256 << 10, 1 << 20):
+            n = total // run
+            hp = host.data_ptr() + rng.choice(2 * n, n, replace=False).astype(np.int64) * run
+            dp = device.data_ptr() + np.arange(n, dtype=np.int64) * run
+            src, dst = (hp, dp) if direction == "h2d" else (dp, hp)
+            sizes = np.full(n, run, dtype=np.int64)
+            row = dict(direction=direction, run_kib=run >> 10, descriptors=n)
+            for k in streams:
+                def spread():
+                    cur, cuts = torch.cuda.current_stream(), np.linspace(0, n, k + 1).astype(int)
+                    for s, lo, hi in zip(side, cuts, cuts[1:]):
+                        s.wait_stream(cur)
+                        fn(src[lo:hi], dst[lo:hi], sizes[lo:hi], stream=s.cuda_stream)
+                    for s in side[:k]:
+                        cur.wait_stream(s)
+                row[f"{k} stream(s)"] = round(ceil_t / timed(spread, reps), 3)
+            rows.append(row)
+    print(f"device {torch.cuda.get_device_name()}: the batch route over scattered host runs / contiguous copy")
+    keys = [f"{k} stream(s)" for k in streams]
+    print("| dir | run | descriptors | " + " | ".join(keys) + " |")
+    print("|---|---|---|" + "---|" * len(keys))
+    for r in rows:
+        print(f"| {r['direction']} | {r['run_kib']} KiB | {r['descriptors']} | " + " | ".join(str(r[k]) for k in keys) + " |")
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--blocks", type=int, default=512)
@@ -53,8 +95,15 @@ def main() -> int:
     p.add_argument("--link-streams", default="1,2,4",
                    help="copy-engine streams of the staged route's link to try (the mover's default route)")
     p.add_argument("--shapes", default="4x80,8x64,16x40,32x32", help="chunk KiB x layers, comma-separated")
+    p.add_argument("--link-only", action="store_true", help="measure the batch route's runs over --link-streams")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    if args.link_only:
+        rows = link_only([int(x) for x in args.link_streams.split(",")], args.reps)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(device=torch.cuda.get_device_name(), link_only=rows), f, indent=1)
+        return 0
     dev = torch.device("cuda:0")
     default_links = staged_mod.LINK_STREAMS
     # (chunk KiB, layers, heads): 16 tokens x heads x 128 x 2 B per K or V chunk

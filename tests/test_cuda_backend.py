@@ -481,3 +481,15 @@ def test_per_copy_failure_names_its_descriptor_and_stops():
         fn(pools.src, pools.dst, pools.sizes, 0)
     assert (e.value.call, e.value.index) == ("cuMemcpyAsync", 2)
     assert len(lib.of("cuMemcpyAsync")) == 3
+
+
+def test_the_cuda_plugin_creates_streams_only_for_cuda_and_only_with_libcuda(monkeypatch):
+    import kvswap.backends.cuda as plugin
+
+    assert plugin.kvswap_create_stream(platform="rocm", device_index=0) is None
+    monkeypatch.setattr(driver, "LIBRARY_NAMES", ("/nonexistent/libcuda.so.1",))
+    driver.reset()
+    try:
+        assert plugin.kvswap_create_stream(platform="cuda", device_index=0) is None
+    finally:
+        driver.reset()

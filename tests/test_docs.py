@@ -158,7 +158,7 @@ def test_backend_guide_has_a_section_per_hook():
 
     text = (DOCS / "writing-a-backend.md").read_text()
     hooks = sorted(n for n in vars(hookspecs) if n.startswith("kvswap_"))
-    assert len(hooks) == 4
+    assert len(hooks) == 5
     for hook in hooks:
         assert re.search(rf"^### `{hook}`", text, re.M), f"docs/writing-a-backend.md has no '### `{hook}`' section"
 

@@ -131,3 +131,46 @@ def test_detect_platform_returning_garbage_drops_only_that_plugin():
     host = host_with(kvswap_detect_platform=lambda device: "acme")
     with pytest.warns(kvswap.PluginWarning, match="returned 'acme', not a DeviceInfo"):
         assert kvswap.resolve("h2d", host=host).plan.device.platform == "cpu"
+
+
+def test_hook_kvswap_create_stream():
+    """kvswap's own streams come from the hook, one per owner, and go back to a free list
+    when their owner is collected; nothing else is handed them."""
+    import gc
+
+    from kvswap.registry.streams import own_handle
+
+    made = []
+
+    def create(platform, device_index):
+        made.append((platform, device_index))
+        return 0x7000 + len(made)
+
+    host = host_with(kvswap_create_stream=create)
+
+    class Owner:
+        pass
+
+    a, b = Owner(), Owner()
+    ha, hb = own_handle(901, a, host, platform="acme"), own_handle(901, b, host, platform="acme")
+    assert ha != hb and made == [("acme", 901), ("acme", 901)]
+    del a
+    gc.collect()
+    c = Owner()
+    assert own_handle(901, c, host, platform="acme") == ha and len(made) == 2  # given back, then reused
+    assert own_handle(902, Owner(), host, platform="acme") not in (ha, hb)  # another device: a stream of its own
+
+
+@pytest.mark.parametrize("index, answer", enumerate([RuntimeError("no context"), -5, "0x10", True], start=910))
+def test_a_plugin_that_cannot_create_a_stream_is_dropped_and_torchs_pool_serves(index, answer):
+    from kvswap.registry.streams import own_handle
+
+    def create(platform, device_index):
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    host = host_with(kvswap_create_stream=create)
+    with pytest.warns(kvswap.PluginWarning, match="acme"):
+        with pytest.warns(kvswap.KvSwapWarning, match="torch's stream pool"):
+            assert own_handle(index, object(), host, platform="acme") is None  # a device warned once

@@ -148,3 +148,31 @@ def test_device_tensors_on_the_host_side_are_refused():
     with pytest.raises(TensorPlacementError, match="src_tensors\\[0\\] is on cuda:0, but for direction h2d"):
         BlockMover(src.tensors, dst.tensors, "h2d")
     assert src.matches(before)
+
+
+def test_movers_and_staged_links_never_share_a_stream_with_torchs_pool():
+    """torch.cuda.Stream() hands out 32 pooled streams in turn; an engine's compute stream
+    is one of them. kvswap's transfer and link streams are its own: none is pooled, and no
+    two live movers share one, round after round of movers built and dropped."""
+    import gc
+
+    dev = torch.device("cuda:0")
+    pooled = {torch.cuda.Stream(device=dev).cuda_stream for _ in range(64)}
+    device = [torch.randn(64, 16, 64, device=dev).to(torch.bfloat16) for _ in range(4)]
+    cache = kvswap.host_cache(device, 64, block_dim=0)
+    for _ in range(4):
+        live, seen = [], []
+        for i in range(6):
+            src, dst = (device, list(cache.views)) if i % 2 else (list(cache.views), device)
+            m = BlockMover(src, dst, "d2h" if i % 2 else "h2d", block_dim=0)
+            m.wait(m.submit([1, 2, 3], [4, 5, 6]))
+            fn = m._desc.by_ids([(np.array([1]), np.array([2]))])
+            assert hasattr(fn, "staged"), "a block-major host takes the staged route"
+            seen += [m.stream.cuda_stream, *(s.cuda_stream for s in fn.staged.halves().links)]
+            live.append(m)
+        assert not set(seen) & pooled, "a mover queues on a pooled stream"
+        assert len(set(seen)) == len(seen), "two live movers share a stream"
+        for m in live:
+            m.close()
+        del live, m, fn
+        gc.collect()  # their streams go back to kvswap's free list for the next round

@@ -15,6 +15,7 @@ from kvswap.registry.thresholds import Calibration
 from kvswap.types import DeviceInfo
 
 __all__ = [
+    "kvswap_create_stream",
     "kvswap_detect_platform",
     "kvswap_register_calibrations",
     "kvswap_register_copy_impls",
@@ -42,3 +43,14 @@ def kvswap_detect_platform(device: Optional[str]) -> Optional[DeviceInfo]:
     from .device import describe
 
     return describe(device)
+
+
+@hookimpl
+def kvswap_create_stream(platform: str, device_index: int) -> Optional[int]:
+    if platform != "cuda":
+        return None
+    from . import driver
+
+    if driver.unavailable_reason() is not None:
+        return None
+    return driver.get().create_stream(device_index)

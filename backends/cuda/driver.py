@@ -68,6 +68,8 @@ _OUT_PTR = ctypes.CFUNCTYPE(CUresult, ctypes.POINTER(_p))
 _PUSH = ctypes.CFUNCTYPE(CUresult, _p)
 _DEVICE_GET = ctypes.CFUNCTYPE(CUresult, ctypes.POINTER(ctypes.c_int), ctypes.c_int)
 _RETAIN = ctypes.CFUNCTYPE(CUresult, ctypes.POINTER(_p), ctypes.c_int)
+_STREAM_CREATE = ctypes.CFUNCTYPE(CUresult, ctypes.POINTER(_p), ctypes.c_uint)
+CU_STREAM_NON_BLOCKING = 0x1
 _BUS_ID = ctypes.CFUNCTYPE(CUresult, ctypes.c_char_p, ctypes.c_int, ctypes.c_int)
 
 
@@ -302,6 +304,20 @@ class Driver:
             self.proc("cuCtxPopCurrent", 4000, _OUT_PTR),
             self.error,
         )
+
+    def create_stream(self, ordinal: int) -> int:
+        """A new stream in ``ordinal``'s primary context, non-blocking with respect to the
+        legacy default stream; its handle."""
+        guard = self.context_guard(ordinal)
+        pushed = guard.enter()
+        try:
+            handle = _p()
+            create = self.proc("cuStreamCreate", 2000, _STREAM_CREATE)
+            self.check("cuStreamCreate", create(ctypes.byref(handle), CU_STREAM_NON_BLOCKING))
+        finally:
+            if pushed:
+                guard.exit()
+        return int(handle.value)
 
     def pci_bus_id(self, ordinal: int) -> str:
         buf = ctypes.create_string_buffer(64)

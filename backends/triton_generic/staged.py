@@ -30,6 +30,7 @@ from kvswap.registry import deferred
 from kvswap.memory.allocation import allocating
 from kvswap.addressing.descriptors import coalesce
 from kvswap.registry.impl import BindContext, CopyImpl, TransferFn
+from kvswap.registry.streams import own_stream
 from kvswap.addressing.runs import SLOT_ALIGN, Runs, host_runs
 from kvswap.types import DeviceInfo, Direction
 
@@ -76,7 +77,7 @@ class _Halves:
             self.link_stream = None
             self.links: tuple = (None,) * max(1, link_streams)  # in order, at once
         else:
-            self.links = tuple(torch.cuda.Stream(device_index) for _ in range(max(1, link_streams)))
+            self.links = tuple(own_stream(device_index, self) for _ in range(max(1, link_streams)))
             self.link_stream = self.links[0]
             self.ready = (torch.cuda.Event(), torch.cuda.Event())
             self.free = (torch.cuda.Event(), torch.cuda.Event())

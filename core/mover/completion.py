@@ -99,18 +99,19 @@ class CudaCompletion:
     """A transfer stream on a CUDA (or ROCm) device, with timing events reused from a free list.
 
     :param device_index: the device the stream and events belong to.
-    :param stream: the transfer stream (a torch stream or a raw handle); None creates one,
-        so copies overlap the compute stream instead of queueing behind it.
+    :param stream: the transfer stream (a torch stream or a raw handle); None takes one of
+        kvswap's own (:func:`kvswap.registry.streams.own_stream`), so copies overlap the
+        compute stream instead of queueing behind it.
     """
 
     def __init__(self, device_index: int, stream: Any = None) -> None:
         import torch
 
-        from ..registry.streams import torch_stream
+        from ..registry.streams import own_stream, torch_stream
 
         self._torch = torch
         self.index = device_index
-        self.stream = torch.cuda.Stream(device=device_index) if stream is None else torch_stream(stream, device_index)
+        self.stream = own_stream(device_index, self) if stream is None else torch_stream(stream, device_index)
         self._events: list[Any] = []
         self._order_event: Any = None
 

@@ -70,3 +70,19 @@ def kvswap_host_address_translator(device: DeviceInfo) -> Optional[Callable[[np.
     host address; on CUDA with unified addressing the map is the identity. Raise
     :class:`kvswap.InvalidTransferError` for an address the device cannot reach.
     """
+
+
+@hookspec
+def kvswap_create_stream(platform: str, device_index: int) -> Optional[int]:
+    """Create a stream on a device for kvswap alone, and give its driver handle.
+
+    :param platform: the platform of the device (``"cuda"``, ``"rocm"``, …).
+    :param device_index: the device's index on that platform.
+    :return: the new stream's handle (``CUstream``, ``hipStream_t``) as an int, or None when
+        this plugin does not serve ``platform``.
+
+    Make it non-blocking with respect to the legacy default stream. kvswap keeps it for
+    the life of the process, using it for one mover's or route's copies at a time; it never
+    destroys it. Without a plugin that answers, kvswap falls back to torch's stream pool,
+    whose streams other code may be handed too.
+    """

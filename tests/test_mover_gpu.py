@@ -158,7 +158,8 @@ def test_movers_and_staged_links_never_share_a_stream_with_torchs_pool():
 
     dev = torch.device("cuda:0")
     pooled = {torch.cuda.Stream(device=dev).cuda_stream for _ in range(64)}
-    device = [torch.randn(64, 16, 64, device=dev).to(torch.bfloat16) for _ in range(4)]
+    # 4 layers of 32 KiB a block: a block-major host holds each block as one 128 KiB run
+    device = [torch.randn(64, 16, 8, 128, device=dev).to(torch.bfloat16) for _ in range(4)]
     cache = kvswap.host_cache(device, 64, block_dim=0)
     for _ in range(4):
         live, seen = [], []

@@ -133,6 +133,12 @@ class RecordingHipStandIn:
         self.current_device = index
         return 0
 
+    @_recorded
+    def hipStreamCreateWithFlags(self, out: Any, flags: int) -> int:
+        self.calls.append(("hipStreamCreateWithFlags", self.current_device, flags))
+        out[0] = 0x5000 + len(self.of("hipStreamCreateWithFlags"))
+        return 0
+
     # -- copies ---------------------------------------------------------------------------
     @_recorded
     def hipMemcpyAsync(self, dst: Optional[int], src: Optional[int], size: int, kind: int, stream: Optional[int]) -> int:

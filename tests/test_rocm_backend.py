@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from kvswap import (
+    KvSwapWarning,
     BindContext,
     CopyImpl,
     DeviceInfo,
@@ -441,3 +442,26 @@ def test_uncalibrated_rocm_prefers_the_batch_route_and_says_how_to_calibrate():
     want = expected_dst(src_pool, dst_pool, src, dst, sizes)
     fn(src, dst, sizes, stream=STREAM)
     assert np.array_equal(dst_pool, want)
+
+
+def test_the_rocm_plugin_creates_non_blocking_streams_on_the_asked_device_and_leaves_the_current_one():
+    standin = RecordingHipStandIn(current_device=1)
+    hip.reset(standin.api)
+    assert rocm_plugin.kvswap_create_stream(platform="cuda", device_index=0) is None
+    assert rocm_plugin.kvswap_create_stream(platform="rocm", device_index=3) == 0x5001
+    assert standin.of("hipStreamCreateWithFlags") == [("hipStreamCreateWithFlags", 3, 1)]
+    assert standin.current_device == 1 and standin.of("hipSetDevice")[-1] == ("hipSetDevice", 1)
+    hip.reset(_missing)
+    assert rocm_plugin.kvswap_create_stream(platform="rocm", device_index=0) is None
+    hip.reset(RecordingHipStandIn(missing=("hipStreamCreateWithFlags",)).api)
+    assert rocm_plugin.kvswap_create_stream(platform="rocm", device_index=0) is None
+
+
+def test_a_stream_the_runtime_refuses_is_a_warning_and_the_plugin_stays():
+    class Refusing(RecordingHipStandIn):
+        def hipStreamCreateWithFlags(self, out, flags):
+            return 2  # hipErrorOutOfMemory
+
+    hip.reset(Refusing().api)
+    with pytest.warns(KvSwapWarning, match="rocm: kvswap could not create a stream of its own on device 0"):
+        assert rocm_plugin.kvswap_create_stream(platform="rocm", device_index=0) is None

@@ -7,9 +7,11 @@ without it sees ``cuda.batch`` as unavailable, with the reason.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Optional
 
 from kvswap import hookimpl
+from kvswap.errors import DriverError, KvSwapWarning
 from kvswap.registry.impl import CopyImpl
 from kvswap.registry.thresholds import Calibration
 from kvswap.types import DeviceInfo
@@ -53,4 +55,9 @@ def kvswap_create_stream(platform: str, device_index: int) -> Optional[int]:
 
     if driver.unavailable_reason() is not None:
         return None
-    return driver.get().create_stream(device_index)
+    try:
+        return driver.get().create_stream(device_index)
+    except DriverError as e:  # the plugin's copy routes stay; kvswap falls back to torch's streams
+        warnings.warn(f"cuda: kvswap could not create a stream of its own on device {device_index}: {e}",
+                      KvSwapWarning, stacklevel=2)
+        return None

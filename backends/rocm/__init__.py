@@ -22,14 +22,17 @@ yet: the logic is tested on the CPU against a recording stand-in for the HIP lib
 """
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Optional
 
 from kvswap import hookimpl
+from kvswap.errors import DriverError, KvSwapWarning
 from kvswap.registry.impl import CopyImpl
 from kvswap.registry.thresholds import Calibration
 from kvswap.types import DeviceInfo
 
 __all__ = [
+    "kvswap_create_stream",
     "kvswap_detect_platform",
     "kvswap_host_address_translator",
     "kvswap_register_calibrations",
@@ -68,3 +71,23 @@ def kvswap_host_address_translator(device: DeviceInfo) -> Optional[Callable[...,
     from .translate import translator_for
 
     return translator_for(device)
+
+
+@hookimpl
+def kvswap_create_stream(platform: str, device_index: int) -> Optional[int]:
+    if platform != "rocm":
+        return None
+    from . import hip
+
+    try:
+        api = hip.get()
+    except hip.HipUnavailable:
+        return None  # no runtime: kvswap says so where it matters, at the copy routes
+    if not api.has("hipStreamCreateWithFlags"):
+        return None
+    try:
+        return api.create_stream(device_index)
+    except DriverError as e:  # the plugin's copy routes stay; kvswap falls back to torch's streams
+        warnings.warn(f"rocm: kvswap could not create a stream of its own on device {device_index}: {e}",
+                      KvSwapWarning, stacklevel=2)
+        return None

@@ -71,7 +71,9 @@ PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
     "hipHostGetDevicePointer": (c_int, (POINTER(c_void_p), c_void_p, c_uint)),
     "hipPointerGetAttribute": (c_int, (c_void_p, c_int, c_void_p)),
     "hipMemPtrGetInfo": (c_int, (c_void_p, POINTER(c_size_t))),
+    "hipStreamCreateWithFlags": (c_int, (POINTER(c_void_p), c_uint)),
 }
+HIP_STREAM_NON_BLOCKING = 0x1
 REQUIRED = ("hipRuntimeGetVersion", "hipMemcpyAsync")
 
 
@@ -179,6 +181,21 @@ class HipApi:
 
     def set_device(self, index: int) -> None:
         self.check("hipSetDevice", self.fn("hipSetDevice")(index))
+
+    def create_stream(self, index: int) -> int:
+        """A new stream on device ``index``, non-blocking with respect to the null stream;
+        the calling thread's current device is left as it was."""
+        before = self.get_device()
+        if before != index:
+            self.set_device(index)
+        try:
+            handle = c_void_p()
+            self.check("hipStreamCreateWithFlags",
+                       self.fn("hipStreamCreateWithFlags")(ctypes.byref(handle), HIP_STREAM_NON_BLOCKING))
+        finally:
+            if before != index:
+                self.set_device(before)
+        return int(handle.value)
 
 
 def _mapped_library() -> Optional[str]:

@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 
 from kvswap import (
-    KvSwapWarning,
     BindContext,
     CopyImpl,
     DeviceInfo,
     Direction,
     DriverError,
     InvalidTransferError,
+    KvSwapWarning,
     Policy,
     hookimpl,
     resolve,

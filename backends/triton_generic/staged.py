@@ -42,10 +42,9 @@ NAME = "triton.staged"
 # 132 of them kept the route within a few % of the link's ceiling and cost bf16 GEMMs beside
 # it about the same (tests/bench/bench_staged.py); fewer leave more SMs to the compute.
 DEVICE_SMS = 32
-# Copy-engine streams a half's link is spread over. A batch call pays about 3 us of device
-# time per descriptor, one after another (H100 and H200, runs of 64 KiB to 2 MiB: 256 KiB runs
-# reached 0.65-0.80 of the contiguous ceiling on one stream, 0.89-0.92 on four); streams
-# overlap it (tests/bench/bench_staged.py --link-only).
+# Copy-engine streams a half's link is spread over. A batch call costs the copy engine a few
+# us per descriptor, one after another: on an H100 and an H200, runs of 256 KiB reached
+# 0.65-0.89 of the contiguous copy on one stream, 0.89-0.95 on four (docs/benchmarks.md).
 LINK_STREAMS = 4
 # Descriptors a stream takes at least: each further batch call costs the caller's thread
 # tens of microseconds, which a few descriptors' overlap does not repay.

@@ -36,6 +36,7 @@ def test_a_tiny_fuzz_on_the_cpu_covers_every_route_and_finds_nothing(tmp_path):
         assert (r.transfers > 0 or r.skipped) and r.first_error is None, r
     totals = report.totals()
     assert totals["wrong"] == totals["canaries"] == 0 and totals["transfers"] >= TINY["transfers"]
+    assert sum(r.block_major_rounds for r in report.rows if r.path == "mover") > 0  # both host layouts
     out = tmp_path / "fuzz.json"
     assert fuzz.main(["--device", "cpu", "--transfers", "200", "--pool-mib", "2", "--max-size", "2048",
                       "--inflight", "2", "--directions", "h2d", "--json", str(out)]) == 0

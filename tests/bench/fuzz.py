@@ -74,6 +74,7 @@ class Tally:
     first_error: Optional[str] = None
     skipped: Optional[str] = None
     case: str = ""  # the limits entry: the batch's shape
+    block_major_rounds: int = 0  # mover rounds whose host side was block-major
 
 
 @dataclass
@@ -202,27 +203,47 @@ def check_window(got: np.ndarray, poison: int, data: np.ndarray, so: np.ndarray,
 # -- the BlockMover fuzz -----------------------------------------------------------------------
 def fuzz_mover(torch: Any, kvswap: Any, policy: Any, direction: str, cfg: Config, rng: np.random.Generator,
                tally: Tally, budget: int, c: dict[str, Any]) -> None:
+    """BlockMover jobs of random blocks between per-layer tensors; in half the rounds the
+    host side is block-major (every layer's piece of a block in one run, as
+    ``kvswap.host_cache`` lays it out), which a device mover stages where the runs are long."""
     src_where, dst_where = sides_of(direction, cfg.device)
     pinned = cfg.device != "cpu"
     a = c["alignment"]
     top = min(cfg.max_size, c["max_block_bytes"] or cfg.max_size)
+    # The host side of the direction (on a machine without a GPU both sides are host memory:
+    # either may be the block-major one).
+    hosts = [x for x, w in (("src", src_where), ("dst", dst_where)) if w == "cpu"]
     while tally.transfers < budget:
         block = int(align(log_uniform(rng, max(1, c["min_block_bytes"]), top, 1), a).clip(None, top)[0])
         pad = int(align(rng.integers(1, 64), a))  # spare bytes after every block: canaries
         layers = int(rng.integers(1, 4))
         rows = max(4, min(4096, cfg.pool_bytes // (2 * layers * (block + pad))))
         n_src, n_dst = rows, max(4, rows - int(rng.integers(0, rows // 2 + 1)))
-        host = [rng.integers(0, 256, (n_src, block + pad), dtype=np.uint8) for _ in range(layers)]
+        host_is = str(rng.choice(hosts)) if hosts else None
+        block_major = host_is is not None and rng.random() < 0.5
+        src_major, dst_major = block_major and host_is == "src", block_major and host_is == "dst"
         poison = int(rng.integers(0, 256))
-        src_t = [torch.from_numpy(h).to(src_where) if src_where != "cpu" else torch.from_numpy(h.copy()) for h in host]
-        if pinned and src_where == "cpu":
-            src_t = [t.pin_memory() for t in src_t]
-        dst_t = [torch.full((n_dst, block + pad), poison, dtype=torch.uint8, device=dst_where) for _ in range(layers)]
-        if pinned and dst_where == "cpu":
-            dst_t = [t.pin_memory() for t in dst_t]
-        mirror = [np.full((n_dst, block + pad), poison, dtype=np.uint8) for _ in range(layers)]
-        views_s = [t[:, :block] for t in src_t]
-        views_d = [t[:, :block] for t in dst_t]
+
+        def rows_of(n: int, major: bool, fill: Any) -> list[np.ndarray]:
+            """The arrays of one side: one for a block-major host, else one per layer."""
+            return [fill((n, layers * block + pad))] if major else [fill((n, block + pad)) for _ in range(layers)]
+
+        def side(arrays: list[np.ndarray], where: str, major: bool) -> tuple[list, list]:
+            """``(tensors, per-layer views the mover copies)`` of one side."""
+            ts = [torch.from_numpy(x.copy()).to(where) for x in arrays]
+            if pinned and where == "cpu":
+                ts = [t.pin_memory() for t in ts]
+            if major:
+                return ts, [ts[0][:, i * block:(i + 1) * block] for i in range(layers)]
+            return ts, [t[:, :block] for t in ts]
+
+        src_arrays = rows_of(n_src, src_major, lambda shape: rng.integers(0, 256, shape, dtype=np.uint8))
+        src_t, views_s = side(src_arrays, src_where, src_major)
+        dst_t, views_d = side(rows_of(n_dst, dst_major, lambda shape: np.full(shape, poison, dtype=np.uint8)),
+                              dst_where, dst_major)
+        layer_src = ([src_arrays[0][:, i * block:(i + 1) * block] for i in range(layers)] if src_major
+                     else [x[:, :block] for x in src_arrays])
+        mirror = [t.cpu().numpy().copy() for t in dst_t]
         jobs, results = 0, []
         with kvswap.BlockMover(views_s, views_d, direction, policy=policy) as mover:
             # Two waves: the first held behind a busy compute stream, so that every job of
@@ -235,8 +256,11 @@ def fuzz_mover(torch: Any, kvswap: Any, policy: Any, direction: str, cfg: Config
                     sid = rng.integers(0, n_src, k)
                     did = rng.permutation(n_dst)[:k]
                     mover.submit(sid, did)
-                    for h, m in zip(host, mirror):
-                        m[did, :block] = h[sid, :block]
+                    for i, h in enumerate(layer_src):
+                        if dst_major:
+                            mirror[0][did, i * block:(i + 1) * block] = h[sid]
+                        else:
+                            mirror[i][did, :block] = h[sid]
                     tally.max_inflight = max(tally.max_inflight, mover.in_flight)
                     tally.transfers += k * layers
                     tally.bytes += k * layers * block
@@ -247,15 +271,18 @@ def fuzz_mover(torch: Any, kvswap: Any, policy: Any, direction: str, cfg: Config
         if failed and tally.first_error is None:
             tally.first_error = f"job {failed[0].job_id} failed: {failed[0].error}"
         synchronize(torch, cfg.device)
+        used = layers * block if dst_major else block  # the rest of each row: canaries
         for t, m in zip(dst_t, mirror):
             got = t.cpu().numpy()
             bad = got != m
-            tally.wrong += int(bad[:, :block].sum())
-            tally.canaries += int(bad[:, block:].sum())
+            tally.wrong += int(bad[:, :used].sum())
+            tally.canaries += int(bad[:, used:].sum())
             if bad.any() and tally.first_error is None:
-                r, c = np.argwhere(bad)[0]
-                tally.first_error = f"mover block {block} B: row {r} byte {c} wrong"
+                r, col = np.argwhere(bad)[0]
+                where = "block-major host" if block_major else "per-layer"
+                tally.first_error = f"mover block {block} B ({where}): row {r} byte {col} wrong"
         tally.batches += jobs
+        tally.block_major_rounds += int(block_major)
 
 
 # -- at the per-call limits --------------------------------------------------------------------

@@ -107,11 +107,13 @@ def test_a_profile_round_trips_its_staged_section_and_one_without_it_has_none(tm
     assert [c.points for c in back.staged_curves("h2d")] == [tuple(map(tuple, pts))] and back.staged_curves("d2h") == []
     cal = profiles.load(tmp_path / "p.json")
     assert cal.predict("triton.staged", "staged", Direction.H2D, 16 * KiB) == pytest.approx(pts[1][1])
+    assert cal.staged_chunks == 64  # the runs it was measured on, for a mover's shorter ones
     plain = store.make_document(cpu_device(), Fitted(), measured="test")
     assert "staged" not in plain  # a profile without a staged measurement has the older shape
     plain["decisions"] = {}
     store.save(plain, tmp_path / "old.json")
-    assert profiles.load(tmp_path / "old.json").predict("triton.staged", "staged", Direction.H2D, 16 * KiB) is None
+    old = profiles.load(tmp_path / "old.json")
+    assert old.predict("triton.staged", "staged", Direction.H2D, 16 * KiB) is None and old.staged_chunks == 0
 
 
 def test_a_staged_section_keeps_the_curves_this_run_did_not_measure():

@@ -144,6 +144,19 @@ def test_without_staged_measurements_the_rule_decides_and_explain_says_so(host):
     assert MIN_RUN_BYTES == 64 * KiB
 
 
+def test_host_runs_shorter_than_measured_scale_the_staged_curve_by_what_the_link_loses(host):
+    # Measured on runs of 64 chunks (256 KiB at 4 KiB chunks): the batch route runs at 50 GB/s
+    # there and at 35 on this mover's 64 KiB runs, so 50 GB/s of staged becomes 35, under the kernel's 45.
+    fast = calibration(staged_gbps=50.0, staged_chunks=64)
+    scale = fast.predict("acme.dma", "batch", Direction.D2H, 64 * KiB) / 50.0
+    assert scale == pytest.approx(0.7)
+    choice, _, _, _ = _choose(host, fast)
+    assert choice.steps is None and choice.staged[1] == pytest.approx(50.0 * scale)
+    assert "the staged curve scaled by 0.70: host runs of 65536 bytes, shorter than the 64 chunks" in choice.note
+    same, _, _, _ = _choose(host, calibration(staged_gbps=50.0, staged_chunks=16))  # measured on runs as long
+    assert same.steps is not None and same.staged[1] == 50.0 and "scaled" not in same.note
+
+
 def test_a_per_layer_host_never_takes_the_staged_route_even_where_predicted_faster(host):
     choice, _, _, _ = _choose(host, calibration(staged_gbps=500.0), block_major=False)
     assert choice.steps is None and choice.staged is None

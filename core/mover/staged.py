@@ -106,11 +106,13 @@ def staged_choice(fn: SwapFn, template: DescriptorTemplate, direction: Direction
             f"(docs/design.md); a block-major host cache (kvswap.host_cache) holds each block as one run"))
     cal = fn._cal  # what the resolved route was decided by
     chunk = min(template.chunk_sizes)
-    rate = None
+    rate, scale = None, 1.0
     if cal is not None and not fn.plan.forced:
         gbps = cal.predict(name, "staged", direction, chunk)
         line = cal.host_line(name, "staged", direction)
         if gbps and line is not None:
+            scale = _shorter_runs(fn, cal, direction, runs.smallest, chunk)
+            gbps *= scale
             rate = (name, gbps, *line, cal.slowdown_at(name, "staged", direction, None, chunk))
     table = fn.prepare_quieter(chunk) if rate is not None and len(set(template.chunk_sizes)) == 1 else None
     choice = StagedChoice(None, "", rate, table)
@@ -136,6 +138,9 @@ def staged_choice(fn: SwapFn, template: DescriptorTemplate, direction: Direction
         said = (f"predicted {how} for a job of {REFERENCE_BLOCKS} blocks ({cal.source}): "
                 f"{_explained(rates, count, nbytes, within, win)}; a job with `within` ranks them again by its "
                 f"own length")
+        if scale < 1.0:
+            said += (f" (the staged curve scaled by {scale:.2f}: host runs of {runs.smallest} bytes, shorter than "
+                     f"the {cal.staged_chunks} chunks a run it was measured on)")
         if win != name:
             return replace(choice, note=f"staged route not used: {said}", fn=_bind(name, direction, policy,
                                                                                     resolve_args))
@@ -154,6 +159,20 @@ def staged_choice(fn: SwapFn, template: DescriptorTemplate, direction: Direction
     return replace(choice, steps=steps, fn=route, note=(
         f"staged: {name} moves each block as {runs.count} host run(s) of {runs.smallest}+ bytes over the link, "
         f"the device side gathered or scattered in bursts; chosen {verdict}"))
+
+
+def _shorter_runs(fn: SwapFn, cal: Any, direction: Direction, run: int, chunk: int) -> float:
+    """The factor the staged curve is scaled by for host runs of ``run`` bytes where it was
+    measured on longer ones (``cal.staged_chunks`` chunks a run): the link moves runs, so what
+    the batch route (its link) loses at the shorter run; 1 where the runs are as long or
+    nothing predicts the batch route."""
+    measured = chunk * cal.staged_chunks
+    if run >= measured:
+        return 1.0
+    link = next((c for c in fn.plan.candidates if c.kind == "batch" and c.available), None)
+    at_run = cal.predict(link.name, "batch", direction, run) if link else None
+    at_measured = cal.predict(link.name, "batch", direction, measured) if link else None
+    return min(1.0, at_run / at_measured) if at_run and at_measured else 1.0
 
 
 def _bind(name: str, direction: Direction, policy: Policy, resolve_args: dict[str, Any]) -> Optional[SwapFn]:

@@ -148,6 +148,7 @@ def to_calibration(doc: Any, source: str) -> Calibration:
             slowdown_by_sms=doc.get("slowdown_by_sms", {}),
             ceiling_gbps=doc.get("ceiling_gbps", {}),
             host_cost=_host_cost(doc.get("host_cost", {}), source),
+            staged_chunks=int((doc.get("staged") or {}).get("chunks_per_block", 0)),
             identity=identity,
             host_reference=doc.get("host_reference") is True,
         )

@@ -27,8 +27,10 @@ DESCRIPTION = (
     "transfer takes on another; write the profile "
     "(JSON, keyed by device identity) where the resolver finds it, the raw measurements beside it "
     "(<profile>.measurements.json, optional: the resolver never reads them), and a PNG of the curves. "
-    "With --only and --update, measure just the host cost and/or the slowdown and rewrite an existing "
-    "profile in place. "
+    "Where a staged route is available, also measure it as a BlockMover runs it, on a block-major host cache: "
+    "GB/s by chunk size, its host cost, and (with --interference) its compute slowdown. "
+    "With --only and --update, measure just the host cost, the slowdown and/or the staged route and rewrite an "
+    "existing profile in place. "
     "On a machine without an accelerator it measures the host reference's host memory copies, and "
     "marks the profile so (explain does not present it as a device calibration)."
 )
@@ -129,7 +131,7 @@ def run_update(args: argparse.Namespace) -> int:
     from kvswap.registry.platform import detect
     from kvswap.registry.plugins import plugin_host
 
-    from . import update
+    from . import staged, update
     from .progress import Progress
     from .report import host_cost_lines, slowdown_lines
     from .decisions import Fitted
@@ -153,8 +155,9 @@ def run_update(args: argparse.Namespace) -> int:
         print(f"kvswap calibrate: error: nothing could be measured; {args.update} is as it was", file=sys.stderr)
         return 1
     fitted = Fitted.from_dict(profile)
-    lines = (host_cost_lines(fitted) if update.HOST_COST in args.only else []) + (
-        slowdown_lines(fitted, got.interference) if update.INTERFERENCE in args.only else [])
+    lines = (host_cost_lines(fitted) if {update.HOST_COST, update.STAGED} & set(args.only) else []) + (
+        slowdown_lines(fitted, got.interference) if {update.INTERFERENCE, update.STAGED} & set(args.only) else []) + (
+        staged.describe(fitted.staged) if update.STAGED in args.only else [])
     print("\n".join(lines))
     print(f"profile {args.update} updated ({', '.join(args.only)}) in {duration(time.monotonic() - t0)}; "
           f"raw records in {raw_path}")
@@ -171,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
     from kvswap.registry.platform import detect
     from kvswap.registry.plugins import plugin_host
 
-    from . import fit, store, update
+    from . import fit, staged, store, update
     from .progress import Progress
     from .report import calibration_report
     from .sweep import Sweep, settings_for
@@ -204,14 +207,14 @@ def run(args: argparse.Namespace) -> int:
             routes = [n + (f" at {[b.num_sms for b in bounds if b.impl == n]} SMs" if any(
                 b.impl == n and b.num_sms for b in bounds) else "") for n in names]
             print(f"  {d}: measuring {'; '.join(routes) or 'nothing (no usable route)'}", file=sys.stderr)
-        extra = [update.HOST_COST] + ([update.INTERFERENCE] if args.interference else [])
+        extra = [update.HOST_COST, update.STAGED] + ([update.INTERFERENCE] if args.interference else [])
         try:
             result = sweep.run()
             if any(m.stage != "ceiling" for m in result.measurements):
                 knees = [fit.fit_direction(result.measurements, str(d), args.knee_tolerance).kernel_sms for d in dirs]
                 knees = [k for k in knees if k]
                 got = update.measure(extra, dev, args.device, host, dirs, quick=args.quick, progress=progress,
-                                     kernel_sms=max(knees) if knees else None)
+                                     kernel_sms=max(knees) if knees else None, staged_slowdown=args.interference)
                 result.failures.extend(got.failures.records)
         finally:
             progress.close()
@@ -223,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
             return 1
 
         fitted = fit.profile_fields(result.measurements, got.interference, dirs, prior, args.knee_tolerance,
-                                    host_cost=got.host_cost)
+                                    host_cost=got.host_cost, staged=got.staged_section())
         doc = store.make_document(
             dev, fitted,
             measured=measured,
@@ -238,6 +241,7 @@ def run(args: argparse.Namespace) -> int:
             failures=result.failures,
             interference=got.interference,
             host_cost_records=got.host_cost_records,
+            staged_records=got.staged_records,
             notes=result.notes,
         )
         profile, raw = store.split(doc)
@@ -255,6 +259,7 @@ def run(args: argparse.Namespace) -> int:
             plot_path = None
             warnings.warn(f"no plot written: {e} (install kvswap[plot] for matplotlib)")
         print(calibration_report(fitted, result.measurements, got.interference, result.failures))
+        print("\n".join(staged.describe(fitted.staged)))
         print()
         for note in result.notes:
             print(f"note: {note}")

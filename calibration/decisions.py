@@ -4,7 +4,7 @@ A profile (``kvswap.profile/1``, read by :mod:`kvswap.resolution.profiles`) hold
 and how it was measured, the fields of :class:`Fitted`: ``curves`` (GB/s against block size
 per route, the size sweep's), ``decisions`` (one :class:`Decision` per direction),
 ``ceiling_gbps``, ``slowdown_by_sms`` and ``host_cost``, each with its ``*_source`` in
-words. ``to_dict()`` writes each as the
+words, and ``staged`` where the staged route was measured. ``to_dict()`` writes each as the
 profile's JSON has it; ``from_dict()`` reads it back (fields a profile lacks take their
 defaults).
 """
@@ -139,6 +139,11 @@ class Fitted:
     # per direction and route, [a_us, b_us] (kvswap.Calibration.host_cost)
     host_cost: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     host_cost_source: str = "not measured"
+    # the staged route on a block-major host: curves by chunk size and how (kvswap.calibration.staged)
+    staged: dict[str, Any] = field(default_factory=dict)
+
+    def staged_curves(self, direction: str) -> list[Curve]:
+        return [c for c in map(curve_from_dict, self.staged.get("curves", ())) if str(c.direction) == direction]
 
     def curves_of(self, direction: str) -> list[Curve]:
         return [c for c in self.curves if str(c.direction) == direction]
@@ -152,6 +157,7 @@ class Fitted:
             "slowdown_source": self.slowdown_source,
             "host_cost": {d: {r: list(v) for r, v in routes.items()} for d, routes in self.host_cost.items()},
             "host_cost_source": self.host_cost_source,
+            **({"staged": self.staged} if self.staged else {}),  # absent where not measured: older profiles' shape
         }
 
     @classmethod
@@ -165,4 +171,5 @@ class Fitted:
             slowdown_source=doc.get("slowdown_source", "not measured"),
             host_cost={d: dict(v) for d, v in doc.get("host_cost", {}).items()},
             host_cost_source=doc.get("host_cost_source", "not measured"),
+            staged=dict(doc.get("staged") or {}),
         )

@@ -407,12 +407,14 @@ def profile_fields(
     prior: Optional[Calibration] = None,
     tolerance: float = TOLERANCE,
     host_cost: Optional[dict[str, HostCost]] = None,
+    staged: Optional[dict[str, Any]] = None,
 ) -> Fitted:
     """``curves``, ``decisions``, ``ceiling_gbps``, ``slowdown_by_sms`` and ``host_cost``
     of a profile.
 
     :param interference: records of :func:`kvswap.calibration.step_interference.measure`.
     :param host_cost: a profile's ``host_cost`` (:func:`kvswap.calibration.host_cost.profile_field`).
+    :param staged: a profile's ``staged`` section (:func:`kvswap.calibration.staged.profile_section`).
 
     Directions not measured in this run, and the slowdown and host cost where they were not
     measured, are carried over from ``prior`` (the calibration in force before), each saying
@@ -443,13 +445,14 @@ def profile_fields(
         slow_source = carried_from("--interference", prior if rows else None)
     host_source = HOST_COST_MEASURED if host_cost else carried_from("host-cost", prior if held else None)
     return Fitted(curves=out_curves, decisions=decisions, ceiling_gbps=ceiling, slowdown_by_sms=rows,
-                  slowdown_source=slow_source, host_cost=held, host_cost_source=host_source)
+                  slowdown_source=slow_source, host_cost=held, host_cost_source=host_source, staged=staged or {})
 
 
 SLOWDOWN_MEASURED = ("measured beside compute (bf16 GEMMs on an accelerator) started together with a BlockMover job, "
                      "as an engine runs them")
 HOST_COST_MEASURED = ("measured: one call per route timed on the calling thread, the transfer stream kept busy, "
-                      "over per-layer tensors on both sides")
+                      "over per-layer tensors on both sides (a staged route: per-layer device tensors and a "
+                      "block-major host cache, called by ids as a BlockMover calls it)")
 
 
 def carried_from(what: str, prior: Optional[Calibration]) -> str:

@@ -21,6 +21,7 @@ into :attr:`kvswap.Calibration.host_cost`. Run it alone with
 from __future__ import annotations
 
 import argparse
+from bisect import bisect_right
 import json
 import sys
 import time
@@ -46,7 +47,10 @@ SLEEP_COVER, SLEEP_MIN_S = 2.0, 0.002
 # Cycles per second the sleep kernel is sized by: at or above the SM clock of the GPUs
 # kvswap ships profiles for (H100, H200: 1.98 GHz at most), so it sleeps at least as long.
 SLEEP_HZ = 2.0e9
-clock = time.perf_counter_ns  # what times a call (a modelled device in the tests has a clock of its own)
+clock = time.perf_counter_ns
+# The kinds timed on per-layer host tensors; a staged route is timed on a block-major host
+# cache (``kinds=STAGED_KINDS, host_layout="block-major"``), the only layout it serves.
+PER_LAYER_KINDS, STAGED_KINDS = ("batch", "kernel"), ("staged",)  # what times a call (a modelled device in the tests has a clock of its own)
 
 
 @dataclass(frozen=True)
@@ -134,14 +138,14 @@ class _Thread:
 
 
 def routes_to_time(direction: Direction, dev: DeviceInfo, spec: Any, host: Any, kernel_sms: int,
-                   failures: Failures) -> list[tuple[str, str, Optional[int], Any]]:
-    """``(impl, kind, num_sms, SwapFn)`` for every usable route on the device ``spec``
-    names (detected as ``dev``), each forced through ``resolve()`` as an engine gets it;
-    kernels at ``kernel_sms`` (capped by the device)."""
+                   failures: Failures, kinds: Sequence[str] = PER_LAYER_KINDS) -> list[tuple[str, str, Optional[int], Any]]:
+    """``(impl, kind, num_sms, SwapFn)`` for every usable route of ``kinds`` on the device
+    ``spec`` names (detected as ``dev``), each forced through ``resolve()`` as an engine
+    gets it; kernels at ``kernel_sms`` (capped by the device)."""
     plan = resolve(direction, device=spec, host=host, profiles=False).plan
     out = []
     for c in plan.candidates:
-        if not c.available:
+        if not c.available or c.kind not in kinds:
             continue
         k = min(kernel_sms, dev.compute_units or kernel_sms) if c.kind == "kernel" else None
         try:
@@ -153,11 +157,16 @@ def routes_to_time(direction: Direction, dev: DeviceInfo, spec: Any, host: Any, 
 
 def measure(env: Any, dev: DeviceInfo, directions: Sequence[Direction], settings: HostCostSettings, *,
             spec: Any = None, host: Any = None, cache: Optional[KVCache] = None, progress: Optional[Progress] = None,
-            failures: Optional[Failures] = None, seed: int = 0) -> list[dict[str, Any]]:
-    """One record per direction, route and descriptor count: the median of ``reps`` calls'
-    held microseconds (``held_us``), each call on fresh random block ids.
+            failures: Optional[Failures] = None, seed: int = 0, kinds: Sequence[str] = PER_LAYER_KINDS,
+            host_layout: str = "per-layer") -> list[dict[str, Any]]:
+    """One record per direction, route of ``kinds`` and descriptor count: the median of
+    ``reps`` calls' held microseconds (``held_us``), each call on fresh random block ids,
+    over a host side of ``host_layout``. A staged route is called by ids, as a BlockMover
+    calls it (:func:`kvswap.mover.descriptors.by_ids_steps`); the others on descriptors.
 
     :param spec: the device as the caller named it (default ``dev.torch_device``)."""
+    from kvswap.mover.descriptors import by_ids_steps
+
     from .step_workload import StepPools
 
     cache = cache or workload(settings, dev)
@@ -165,7 +174,7 @@ def measure(env: Any, dev: DeviceInfo, directions: Sequence[Direction], settings
     per_block = cache.descriptors_per_block
     counts = sorted({max(1, round(n / per_block)) for n in settings.counts})
     num_blocks = 2 * max(counts)  # twice the largest job: scattered ids, and blocks left to stay poison
-    pools = StepPools(env, cache, num_blocks, seed)
+    pools = StepPools(env, cache, num_blocks, seed, host_layout)
     thread = _Thread(env, settings.scratch_bytes)
     rng = np.random.default_rng(seed)
     records: list[dict[str, Any]] = []
@@ -176,14 +185,18 @@ def measure(env: Any, dev: DeviceInfo, directions: Sequence[Direction], settings
         template = pair_regions(src, dst, cache.block_dim)
         buf = np.empty((3, template.count * max(counts)), dtype=np.int64)
         routes = routes_to_time(d, dev, dev.torch_device if spec is None else spec, host, settings.kernel_sms,
-                                failures)
+                                failures, kinds)
         if progress is not None:
             progress.add(len(routes) * len(counts))
         for impl, kind, sms, fn in routes:
             expect = 0.0
+            ids_steps = by_ids_steps(fn, template) if kind == "staged" else None
             for blocks in counts:
                 def draw() -> tuple[np.ndarray, np.ndarray, Any]:
                     sid, did = pools.draw(rng, blocks)
+                    if ids_steps is not None:
+                        by_ids = ids_steps[1][bisect_right(ids_steps[0], blocks * per_block) - 1]
+                        return sid, did, lambda stream: by_ids(sid, did, stream)
                     m = template.fill(sid, did, buf)
                     s, t, z = (np.ascontiguousarray(buf[i, :m]) for i in range(3))
                     return sid, did, lambda stream: fn.call_validated(s, t, z, stream=stream)
@@ -210,7 +223,7 @@ def measure(env: Any, dev: DeviceInfo, directions: Sequence[Direction], settings
                                 "descriptors": blocks * per_block, "held_us": round(median(held), 2),
                                 "spread_us": round(float(np.median(np.abs(np.array(held) - median(held)))), 2),
                                 "reps": len(held), "workload": cache.label, "chunk_bytes": cache.chunk_bytes,
-                                "tensors_a_side": len(src), "bytes_checked": checked,
+                                "tensors_a_side": len(src), "host_layout": host_layout, "bytes_checked": checked,
                                 "note": " ".join(n.removeprefix(f"{impl}: ") for n in fn.plan.notes
                                                  if n.startswith(f"{impl}: "))})
     return records

@@ -18,7 +18,7 @@ def _label(b: int) -> str:
 def plot_profile(fitted: Fitted, path: Path, title: str = "") -> Path:
     """Write ``path`` (PNG) from a profile's curves and decisions: one panel per direction;
     each batch route a line, the kernel one line per SM count (darker = more SMs), the
-    ceiling dashed, the chosen route highlighted and the kernel/batch crossover marked."""
+    staged route (by chunk size, on a block-major host) a dashed purple line, the ceiling dashed, the chosen route highlighted and the kernel/batch crossover marked."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -39,6 +39,10 @@ def plot_profile(fitted: Fitted, path: Path, title: str = "") -> Path:
                 ax.plot(xs, [pts[x] for x in xs], "-o", ms=3, lw=1.2, color=cmap(1 - shade), label=f"{impl} {sms} SMs")
             else:
                 ax.plot(xs, [pts[x] for x in xs], "-s", ms=4, lw=2, label=impl)
+        for c in fitted.staged_curves(d):  # by chunk size, on a block-major host: its own style
+            xs = [b for b, _ in c.points]
+            ax.plot(xs, [g for _, g in c.points], "--D", ms=4, lw=2, color="tab:purple",
+                    label=f"{c.impl} (block-major host, by chunk size)")
         dec = fitted.decisions.get(d)
         chosen = dec.by_size if dec else []
         if chosen:
@@ -52,7 +56,7 @@ def plot_profile(fitted: Fitted, path: Path, title: str = "") -> Path:
             ax.axvline(cross, ls=":", color="tab:red", lw=1.5)
             ax.annotate(f"batch from {_label(cross)}", (cross, ax.get_ylim()[1] * 0.95), rotation=90,
                         va="top", ha="right", fontsize=8, color="tab:red")
-        sizes = sorted({b for pts in rows.values() for b in pts})
+        sizes = sorted({b for pts in rows.values() for b in pts} | {b for c in fitted.staged_curves(d) for b, _ in c.points})
         ax.set_xscale("log", base=2)
         if sizes:
             ax.set_xticks(sizes)

@@ -56,18 +56,19 @@ def measure(env: Any, dev: DeviceInfo, directions: Sequence[Direction], sm_count
             reps: int = 5, *, host: Any = None, cache: Optional[KVCache] = None, num_blocks: int = POOL_BLOCKS,
             progress: Optional[Progress] = None, seed: int = 0, by_size: Sequence[KVCache] = (),
             size_blocks: int = SIZE_POOL_BLOCKS, staged: bool = False,
-            staged_pool_bytes: int = STAGED_POOL_BYTES) -> list[dict[str, Any]]:
+            staged_pool_bytes: int = STAGED_POOL_BYTES, per_layer: bool = True) -> list[dict[str, Any]]:
     """One record per direction x route (the batch route, the kernel at each SM count) on
     ``cache``, and one per direction for the batch route on each of ``by_size`` (other
     block sizes; :func:`size_workloads`), all with per-layer host tensors; with ``staged``,
     also one per direction for the staged route on each of them with a block-major host
-    cache (where a staged route is available), its pool at least ``staged_pool_bytes``."""
+    cache (where a staged route is available), its pool at least ``staged_pool_bytes``;
+    without ``per_layer``, only those (``kvswap calibrate --only staged``)."""
     cache = cache or workload()
     rng = np.random.default_rng(seed)
     records = []
     plan = [(cache, num_blocks, True)] + [(c, size_blocks, False) for c in by_size]
     for c, blocks, kernels in plan:
-        kinds = {"per-layer": ("batch", "kernel") if kernels else ("batch",)}
+        kinds = {"per-layer": ("batch", "kernel") if kernels else ("batch",)} if per_layer else {}
         if staged:
             kinds["block-major"] = ("staged",)
         for layout, measured in kinds.items():
@@ -170,14 +171,15 @@ def _measure_route(env: Any, pools: StepPools, mover: Any, d: Direction, reps: i
 def profile_rows(records: Sequence[dict[str, Any]]) -> dict[str, list[list[Any]]]:
     """A profile's ``slowdown_by_sms``: per direction, ``[route, num_sms, fraction]`` rows
     for each impl and, the same numbers, for its kind (what a route of that kind without
-    its own rows is judged by). The batch route's rows name the block size they were
-    measured at (``[route, 0, fraction, block_bytes]``): it was measured at several."""
+    its own rows is judged by). The rows of the batch route and of the staged route name the
+    chunk size they were measured at (``[route, num_sms, fraction, block_bytes]``): they
+    were measured at several."""
     out: dict[str, dict[tuple, float]] = {}
     for r in records:
         if r.get("error") or "slowdown" not in r:
             continue
         rows = out.setdefault(r["direction"], {})
-        sized = r["kind"] == "batch" and r.get("chunk_bytes")
+        sized = r["kind"] in ("batch", "staged") and r.get("chunk_bytes")
         for key in (r["route"], r["kind"]):
             k = (key, r["num_sms"], r["chunk_bytes"]) if sized else (key, r["num_sms"])
             rows[k] = max(r["slowdown"], rows.get(k, 0.0))

@@ -8,8 +8,9 @@ copies were timed, on a machine without an accelerator: not a device calibration
 ``settings``, ``directions``, ``failures``, ``notes``, and the fitted fields
 (:class:`~.decisions.Fitted`): ``curves``, ``decisions`` (per direction: routes,
 ``kernel_sms``, ``kernel_min_batch``, ``min_batch_by_size``, ``kernel_sms_by_batch``,
-crossover), ``ceiling_gbps``, ``slowdown_by_sms``, ``host_cost``, and each of the last two's
-``*_source`` in words.
+crossover), ``ceiling_gbps``, ``slowdown_by_sms``, ``host_cost``, each of the last two's
+``*_source`` in words, and ``staged`` (the staged route's speed by chunk size on a
+block-major host, :mod:`.staged`; absent where none was measured).
 
 The raw rows a profile was fitted from (every timing, every interference and host-cost
 record) are kept
@@ -71,7 +72,7 @@ def make_document(device: DeviceInfo, fitted: Optional[Fitted] = None, **fields:
 # it was fitted from (every timing, every interference and host-cost record) go to a file of
 # their own beside it, which is optional and never shipped: ``<profile stem>.measurements.json``.
 MEASUREMENTS_SCHEMA = "kvswap.measurements/1"
-RAW_FIELDS = ("measurements", "interference", "host_cost_records")
+RAW_FIELDS = ("measurements", "interference", "host_cost_records", "staged_records")
 
 
 def measurements_path(profile: Path) -> Path:

@@ -217,6 +217,8 @@ class Sweep:
             if not c.available:
                 self.result.notes.append(f"{direction}: {c.name} not measured: {c.reason}")
                 continue
+            if c.kind == "staged":  # measured by chunk size on the block-major host it serves (.staged)
+                continue
             counts: Sequence[Optional[int]] = self.settings.sm_counts if c.kind == "kernel" else (None,)
             if c.kind == "kernel" and not counts:
                 self.result.notes.append(f"{direction}: {c.name} not measured: no SM budget (--max-sms 0)")

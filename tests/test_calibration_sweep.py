@@ -159,6 +159,8 @@ def test_sweep_on_the_cpu_measures_real_copies_of_every_available_route():
     got = {(m.direction, m.stage, m.impl, m.num_sms, m.block_bytes) for m in result.measurements if m.stage != BATCH}
     want = {(d, CEILING, "contiguous", None, MiB) for d in ("h2d", "d2h")}
     for name, kind in usable.items():
+        if kind == "staged":  # measured by chunk size on a block-major host (kvswap.calibration.staged), not here
+            continue
         for sms in ((1, 2) if kind == "kernel" else (None,)):
             want |= {(d, SIZE, name, sms, b) for d in ("h2d", "d2h") for b in (4 * KiB, 64 * KiB)}
     assert got == want

@@ -28,13 +28,13 @@ from .descriptors import JobDescriptors, by_ids_steps
 from .inputs import device_side, group_templates, groups_share_destinations, paired_sides, stager_for
 from .issuing import IssuingThread
 from .jobs import Job
-from .staged import staged_steps
+from .staged import staged_choice
 from .types import KVGroup, TransferResult
-from .within import QuietChoice
+from .within import QuietChoice, StagedRanking
 
 
 def _keep_route(n: int, within: float) -> None:
-    """``within``'s choice where the mover's route is already the quiet one: keep it."""
+    """``within``'s choice for a mover that took the staged route by rule: keep it."""
     return None
 
 
@@ -100,11 +100,14 @@ class Setup:
         # On a device, a host side in long runs (block-major) takes a staged route where one serves.
         steps, self._staged_note = None, ""
         if by_ids_ok and on_device:
-            steps, self._staged_note = staged_steps(self._fn, templates[0], self.direction, policy or Policy(),
-                                                    self._resolve_args)
-        if steps is not None:
-            self._within = _keep_route  # staged leaves the SMs to the compute already
-        elif by_ids_ok:
+            choice = staged_choice(self._fn, templates[0], self.direction, policy or Policy(), self._resolve_args)
+            steps, self._staged_note = choice.steps, choice.note
+            if choice.staged is not None:  # predicted: ``within`` ranks it beside the kernel and the batch route
+                self._within = StagedRanking(choice, self._fn, self.direction, policy or Policy(), self._resolve_args,
+                                             templates[0])
+            elif steps is not None:
+                self._within = _keep_route  # taken by rule: nothing predicts it to rank it by
+        if steps is None and by_ids_ok:
             steps = by_ids_steps(self._fn, templates[0])
         self._desc = JobDescriptors(templates, self.pool, self._check_across, steps)
         # The check across groups must raise before anything is enqueued, and staging reads

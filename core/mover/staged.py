@@ -4,56 +4,189 @@ A staged route (a :class:`~kvswap.CopyImpl` of kind ``"staged"``) gathers or sca
 block's scattered device chunks in a short burst at memory speed and crosses the link with
 the copy engines, one descriptor per host run: as fast as a copy kernel where the runs are
 long, and it leaves the SMs to the compute for the rest of the transfer. Where the host side
-keeps the device's small chunks apart (a per-layer host cache), the link would copy them one
-by one at the copy engines' small-chunk speed, so the mover keeps its resolved route.
+keeps the device's chunks apart (a per-layer host cache), the link would copy them one by
+one at the copy engines' small-chunk speed, so the mover keeps its resolved route.
+
+Where the calibration measured the staged route (its speed by chunk size on a block-major
+host, its host cost and its compute slowdown: ``kvswap calibrate``), the mover takes it
+where its predicted makespan of a job is the shortest (:func:`kvswap.resolution.routing.step_cost`);
+otherwise by rule, where the host runs are :data:`MIN_RUN_BYTES` or longer.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from bisect import bisect_right
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
-from ..errors import AllocationError
-from .descriptors import by_ids_steps
 from ..addressing.regions import DescriptorTemplate
-from ..resolution.resolver import resolve
 from ..addressing.runs import host_runs
+from ..errors import AllocationError
+from ..resolution.resolver import resolve
+from ..resolution.routing import step_cost
 from ..resolution.swapfn import SwapFn
 from ..types import Direction, Policy
+from .descriptors import by_ids_steps
 
-# The shortest host run a staged route takes. Batch copies of 64 KiB blocks ran at 0.8 of the
-# link's ceiling on an H200 and of 128 KiB at 0.88 (docs/benchmarks.md), against 0.1-0.4 at
-# 4-16 KiB, where a per-layer host cache keeps the device's chunks.
+# The shortest host run a staged route takes where the calibration does not predict it.
+# Batch copies of 64 KiB blocks ran at 0.8 of the link's ceiling on an H200 and of 128 KiB at
+# 0.88 (docs/benchmarks.md), against 0.1-0.4 at 4-16 KiB, where a per-layer host cache keeps
+# the device's chunks.
 MIN_RUN_BYTES = 64 << 10
+# The job the build-time choice is predicted for: the step benchmark's larger job (512 blocks
+# a step); ``within`` then decides per job by its own length.
+REFERENCE_BLOCKS = 512
+
+Rate = tuple  # (name, GB/s, a_us, b_us, slowdown): a route's predicted cost, as routing.quiet_rates gives it
 
 
-def staged_steps(fn: SwapFn, template: DescriptorTemplate, direction: Direction, policy: Policy,
-                 resolve_args: dict[str, Any]) -> tuple[Optional[tuple], str]:
-    """``(steps, note)``: the staged route's by-id steps (as :func:`by_ids_steps` gives
-    them) where this mover takes it, else None; ``note`` says why, for ``explain()``."""
+def seconds(rate: Rate, count: int, nbytes: int) -> float:
+    """A route's predicted time for ``count`` descriptors of ``nbytes`` in all: the bytes at
+    its speed plus the host cost of the call (as :func:`kvswap.resolution.routing.costs_at`)."""
+    _, gbps, a, b, _ = rate
+    return nbytes / (gbps * 1e9) + (a + b * count) * 1e-6
+
+
+@dataclass
+class StagedChoice:
+    """What :func:`staged_choice` decided for a mover.
+
+    :param steps: the staged route's by-id steps (as :func:`by_ids_steps` gives them) where
+        the mover takes it, else None.
+    :param note: why, for ``explain()``; the predictions per candidate where there are some.
+    :param staged: the staged rate where the calibration predicts it (``within`` ranks it).
+    :param table: the resolved route's rates per batch tier (:meth:`SwapFn.prepare_quieter`).
+    :param fn: the staged route's SwapFn (for a ``within`` job that takes it instead).
+    """
+
+    steps: Optional[tuple]
+    note: str
+    staged: Optional[Rate] = None
+    table: Optional[tuple] = None
+    fn: Optional[SwapFn] = None
+
+    def rates(self, count: int) -> Optional[tuple[Rate, ...]]:
+        """Every predicted candidate for ``count`` descriptors: the staged route first, then
+        the resolved route's own at that tier, then the other routes; None where unpredicted."""
+        if self.staged is None or self.table is None:
+            return None
+        every = self.table[2][bisect_right(self.table[0], count) - 1]
+        return None if every is None else (self.staged, *every)
+
+
+def _explained(rates: tuple[Rate, ...], count: int, nbytes: int, within: Optional[float], winner: str) -> str:
+    """The predictions per candidate in words."""
+    parts = []
+    for r in rates:
+        t = seconds(r, count, nbytes)
+        cost = f"{t * 1e3:.3g} ms" + ("" if within is None else f", step {step_cost(t, r[4], within) * 1e3:.3g} ms")
+        parts.append(f"{r[0]} {cost} (compute slowdown {r[4]:.0%}){' <- chosen' if r[0] == winner else ''}")
+    return "; ".join(parts)
+
+
+def staged_choice(fn: SwapFn, template: DescriptorTemplate, direction: Direction, policy: Policy,
+                  resolve_args: dict[str, Any]) -> StagedChoice:
+    """Decide, once, whether a device mover of ``template`` takes the staged route (see the
+    module doc); the returned choice says why, for ``explain()``."""
     if policy.force or direction is Direction.D2D:
-        return None, ""
+        return StagedChoice(None, "")
     staged = [c for c in fn.plan.candidates if c.kind == "staged"]
     if not staged:
-        return None, ""
+        return StagedChoice(None, "")
     usable = [c for c in staged if c.available]
     if not usable:
         c = staged[0]
-        return None, f"staged route not used: {c.name} is unavailable ({c.reason})"
+        return StagedChoice(None, f"staged route not used: {c.name} is unavailable ({c.reason})")
     name = usable[0].name
     runs = host_runs(template, host_is_src=direction.src_is_host)
-    if runs.smallest < MIN_RUN_BYTES:
-        return None, (f"staged route not used: the host side holds a block as {runs.count} run(s) of "
-                      f"{runs.smallest}+ bytes, and the link copies runs under {MIN_RUN_BYTES >> 10} KiB slowly; "
-                      f"a block-major host cache (kvswap.host_cache) holds each block as one run")
+    if runs.count >= template.count:  # no two chunks of a block adjacent on the host
+        return StagedChoice(None, (
+            f"staged route not used: the host side holds a block as {runs.count} run(s) of {runs.smallest}+ bytes, "
+            f"every chunk apart (a per-layer host cache), so the link would copy them one by one at the copy "
+            f"engines' small-chunk speed, and host threads gathering them reached 0.04-0.39 of the link "
+            f"(docs/design.md); a block-major host cache (kvswap.host_cache) holds each block as one run"))
+    cal = fn._cal  # what the resolved route was decided by
+    chunk = min(template.chunk_sizes)
+    rate, scale = None, 1.0
+    if cal is not None and not fn.plan.forced:
+        gbps = cal.predict(name, "staged", direction, chunk)
+        line = cal.host_line(name, "staged", direction)
+        if gbps and line is not None:
+            scale = _shorter_runs(fn, cal, direction, runs.smallest, chunk)
+            gbps *= scale
+            rate = (name, gbps, *line, cal.slowdown_at(name, "staged", direction, None, chunk))
+    table = fn.prepare_quieter(chunk) if rate is not None and len(set(template.chunk_sizes)) == 1 else None
+    choice = StagedChoice(None, "", rate, table)
+    count, nbytes = REFERENCE_BLOCKS * template.count, REFERENCE_BLOCKS * template.block_bytes
+    rates = choice.rates(count)
+    if rates is None:
+        why = ("the calibration holds no staged measurement" if rate is None else
+               "the calibration does not predict the resolved route's cost (no host cost measured)")
+        if runs.smallest < MIN_RUN_BYTES:
+            return StagedChoice(None, (
+                f"staged route not used (by rule: {why}): the host side holds a block as {runs.count} run(s) of "
+                f"{runs.smallest}+ bytes, and the link copies runs under {MIN_RUN_BYTES >> 10} KiB slowly; "
+                f"`kvswap calibrate` measures the staged route"))
+        verdict, choice.staged = (f"by rule: host runs of {MIN_RUN_BYTES >> 10} KiB or more ({why}); jobs with "
+                                  f"`within` keep it"), None
+    else:
+        # Low interference: a step whose compute is as long as the quicker transfer, so the slowdown counts.
+        within = min(seconds(r, count, nbytes) for r in rates) if policy.prefer == "low_interference" else None
+        cost = [(step_cost(seconds(r, count, nbytes), r[4], within or 0.0), i) for i, r in enumerate(rates)]
+        win = rates[min(cost)[1]][0]
+        how = ("step makespan max(within + slowdown x transfer, transfer), within = the quicker transfer "
+               "(prefer='low_interference')" if within is not None else "transfer time")
+        said = (f"predicted {how} for a job of {REFERENCE_BLOCKS} blocks ({cal.source}): "
+                f"{_explained(rates, count, nbytes, within, win)}; a job with `within` ranks them again by its "
+                f"own length")
+        if scale < 1.0:
+            said += (f" (the staged curve scaled by {scale:.2f}: host runs of {runs.smallest} bytes, shorter than "
+                     f"the {cal.staged_chunks} chunks a run it was measured on)")
+        if win != name:
+            return replace(choice, note=f"staged route not used: {said}", fn=_bind(name, direction, policy,
+                                                                                    resolve_args))
+        verdict = f"by {said}"
     try:
         route = resolve(direction, policy=replace(policy, force=name), **resolve_args)
         steps = by_ids_steps(route, template)
     except AllocationError:  # out of memory: the mover cannot be built as asked
         raise
     except Exception as e:  # the resolved route serves instead
-        return None, f"staged route not used: {name} could not be bound ({type(e).__name__}: {e})"
+        return StagedChoice(None, f"staged route not used: {name} could not be bound ({type(e).__name__}: {e})")
     if steps is None:
-        return None, (f"staged route not used: {name} declined this layout (pieces not 8-byte aligned, or a "
-                      f"block larger than half of Policy.staging_bytes={policy.staging_bytes})")
-    return steps, (f"staged: {name} moves each block as {runs.count} host run(s) of {runs.smallest}+ bytes "
-                   f"over the link, the device side gathered or scattered in bursts")
+        return StagedChoice(None, (
+            f"staged route not used: {name} declined this layout (pieces not 8-byte aligned, or a "
+            f"block larger than half of Policy.staging_bytes={policy.staging_bytes})"))
+    return replace(choice, steps=steps, fn=route, note=(
+        f"staged: {name} moves each block as {runs.count} host run(s) of {runs.smallest}+ bytes over the link, "
+        f"the device side gathered or scattered in bursts; chosen {verdict}"))
+
+
+def _shorter_runs(fn: SwapFn, cal: Any, direction: Direction, run: int, chunk: int) -> float:
+    """The factor the staged curve is scaled by for host runs of ``run`` bytes where it was
+    measured on longer ones (``cal.staged_chunks`` chunks a run): the link moves runs, so what
+    the batch route (its link) loses at the shorter run; 1 where the runs are as long or
+    nothing predicts the batch route."""
+    measured = chunk * cal.staged_chunks
+    if run >= measured:
+        return 1.0
+    link = next((c for c in fn.plan.candidates if c.kind == "batch" and c.available), None)
+    at_run = cal.predict(link.name, "batch", direction, run) if link else None
+    at_measured = cal.predict(link.name, "batch", direction, measured) if link else None
+    return min(1.0, at_run / at_measured) if at_run and at_measured else 1.0
+
+
+def _bind(name: str, direction: Direction, policy: Policy, resolve_args: dict[str, Any]) -> Optional[SwapFn]:
+    """The staged route forced, for jobs whose ``within`` picks it; None where it cannot be bound."""
+    try:
+        return resolve(direction, policy=replace(policy, force=name), **resolve_args)
+    except AllocationError:
+        raise
+    except Exception:
+        return None
+
+
+def staged_steps(fn: SwapFn, template: DescriptorTemplate, direction: Direction, policy: Policy,
+                 resolve_args: dict[str, Any]) -> tuple[Optional[tuple], str]:
+    """``(steps, note)`` of :func:`staged_choice`."""
+    choice = staged_choice(fn, template, direction, policy, resolve_args)
+    return choice.steps, choice.note

@@ -1,6 +1,8 @@
 """Which copy function a BlockMover job with ``within`` seconds beside the engine's compute
 takes: the mover's, or that of a route that takes no SMs where it is predicted to end the
-step sooner (:meth:`kvswap.SwapFn.quieter`).
+step sooner (:meth:`kvswap.SwapFn.quieter`); for a mover whose host side suits the staged
+route, the one of the staged route, the kernel and the batch route predicted to end the
+step soonest (:class:`StagedRanking`).
 
 It holds no reference to the mover, so the mover's issuing thread can decide for the jobs
 handed to it, off the engine's thread; ``submit`` decides only for a job it may launch.
@@ -14,8 +16,10 @@ from typing import Any, Optional
 from ..addressing.regions import DescriptorTemplate
 from ..errors import ConfigurationError
 from ..resolution.resolver import resolve
+from ..resolution.routing import step_cost
 from ..resolution.swapfn import SwapFn
 from ..types import Direction, Policy
+from .staged import seconds
 
 
 def check_within(within: Any) -> None:
@@ -59,3 +63,62 @@ class QuietChoice:
             policy = dataclasses.replace(self._policy, force=name)
             fn = self._fns[name] = resolve(self._direction, policy=policy, **self._resolve_args)
         return fn
+
+
+class StagedRanking:
+    """``choice(n, within)`` for a device mover whose host side suits the staged route and
+    whose calibration predicts it (:func:`kvswap.mover.staged.staged_choice`): the staged
+    route, the resolved route at the job's batch tier and every other usable route, ranked
+    by the step each is predicted to end (:func:`kvswap.resolution.routing.step_cost`); the
+    function of the winner, or None where it is the mover's own (staged, or the resolved
+    route, as built). Ties go to the mover's own.
+
+    :param bind: resolve the other routes now (a device mover), not on first use.
+    """
+
+    def __init__(self, choice: Any, fn: SwapFn, direction: Direction, policy: Policy, resolve_args: dict[str, Any],
+                 template: DescriptorTemplate, bind: bool = True) -> None:
+        self._choice, self._fn, self._direction, self._policy = choice, fn, direction, policy
+        self._resolve_args = resolve_args
+        self._staged = choice.staged[0]
+        self._own_staged = choice.steps is not None
+        self._count, self._bytes = template.count, template.block_bytes
+        self._fns: dict[str, Optional[SwapFn]] = {}
+        if bind:
+            names = {r[0] for every in choice.table[2] if every is not None for r in every[1:]}
+            for name in sorted(names - {self._staged}):
+                self._forced(name)
+
+    def __call__(self, n: int, within: float) -> Optional[SwapFn]:
+        if not n:
+            return None
+        count, nbytes = n * self._count, n * self._bytes
+        rates = self._choice.rates(count)
+        if rates is None:
+            return None
+        own = self._staged if self._own_staged else rates[1][0]
+        best, cost = own, None
+        for r in rates:
+            c = step_cost(seconds(r, count, nbytes), r[4], float(within))
+            if r[0] == own:
+                c -= 1e-12  # a tie keeps the mover's own route
+            if cost is None or c < cost:
+                best, cost = r[0], c
+        if best == own:
+            return None
+        if best == self._staged:
+            return self._choice.fn
+        if best == rates[1][0]:
+            return self._fn  # the resolved route, at this job's tier
+        return self._forced(best)
+
+    def _forced(self, name: str) -> Optional[SwapFn]:
+        if name not in self._fns:
+            try:
+                policy = dataclasses.replace(self._policy, force=name)
+                self._fns[name] = resolve(self._direction, policy=policy, **self._resolve_args)
+            except ConfigurationError:
+                raise
+            except Exception:  # a route that cannot be bound is not chosen
+                self._fns[name] = None
+        return self._fns[name]

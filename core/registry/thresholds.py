@@ -127,6 +127,10 @@ class Calibration:
         work counts: ``((route, a_us, b_us), ...)`` with ``route`` an impl name or a kind.
         :meth:`host_us` answers from it; the resolver excludes a route whose call holds the
         thread longer than the whole transfer takes on another (:mod:`kvswap.resolution.routing`).
+    :param staged_chunks: the chunks a host run held where the staged route's curves (GB/s by
+        chunk size, named by its implementation) were measured (a block-major host: a block's
+        every chunk); 0 where not known. A host run of fewer is predicted slower by what the
+        batch route loses on the shorter run (:mod:`kvswap.mover.staged`).
     :param ceiling_gbps: per direction, the contiguous copy ceiling when measured.
     :param calibrated: False for guesses; ``explain()`` then says how to calibrate.
     :param host_reference: measured host memory copies (the host reference, on a machine
@@ -145,6 +149,7 @@ class Calibration:
     slowdown_by_sms: Mapping[str, tuple[tuple, ...]] = field(default_factory=dict)
     ceiling_gbps: Mapping[str, float] = field(default_factory=dict)
     host_cost: Mapping[str, tuple[tuple[str, float, float], ...]] = field(default_factory=dict)
+    staged_chunks: int = 0
     calibrated: bool = True
     identity: Optional[str] = None
     host_reference: bool = False
@@ -179,6 +184,8 @@ class Calibration:
                     raise bad(f"{name} values must be {rule}") from None
                 table[str(Direction.parse(k))] = per_block
             object.__setattr__(self, name, table)
+        if isinstance(self.staged_chunks, bool) or not isinstance(self.staged_chunks, int) or self.staged_chunks < 0:
+            raise bad(f"staged_chunks={self.staged_chunks!r} must be an int >= 0")
         if any(not 0 <= v < 1 for v in self.slowdown.values()):
             raise bad("slowdown values are fractions in [0, 1)")
         by_sms = {}

@@ -15,7 +15,10 @@ A profile document (schema ``kvswap.profile/1``) holds ``schema``, ``kvswap_vers
 ``slowdown_by_sms``; read where that has no rows), ``slowdown_by_sms`` (per direction,
 ``[route, num_sms, fraction]`` rows) and ``host_cost`` (per direction and route,
 ``[a_us, b_us]``: one call holds the calling thread ``a_us + b_us * n`` microseconds for
-``n`` descriptors). :func:`to_calibration` is what the resolver reads of it; a
+``n`` descriptors), and, where the staged route was measured, ``staged`` (its ``curves``,
+GB/s by chunk size on a block-major host cache, read among the calibration's curves;
+profiles without it decide the staged route by rule). :func:`to_calibration` is what the
+resolver reads of it; a
 ``host_cost`` entry that is not two finite numbers >= 0 is skipped with a
 :class:`kvswap.ProfileWarning`, the rest of the profile still used.
 """
@@ -126,7 +129,7 @@ def to_calibration(doc: Any, source: str) -> Calibration:
         decisions = doc["decisions"]
         curves = tuple(
             Curve(c["impl"], c["direction"], tuple(map(tuple, c["points"])), c.get("num_sms"))
-            for c in doc["curves"]
+            for c in [*doc["curves"], *(doc.get("staged") or {}).get("curves", ())]
         )
 
         def table(key: str) -> dict[str, Any]:
@@ -145,6 +148,7 @@ def to_calibration(doc: Any, source: str) -> Calibration:
             slowdown_by_sms=doc.get("slowdown_by_sms", {}),
             ceiling_gbps=doc.get("ceiling_gbps", {}),
             host_cost=_host_cost(doc.get("host_cost", {}), source),
+            staged_chunks=int((doc.get("staged") or {}).get("chunks_per_block", 0)),
             identity=identity,
             host_reference=doc.get("host_reference") is True,
         )

@@ -209,8 +209,13 @@ class SwapFn:
     def prepare_quieter(self, size: int) -> Optional[tuple]:
         """Predict now what :meth:`quieter` weighs for blocks of ``size`` bytes at every batch
         tier (:func:`kvswap.resolution.routing.quiet_rates`), so that an engine's step pays only a few
-        float operations per batch: ``(tier starts, rates per tier)``, remembered per size
-        (up to 4096 sizes); None for a forced route or without a calibration."""
+        float operations per batch: ``(tier starts, rates per tier, every route's rates per
+        tier)``, remembered per size (up to 4096 sizes); None for a forced route or without a
+        calibration. ``rates`` is None at a tier that takes no kernel; the third item gives,
+        per tier, ``(name, GB/s, a_us, b_us, slowdown)`` for the tier's own route first, then
+        for every other usable one (kernels at the tier's SMs, else the knee), or None where
+        the tier's own route is not predicted: what a BlockMover ranks its staged route
+        against (:mod:`kvswap.mover.staged`)."""
         if self._cal is None or self.plan.forced:
             return None
         r = bisect_right(self._low_list, size) - 1
@@ -218,7 +223,18 @@ class SwapFn:
         route, usable, cal, direction = self._routes[r], self._usable, self._cal, self.plan.direction
         rates = tuple(quiet_rates(route, self._impls[name], sms, usable, cal, direction, size)
                       if self._impls[name].uses_sms else None for name, sms in keys)
-        table = (starts, rates)
+        knee = next((k for k in self._sms.values() if k), None) or cal.sms(direction)
+        every = []
+        for name, sms in keys:
+            own = quiet_rates(route, self._impls[name], sms, usable, cal, direction, size)
+            if own is None:
+                every.append(None)
+                continue
+            kernels = (quiet_rates(route, k, sms or knee, (), cal, direction, size) for k in usable
+                       if k.uses_sms and k.name != name and k.accepts_size(size))
+            others = [q for q in own[1:] if q[0] != name] + [q[0] for q in kernels if q is not None]
+            every.append((own[0], *others))
+        table = (starts, rates, tuple(every))
         if len(self._quiet_tables) < 4096:
             self._quiet_tables[size] = table
         return table

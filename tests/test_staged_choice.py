@@ -1,0 +1,183 @@
+"""Whether a device mover takes the staged route: by predicted makespan where the
+calibration measured it, by rule where it did not, never on a per-layer host; and how
+``within`` ranks the staged route, the kernel and the batch route per job (hand-built
+calibrations, a batch route, a kernel and ``triton.staged`` registered for the CPU, the
+staged kernels in Triton's interpreter)."""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import kvswap
+from kvswap import BlockMover, Calibration, Curve, Direction, Policy
+from kvswap.mover.staged import MIN_RUN_BYTES, REFERENCE_BLOCKS, staged_choice
+from kvswap.mover.within import StagedRanking
+from kvswap.registry.plugins import create_plugin_host, reset_plugin_host
+from kvswap.resolution.routing import step_cost
+
+from test_resolver import Offer, recording_impl
+
+pytest.importorskip("triton")
+from kvswap.backends.triton_generic.launch import interpreting  # noqa: E402
+from kvswap.backends.triton_generic.staged import staged_impl  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not interpreting(), reason="binds the staged kernels in Triton's CPU interpreter")
+KiB = 1024
+CHUNK = 4 * KiB
+LAYERS = 8  # 16 chunks of 4 KiB: one 64 KiB run a block on a block-major host
+DMA = [(4 * KiB, 5.0), (256 * KiB, 50.0)]
+KERN = [(4 * KiB, 45.0), (256 * KiB, 48.0)]
+HOST = [("acme.dma", 20.0, 0.5), ("acme.kern", 30.0, 0.01), ("triton.staged", 40.0, 0.01)]
+
+
+def calibration(staged_gbps=None, staged_slow=0.01, kern_slow=0.3, **kw) -> Calibration:
+    """The batch route at 5 GB/s and the kernel at 45 on 4 KiB chunks; the staged route at
+    ``staged_gbps`` (None: not measured)."""
+    curves = [Curve("acme.dma", d, DMA) for d in ("h2d", "d2h")] + [
+        Curve("acme.kern", d, KERN, num_sms=8) for d in ("h2d", "d2h")]
+    slow = [("acme.dma", 0, 0.0), ("acme.kern", 8, kern_slow)]
+    if staged_gbps is not None:
+        curves += [Curve("triton.staged", d, ((CHUNK, staged_gbps),)) for d in ("h2d", "d2h")]
+        slow += [("triton.staged", 32, staged_slow, CHUNK), ("staged", 32, staged_slow, CHUNK)]
+    return Calibration(source="test calibration", platform="cpu", scope="device", curves=tuple(curves),
+                       kernel_sms={"h2d": 8, "d2h": 8}, host_cost={"h2d": HOST, "d2h": HOST},
+                       slowdown_by_sms={"h2d": slow, "d2h": slow}, **kw)
+
+
+@pytest.fixture
+def host():
+    impls = [recording_impl("acme.dma"), recording_impl("acme.kern", kind="kernel"),
+             dataclasses.replace(staged_impl(), platforms=("cpu",), requires_pinned=False)]
+    h = create_plugin_host(entry_points=[], env={}, extra=[("p", Offer(impls))])
+    reset_plugin_host(h)
+    yield h
+    reset_plugin_host(None)
+
+
+def _mover(block_major: bool, seed: int) -> BlockMover:
+    gen = torch.Generator().manual_seed(seed)
+    device = [torch.randn(2, 8, 16, 2, 64, generator=gen).to(torch.float16) for _ in range(LAYERS)]
+    if block_major:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", kvswap.NumaWarning)
+            host = list(kvswap.host_cache(device, 8, block_dim=1).views)
+    else:
+        host = [torch.empty_like(t) for t in device]
+    return BlockMover(device, host, "d2h", block_dim=1, issuing_thread=False)
+
+
+def _choose(host, cal, block_major=True, policy=Policy(), seed=0):
+    mover = _mover(block_major, seed)
+    t = mover._templates[0]
+    assert t.chunk_sizes == (CHUNK,)
+    args = dict(device="cpu", block_bytes=list(t.chunk_sizes), calibration=cal, host=host)
+    fn = kvswap.resolve("d2h", policy=policy, **args)
+    choice = staged_choice(fn, t, Direction.D2H, policy, args)
+    mover.close()
+    return choice, fn, t, args
+
+
+def test_the_mover_takes_the_staged_route_where_it_is_predicted_faster(host):
+    choice, fn, t, _ = _choose(host, calibration(staged_gbps=50.0))
+    assert fn.plan.routes[0].impl == "acme.kern"  # the resolved route: 45 GB/s against 5
+    assert choice.steps is not None and choice.fn is not None
+    note = choice.note
+    assert note.startswith("staged: triton.staged moves each block as 1 host run(s) of 65536+ bytes")
+    assert f"predicted transfer time for a job of {REFERENCE_BLOCKS} blocks (test calibration)" in note
+    # Each candidate's prediction, the winner marked: 32 MiB at 50 GB/s plus 40 us + 8192 x 10 ns.
+    want = (REFERENCE_BLOCKS * 16 * CHUNK / 50e9 + (40 + 0.01 * REFERENCE_BLOCKS * 16) * 1e-6) * 1e3
+    assert f"triton.staged {want:.3g} ms (compute slowdown 1%) <- chosen" in note
+    assert "acme.kern" in note and "acme.dma" in note and note.count("<- chosen") == 1
+
+
+def test_the_mover_keeps_its_resolved_route_where_the_staged_route_is_predicted_slower(host):
+    choice, fn, _, _ = _choose(host, calibration(staged_gbps=30.0))
+    assert choice.steps is None
+    assert choice.note.startswith("staged route not used: predicted transfer time")
+    assert "acme.kern" in choice.note.split("<- chosen")[0].rsplit(";", 1)[-1]
+    assert choice.fn is not None  # bound: a job with ``within`` may still take it
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_within_takes_the_staged_route_where_the_kernels_slowdown_would_end_the_step_later(host, seed):
+    # Staged at 40 GB/s leaves the compute alone; the kernel at 45 takes 30% of it.
+    choice, fn, t, args = _choose(host, calibration(staged_gbps=40.0), seed=seed)
+    assert choice.steps is None  # alone, the kernel is quicker
+    rank = StagedRanking(choice, fn, Direction.D2H, Policy(), args, t)
+    n = int(np.random.default_rng(seed).integers(256, 1024))
+    nbytes, count = n * t.block_bytes, n * t.count
+    t_kern = nbytes / 45e9 + (30 + 0.01 * count) * 1e-6
+    t_staged = nbytes / 40e9 + (40 + 0.01 * count) * 1e-6
+    within = 4 * t_kern  # a long compute: the kernel's slowdown outweighs the staged route's slower copy
+    assert step_cost(t_staged, 0.01, within) < step_cost(t_kern, 0.3, within)
+    assert rank(n, within) is choice.fn
+    assert rank(n, 0.0) is None  # no compute beside it: the kernel, the mover's own, ends it sooner
+    # With prefer="low_interference", the build decision weighs the slowdown too.
+    quiet, _, _, _ = _choose(host, calibration(staged_gbps=40.0), policy=Policy(prefer="low_interference"))
+    assert quiet.steps is not None and "prefer='low_interference'" in quiet.note
+
+
+def test_within_moves_a_staged_mover_to_the_kernel_where_the_kernel_ends_the_step_sooner(host):
+    choice, fn, t, args = _choose(host, calibration(staged_gbps=44.0, kern_slow=0.05), policy=Policy())
+    assert choice.steps is None  # kernel 45 vs staged 44: the kernel
+    choice, fn, t, args = _choose(host, calibration(staged_gbps=46.0, kern_slow=0.05))
+    assert choice.steps is not None
+    rank = StagedRanking(choice, fn, Direction.D2H, Policy(), args, t)
+    assert rank(512, 0.0) is None  # alone, staged is quicker: the mover's own
+    # Beside 1 ms of compute the staged route slows by 20% and the kernel by 5%: the kernel ends the
+    # step sooner (the batch route's 6.7 ms copy ends it last).
+    choice, fn, t, args = _choose(host, calibration(staged_gbps=46.0, staged_slow=0.2, kern_slow=0.05))
+    rank = StagedRanking(choice, fn, Direction.D2H, Policy(), args, t)
+    assert rank(512, 0.001) is fn
+    # Beside 50 ms of it, the batch route's copy ends within the compute and slows nothing.
+    assert rank(512, 0.05).plan.forced == "acme.dma"
+
+
+def test_without_staged_measurements_the_rule_decides_and_explain_says_so(host):
+    choice, _, _, _ = _choose(host, calibration())  # runs of 64 KiB: the rule takes it
+    assert choice.steps is not None and choice.staged is None
+    assert "chosen by rule: host runs of 64 KiB or more (the calibration holds no staged measurement)" in choice.note
+    assert MIN_RUN_BYTES == 64 * KiB
+
+
+def test_host_runs_shorter_than_measured_scale_the_staged_curve_by_what_the_link_loses(host):
+    # Measured on runs of 64 chunks (256 KiB at 4 KiB chunks): the batch route runs at 50 GB/s
+    # there and at 35 on this mover's 64 KiB runs, so 50 GB/s of staged becomes 35, under the kernel's 45.
+    fast = calibration(staged_gbps=50.0, staged_chunks=64)
+    scale = fast.predict("acme.dma", "batch", Direction.D2H, 64 * KiB) / 50.0
+    assert scale == pytest.approx(0.7)
+    choice, _, _, _ = _choose(host, fast)
+    assert choice.steps is None and choice.staged[1] == pytest.approx(50.0 * scale)
+    assert "the staged curve scaled by 0.70: host runs of 65536 bytes, shorter than the 64 chunks" in choice.note
+    same, _, _, _ = _choose(host, calibration(staged_gbps=50.0, staged_chunks=16))  # measured on runs as long
+    assert same.steps is not None and same.staged[1] == 50.0 and "scaled" not in same.note
+
+
+def test_a_per_layer_host_never_takes_the_staged_route_even_where_predicted_faster(host):
+    choice, _, _, _ = _choose(host, calibration(staged_gbps=500.0), block_major=False)
+    assert choice.steps is None and choice.staged is None
+    assert choice.note.startswith("staged route not used: the host side holds a block as 16 run(s) of 4096+ bytes, "
+                                  "every chunk apart (a per-layer host cache)")
+
+
+def test_the_staged_route_a_within_job_takes_moves_every_byte(host):
+    choice, fn, t, args = _choose(host, calibration(staged_gbps=40.0), seed=3)
+    rng = np.random.default_rng(3)
+    gen = torch.Generator().manual_seed(3)
+    device = [torch.randn(2, 8, 16, 2, 64, generator=gen).to(torch.float16) for _ in range(LAYERS)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", kvswap.NumaWarning)
+        cache = kvswap.host_cache(device, 8, block_dim=1)
+    cache.buffer.fill_(0xA5)  # poison
+    with BlockMover(device, list(cache.views), "d2h", block_dim=1, issuing_thread=False) as mover:
+        sid, did = rng.choice(8, 3, replace=False), rng.choice(8, 3, replace=False)
+        buf, m = mover._desc.build([(sid, did)])
+        choice.fn.call_validated(buf.array[0, :m], buf.array[1, :m], buf.array[2, :m])
+        for layer, view in enumerate(cache.views):
+            assert torch.equal(view[:, did], device[layer][:, sid])
+        rest = np.setdiff1d(np.arange(8), did)
+        assert bool((cache.buffer.view(8, -1)[rest] == 0xA5).all())

@@ -68,7 +68,8 @@ class Submit:
         if q and q[-1].job_id >= self._next_id:
             self._settle()
         c = self._completion
-        c.check_after(after)
+        if after is not CURRENT_STREAM:  # the default needs no check
+            c.check_after(after)
         if within is not None:
             check_within(within)
         if q and complete(q[0], c):
@@ -78,7 +79,7 @@ class Submit:
         # The route for ``within`` is decided here only for a job that may be launched here;
         # otherwise the issuing thread decides it, off the engine's thread.
         quiet = None
-        by_ids = self._desc.by_ids(ids)
+        by_ids = None if self._desc.ids_steps is None else self._desc.by_ids(ids)
         if by_ids is not None and self._launches_here(by_ids, len(ids[0][0])):
             if within is not None:
                 quiet, within = self._within(len(ids[0][0]), within), None

@@ -494,3 +494,35 @@ def test_a_driver_error_names_the_callers_descriptor_through_a_split():
         fn(src, dst, sizes)
     assert (e.value.name, e.value.index) == ("ACME_ERROR_BUSY", 5)
     assert str(e.value).endswith("[descriptor 5]")
+
+
+@pytest.mark.parametrize("count", [SMALL_BATCH + 1, 64, 700])
+def test_one_size_destinations_are_refused_exactly_when_two_are_closer_than_the_size(count):
+    """Blocks of one size (what engines send) are checked by the gaps between the sorted
+    destinations: a gap of the size itself is adjacent, one byte less overlaps."""
+    rng = np.random.default_rng()
+    size = int(rng.integers(8, 4096))
+    verdicts = set()
+    for trial in range(30):
+        gaps = rng.integers(size, 3 * size, count)  # every destination at least a size past the last
+        if trial % 2:
+            gaps[rng.integers(1, count)] = size - int(rng.integers(1, size))  # one pair overlaps
+        elif trial % 4 == 0:
+            gaps[rng.integers(1, count)] = size  # exactly adjacent: fine
+        order = rng.permutation(count) if trial % 3 else np.arange(count)  # scattered or ascending
+        dst = (np.cumsum(gaps) + (1 << 32))[order]
+        src = rng.permutation(count).astype(np.int64) * size + (1 << 40)
+        sizes = np.full(count, size, dtype=np.int64)
+        among = clashes(dst, sizes, dst, sizes)
+        np.fill_diagonal(among, False)
+        try:
+            validate(src, dst, sizes)
+            refused = None
+        except InvalidTransferError as e:
+            refused = str(e)
+        verdicts.add(refused is None)
+        assert (refused is not None) == bool(among.any()), (trial, refused)
+        if refused:
+            i, j = (int(w) for w in refused.split("descriptors ")[1].split(" overlap")[0].split(" and "))
+            assert among[i, j]
+    assert verdicts == {True, False}

@@ -493,3 +493,23 @@ def test_the_cuda_plugin_creates_streams_only_for_cuda_and_only_with_libcuda(mon
         assert plugin.kvswap_create_stream(platform="cuda", device_index=0) is None
     finally:
         driver.reset()
+
+
+@pytest.mark.parametrize("direction", [Direction.H2D, Direction.D2H])
+def test_a_cap_under_the_mixed_cap_still_splits_a_short_batch(direction):
+    """A batch short enough for one call of mixed sizes still goes in pieces of a smaller
+    bound cap, in order, every byte where it belongs."""
+    rng = np.random.default_rng()
+    d, lib = standin_driver()
+    fn = batch.bind(d, direction, 0, 4)
+    pools = HostPools(rng, rng.integers(1, 300, 10))
+    fn(pools.src, pools.dst, pools.sizes, 3)
+    calls = lib.of("cuMemcpyBatchAsync")
+    assert [c[1]["count"] for c in calls] == [4, 4, 2]
+    np.testing.assert_array_equal(np.concatenate([c[1]["dst"] for c in calls]), pools.dst)
+    pools.check()
+    one = HostPools(rng, np.full(9, 128))  # one size, under the cap of one call
+    fn2 = batch.bind(d, direction, 0, 16)
+    fn2(one.src, one.dst, one.sizes, 3)
+    assert lib.of("cuMemcpyBatchAsync")[-1][1]["count"] == 9 and fn2.last_path == batch.BATCH
+    one.check()

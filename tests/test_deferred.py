@@ -30,3 +30,18 @@ def test_failure_names_the_first_error_and_marks_every_failed_item():
     assert deferred.failure(items) is boom
     assert [i.reported for i in items] == [False, True, True]
     assert deferred.failure([item(), item()]) is None
+
+
+def test_collect_restores_the_outer_block_after_an_error_inside():
+    a, b = item(), item()
+    with deferred.collect(stable=True) as outer:
+        try:
+            with deferred.collect() as inner:
+                assert not deferred.arrays_stable()
+                raise ValueError("inside")
+        except ValueError:
+            pass
+        assert deferred.arrays_stable()
+        deferred.report(a)
+    deferred.report(b)  # outside again: dropped
+    assert outer == [a] and inner == [] and not deferred.arrays_stable()

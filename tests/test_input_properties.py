@@ -99,8 +99,8 @@ def as_given(b: dict) -> tuple:
 def oracle_accepts(b: dict) -> bool:
     """Whether a batch may be copied: written from the rules, not from kvswap's code."""
     src, dst, sizes = b["src"], b["dst"], b["sizes"]
-    if b["form"] in ("2d", "short", "float") and (src or b["form"] == "short"):
-        return False  # not 1-D, unequal lengths, or sizes that are not integers (an empty batch excepted)
+    if b["form"] in ("2d", "short") or (b["form"] == "float" and src):
+        return False  # not 1-D (even empty), unequal lengths, or sizes that are not integers (none excepted)
     if b["form"] == "int32":
         return False  # addresses narrower than a pointer, even none of them
     if not src:

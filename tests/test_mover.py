@@ -411,3 +411,44 @@ def test_id_checks_agree_on_both_sides_of_the_small_batch_path(n, sort, monkeypa
     expected = torch.full_like(dst, 0xA5)
     expected[torch.from_numpy(did)] = src[torch.from_numpy(sid)]
     assert torch.equal(dst, expected)
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_narrow_integer_id_arrays_copy_as_int64_ones_do_and_are_checked_alike(threaded):
+    """vLLM passes int32 arrays: they are widened once, strided or not, and checked as
+    int64 ids are (out of range and negative ids refused before anything moves)."""
+    rng = np.random.default_rng()
+    src, dst = _pools("flash", int(rng.integers(1 << 30)))
+    before, src_before = dst.snapshot(), src.snapshot()
+    sid, did = random_ids(rng, 24, src, dst)
+    with BlockMover(src.tensors, dst.tensors, "h2d", block_dim=1, issuing_thread=threaded) as mover:
+        strided = np.empty(48, dtype=np.int32)
+        strided[::2] = did
+        mover.submit(sid.astype(np.int32), strided[::2])
+        for bad in (np.array([0, -1], dtype=np.int32), np.array([0, src.num_blocks], dtype=np.int32)):
+            with pytest.raises(BlockIdError, match=r"src_block_ids\[1\]"):
+                mover.submit(bad, np.array([0, 1], dtype=np.int32))
+        mover.wait()
+        assert all(r.ok for r in mover.poll())
+    assert dst.matches(expected_after(dst, before, src_before, src, [(sid, did)]))
+
+
+def test_a_jobs_descriptors_go_to_the_route_as_built_without_a_second_look_for_runs(monkeypatch):
+    """The mover merges a job's runs when it builds the descriptors; its SwapFn does not
+    look for runs again (it would find none)."""
+    from kvswap.resolution.swapfn import SwapFn
+
+    def never(*a, **k):
+        raise AssertionError("a BlockMover job was looked at for runs twice")
+
+    monkeypatch.setattr(SwapFn, "_merged", never)
+    rng = np.random.default_rng()
+    src, dst = _pools("cross", int(rng.integers(1 << 30)))
+    before, src_before = dst.snapshot(), src.snapshot()
+    sid = np.arange(10, 30, dtype=np.int64)  # consecutive: runs to merge
+    did = np.arange(5, 25, dtype=np.int64)
+    with BlockMover(src.tensors, dst.tensors, "h2d", block_dim=0, policy=Policy(coalesce=True)) as mover:
+        mover.submit(sid, did)
+        (r,) = mover.poll()
+    assert r.ok and r.descriptors < 20 * mover.chunks_per_block
+    assert dst.matches(expected_after(dst, before, src_before, src, [(sid, did)]))

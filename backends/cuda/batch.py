@@ -108,6 +108,7 @@ class BatchCopy:
         self._attr_idx = (ctypes.c_size_t * 1)(0)
         self._attr_addr = ctypes.addressof(self._attr)
         self._attr_idx_addr = ctypes.addressof(self._attr_idx)
+        self._fail_idx = self.abi is not None and self.abi.has_fail_idx
         self.last_path: Optional[str] = None
         on = f" on driver CUDA {drv.version_text(driver_version)}" if driver_version else ""
         if self.abi is None:
@@ -130,39 +131,50 @@ class BatchCopy:
             return
         # The arrays arrive checked (SwapFn: 1-D C-contiguous int64 of equal length), so
         # their buffers go to the driver as they are.
-        handle = raw_handle(stream, self.device_index)
-        path = self.path_for(handle)
-        pushed = self._context.enter() if self._context is not None else False
+        handle = stream if type(stream) is int else raw_handle(stream, self.device_index)
+        context = self._context
+        pushed = context.enter() if context is not None else False
         try:
-            if path == BATCH:
-                self._copy_batch(src, dst, sizes, handle)
-            else:
+            if self._batch is None or handle in drv.LEGACY_STREAMS:
+                path = PER_COPY
                 self._copy_each(src, dst, sizes, handle)
+            elif count <= self.chunk and (count <= self.mixed_chunk or sizes.min() == sizes.max()):
+                path = BATCH  # one call: the common case, without the pieces' bookkeeping
+                self._call(dst.ctypes.data, src.ctypes.data, sizes.ctypes.data, count, handle, 0)
+            else:
+                path = BATCH
+                self._copy_batch(src, dst, sizes, handle)
         finally:
             if pushed:
-                self._context.exit()
+                context.exit()
         self.last_path = path
+
+    def _call(self, d: int, s: int, n: int, count: int, handle: int, lo: int) -> None:
+        """One ``cuMemcpyBatchAsync`` of ``count`` descriptors at these array addresses;
+        a failure names descriptor ``lo`` + the driver's index."""
+        if self._fail_idx:
+            failed = ctypes.c_size_t(drv.SIZE_MAX)  # per call: concurrent callers never share it
+            rc = self._batch(d, s, n, count, self._attr_addr, self._attr_idx_addr, 1, ctypes.addressof(failed),
+                             handle)
+            if rc:
+                index = drv.fail_index(failed.value, count)
+                raise self._error("cuMemcpyBatchAsync", rc, None if index is None else lo + index)
+        else:
+            rc = self._batch(d, s, n, count, self._attr_addr, self._attr_idx_addr, 1, handle)
+            if rc:
+                raise self._error("cuMemcpyBatchAsync", rc, None)
 
     def _copy_batch(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, handle: int) -> None:
         # Pieces of at most ``chunk`` descriptors, each its own call on the same stream:
         # the arrays are int64 (8 bytes a descriptor), so a piece is an offset into them.
         d, s, n = dst.ctypes.data, src.ctypes.data, sizes.ctypes.data
-        attrs = (self._attr_addr, self._attr_idx_addr, 1)
         chunk = self.chunk
         mixed = self.mixed_chunk
         if chunk > mixed and len(sizes) > mixed and sizes.min() != sizes.max():
             chunk = mixed  # the driver's faults on long mixed-size batches (above)
         for lo, count in chunking.pieces(len(sizes), chunk):
             off = 8 * lo
-            args = (d + off, s + off, n + off, count, *attrs)
-            if self.abi.has_fail_idx:
-                failed = ctypes.c_size_t(drv.SIZE_MAX)  # per call: concurrent callers never share it
-                rc = self._batch(*args, ctypes.addressof(failed), handle)
-                index = drv.fail_index(failed.value, count)
-            else:
-                rc, index = self._batch(*args, handle), None
-            if rc:
-                raise self._error("cuMemcpyBatchAsync", rc, None if index is None else lo + index)
+            self._call(d + off, s + off, n + off, count, handle, lo)
 
     def _copy_each(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, handle: int) -> None:
         memcpy = self._memcpy

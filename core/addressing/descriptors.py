@@ -105,7 +105,16 @@ def validate(src: Any, dst: Any, sizes: Any) -> Batch:
     smallest, largest = int(n.min()), int(n.max())
     if smallest < 1:
         _bad_size(n)
-    lo_s, lo_d, hi_s, hi_d = int(s.min()), int(d.min()), int(s.max()), int(d.max())
+    # Destinations sorted first (one sort): their ends are then their least and greatest.
+    # Blocks of one size (what engines send) need only the sorted starts, not the
+    # permutation; no sort at all when already ascending.
+    if smallest == largest:
+        ds = d if bool((d[1:] >= d[:-1]).all()) else np.sort(d)
+        ends = None
+    else:
+        order = np.argsort(d)
+        ds, ends = d[order], (d + n)[order]
+    lo_s, hi_s, lo_d, hi_d = int(s.min()), int(s.max()), int(ds[0]), int(ds[-1])
     if lo_s <= 0 or lo_d <= 0:
         _bad_address(s, d)
     if hi_s > INT64_MAX - largest or hi_d > INT64_MAX - largest:
@@ -113,16 +122,11 @@ def validate(src: Any, dst: Any, sizes: Any) -> Batch:
         past = (s > limit) | (d > limit)
         if past.any():
             _past_end(s, d, n, int(np.argmax(past)))
-    # Destinations against each other: one sort. Blocks of one size (what engines send)
-    # need only the sorted starts, not the permutation; none when already ascending.
-    if smallest == largest:
-        ds = d if bool((d[1:] >= d[:-1]).all()) else np.sort(d)
-        ends = ds + smallest
-    else:
-        order = np.argsort(d)
-        ds, ends = d[order], (d + n)[order]
-    if bool((ends[:-1] > ds[1:]).any()):
+    # Destinations against each other: of one size, no two starts closer than the size.
+    if (int((ds[1:] - ds[:-1]).min()) < smallest) if ends is None else bool((ends[:-1] > ds[1:]).any()):
         _name_dst_clash(d, n)
+    if ends is None:
+        ends = ds + smallest
     # Destinations against sources, where the two spans meet at all (host and device memory
     # lie apart): the destinations are sorted and disjoint, so their ends ascend too, and a
     # source overlaps one exactly when the last destination starting before the source ends,

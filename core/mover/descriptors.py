@@ -94,16 +94,6 @@ def by_ids_steps(fn: SwapFn, template: DescriptorTemplate) -> Optional[tuple[tup
     return (steps[0], out) if any(b is not None for b in out) else None
 
 
-def enqueue(fn: SwapFn, by_ids: Any, arr: np.ndarray, n_ids: int, m: int, stream: Any) -> None:
-    """Call the route on a built job: ``by_ids`` on the ids in rows 0 and 1, else the
-    SwapFn on ``m`` descriptors. Ids and template were checked (``checked_pair``,
-    ``pair_regions``): the batch is validated once, before this, not again by the SwapFn."""
-    if by_ids is not None:
-        by_ids(arr[0, :n_ids], arr[1, :n_ids], stream)
-    elif m:
-        fn.call_validated(arr[0, :m], arr[1, :m], arr[2, :m], stream=stream)
-
-
 def stage_ids(by_ids: Any, src_ids: np.ndarray, dst_ids: np.ndarray) -> Any:
     """``by_ids``'s call in two halves where it offers ``stage`` (:class:`kvswap.registry.impl.ByIdsFn`):
     the ids staged now, and the returned ``launch(stream)`` that enqueues (``cancel()``

@@ -244,8 +244,12 @@ def _name_repeat(did: np.ndarray, at: str) -> None:
 def block_ids(ids: Any, what: str, at: str = "") -> np.ndarray:
     """``ids`` (named ``what`` + ``at`` in errors) as a 1-D C-contiguous int64 array."""
     # What engines pass (and the cheapest case to check): a 1-D C-contiguous int64 array.
-    if type(ids) is np.ndarray and ids.dtype == np.int64 and ids.ndim == 1 and ids.flags.c_contiguous:
-        return ids
+    if type(ids) is np.ndarray and ids.ndim == 1:
+        kind = ids.dtype.kind
+        if kind == "i":  # int64 as it is; vLLM's int32 (and any narrower) widened in one copy
+            return ids if ids.dtype.itemsize == 8 and ids.flags.c_contiguous else ids.astype(np.int64)
+        if kind == "u" and ids.dtype.itemsize < 8:
+            return ids.astype(np.int64)
     try:
         return as_int64(ids, what + at)
     except InvalidTransferError as e:

@@ -9,7 +9,7 @@ from ..memory.pinned_pool import DescriptorBuffer
 from ..memory.staging import Staged
 from ..registry import deferred
 from ..resolution.swapfn import SwapFn
-from .descriptors import JobDescriptors, enqueue
+from .descriptors import JobDescriptors
 from .types import TransferResult
 
 
@@ -72,12 +72,17 @@ def issue_with(desc: JobDescriptors, fn: SwapFn, c: Any,
             try:
                 if job.fn is None and job.within is not None:
                     job.fn = choose(len(ids[0][0]), job.within)
-                by_ids = desc.by_ids(ids) if job.fn is None else None
+                by_ids = desc.by_ids(ids) if job.fn is None and desc.ids_steps is not None else None
                 buf, m = desc.build(ids) if by_ids is None else desc.ids_buffer(ids)
                 job.buffer, job.descriptors = buf, m
                 # The buffer is the job's until its end marker (collect(stable=True)).
+                arr = buf.array
                 with deferred.collect(stable=True) as job.issued:
-                    enqueue(job.fn or fn, by_ids, buf.array, len(ids[0][0]), m, c.stream)
+                    if by_ids is not None:
+                        n = len(ids[0][0])
+                        by_ids(arr[0, :n], arr[1, :n], c.stream)
+                    elif m:  # coalesced by build(): the SwapFn need not look for runs again
+                        (job.fn or fn).call_built(arr[0, :m], arr[1, :m], arr[2, :m], c.stream)
             except BaseException as e:
                 error = f"{type(e).__name__}: {e}"
             try:

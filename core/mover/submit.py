@@ -10,7 +10,7 @@ from ..errors import MoverClosedError
 from ..registry import deferred
 from ..resolution.swapfn import SwapFn
 from .completion import CURRENT_STREAM
-from .descriptors import enqueue, stage_ids
+from .descriptors import stage_ids
 from .inputs import checked_groups, checked_pair
 from .issuing import IssuingThread
 from .jobs import Job, complete, issue_with, wait_from_worker
@@ -68,7 +68,8 @@ class Submit:
         if q and q[-1].job_id >= self._next_id:
             self._settle()
         c = self._completion
-        c.check_after(after)
+        if after is not CURRENT_STREAM:  # the default needs no check
+            c.check_after(after)
         if within is not None:
             check_within(within)
         if q and complete(q[0], c):
@@ -78,7 +79,7 @@ class Submit:
         # The route for ``within`` is decided here only for a job that may be launched here;
         # otherwise the issuing thread decides it, off the engine's thread.
         quiet = None
-        by_ids = self._desc.by_ids(ids)
+        by_ids = None if self._desc.ids_steps is None else self._desc.by_ids(ids)
         if by_ids is not None and self._launches_here(by_ids, len(ids[0][0])):
             if within is not None:
                 quiet, within = self._within(len(ids[0][0]), within), None
@@ -120,7 +121,7 @@ class Submit:
     def _submit_here(self, ids: list, after: Any, fn: Optional[SwapFn] = None) -> int:
         """Build, order and issue the job on the caller's thread (on ``fn`` where given)."""
         c = self._completion
-        by_ids = self._desc.by_ids(ids) if fn is None else None
+        by_ids = self._desc.by_ids(ids) if fn is None and self._desc.ids_steps is not None else None
         buf, m = self._desc.build(ids) if by_ids is None else self._desc.ids_buffer(ids)
         staged = None
         try:
@@ -154,8 +155,9 @@ class Submit:
                 with deferred.collect(stable=True) as job.issued:
                     if launch is not None:
                         launch(c.stream)
-                    else:
-                        enqueue(fn or self._fn, None, buf.array, n, m, c.stream)
+                    elif m:  # coalesced by build(): the SwapFn need not look for runs again
+                        arr = buf.array
+                        (fn or self._fn).call_built(arr[0, :m], arr[1, :m], arr[2, :m], c.stream)
             except BaseException as e:
                 # Part of the batch may be enqueued: the buffers stay with a failed job
                 # until the end marker shows the stream is past it.

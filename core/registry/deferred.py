@@ -16,26 +16,34 @@ to its pool only then), so a copy function may keep them instead of copying them
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 _local = threading.local()
 
 
-@contextmanager
-def collect(stable: bool = False) -> Iterator[list]:
-    """Collect, in a list, the work reported on this thread inside the block.
+class collect:
+    """Collect, in a list, the work reported on this thread inside the block
+    (``with collect(...) as items``).
 
     :param stable: the caller's descriptor arrays stay untouched until its stream has
         passed the work (see the module docstring).
     """
-    outer = getattr(_local, "items", None), getattr(_local, "stable", False)
-    items: list = []
-    _local.items, _local.stable = items, stable
-    try:
-        yield items
-    finally:
-        _local.items, _local.stable = outer
+
+    # A class, not a generator-based context manager: a BlockMover job enters one per
+    # call, and a generator costs several times more to enter and leave.
+    __slots__ = ("items", "stable", "outer")
+
+    def __init__(self, stable: bool = False) -> None:
+        self.items: list = []
+        self.stable = stable
+
+    def __enter__(self) -> list:
+        self.outer = getattr(_local, "items", None), getattr(_local, "stable", False)
+        _local.items, _local.stable = self.items, self.stable
+        return self.items
+
+    def __exit__(self, *exc: Any) -> None:
+        _local.items, _local.stable = self.outer
 
 
 def arrays_stable() -> bool:

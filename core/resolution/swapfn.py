@@ -110,11 +110,16 @@ class SwapFn:
         It routes and copies without checking the batch again."""
         self._route(src, dst, sizes, int(sizes.min()), int(sizes.max()), stream)
 
+    def call_built(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream: Any) -> None:
+        """:meth:`call_validated` for a batch whose contiguous runs its caller has merged
+        already (a BlockMover job): no second look for runs."""
+        self._route(src, dst, sizes, int(sizes.min()), int(sizes.max()), stream, False)
+
     def _route(self, src: np.ndarray, dst: np.ndarray, n: np.ndarray, smallest: int, largest: int,
-               stream: Any) -> None:
+               stream: Any, merge: bool = True) -> None:
         count = len(n)
         given = None
-        if self._coalesce and count >= COALESCE_FROM:
+        if merge and self._coalesce and count >= COALESCE_FROM:
             merged = self._merged(src, dst, n)
             if merged is not None:
                 given, (src, dst, n) = (src, dst, n), merged

@@ -165,10 +165,11 @@ def test_movers_and_staged_links_never_share_a_stream_with_torchs_pool():
         live, seen = [], []
         for i in range(6):
             src, dst = (device, list(cache.views)) if i % 2 else (list(cache.views), device)
-            m = BlockMover(src, dst, "d2h" if i % 2 else "h2d", block_dim=0)
+            # forced: the streams are under test here, not the mover's choice of route
+            m = BlockMover(src, dst, "d2h" if i % 2 else "h2d", block_dim=0, policy=Policy(force="triton.staged"))
             m.wait(m.submit([1, 2, 3], [4, 5, 6]))
             fn = m._desc.by_ids([(np.array([1]), np.array([2]))])
-            assert hasattr(fn, "staged"), "a block-major host takes the staged route"
+            assert hasattr(fn, "staged"), "a forced staged mover moves by ids through the staged route"
             seen += [m.stream.cuda_stream, *(s.cuda_stream for s in fn.staged.halves().links)]
             live.append(m)
         assert not set(seen) & pooled, "a mover queues on a pooled stream"

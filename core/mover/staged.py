@@ -129,12 +129,12 @@ def staged_choice(fn: SwapFn, template: DescriptorTemplate, direction: Direction
         verdict, choice.staged = (f"by rule: host runs of {MIN_RUN_BYTES >> 10} KiB or more ({why}); jobs with "
                                   f"`within` keep it"), None
     else:
-        # Low interference: a step whose compute is as long as the quicker transfer, so the slowdown counts.
-        within = min(seconds(r, count, nbytes) for r in rates) if policy.prefer == "low_interference" else None
-        cost = [(step_cost(seconds(r, count, nbytes), r[4], within or 0.0), i) for i, r in enumerate(rates)]
+        # A step whose compute is as long as the quickest transfer: a route that is as fast but
+        # slows the compute ends the step later, so a copy beside compute is ranked as one.
+        within = min(seconds(r, count, nbytes) for r in rates)
+        cost = [(step_cost(seconds(r, count, nbytes), r[4], within), i) for i, r in enumerate(rates)]
         win = rates[min(cost)[1]][0]
-        how = ("step makespan max(within + slowdown x transfer, transfer), within = the quicker transfer "
-               "(prefer='low_interference')" if within is not None else "transfer time")
+        how = "step makespan max(within + slowdown x transfer, transfer), within = the quickest transfer"
         said = (f"predicted {how} for a job of {REFERENCE_BLOCKS} blocks ({cal.source}): "
                 f"{_explained(rates, count, nbytes, within, win)}; a job with `within` ranks them again by its "
                 f"own length")

@@ -104,7 +104,7 @@ def staged_choice(fn: SwapFn, template: DescriptorTemplate, direction: Direction
             f"every chunk apart (a per-layer host cache), so the link would copy them one by one at the copy "
             f"engines' small-chunk speed, and host threads gathering them reached 0.04-0.39 of the link "
             f"(docs/design.md); a block-major host cache (kvswap.host_cache) holds each block as one run"))
-    cal = fn._cal  # what the resolved route was decided by
+    cal = fn.calibration  # what the resolved route was decided by
     chunk = min(template.chunk_sizes)
     rate, scale = None, 1.0
     if cal is not None and not fn.plan.forced:

@@ -86,6 +86,11 @@ class SwapFn:
         return any(impl.requires_pinned for impl in self._impls.values())
 
     @property
+    def calibration(self) -> Optional[Calibration]:
+        """The calibration the routes were decided by (None: the backends' defaults)."""
+        return self._cal
+
+    @property
     def impls(self) -> tuple[str, ...]:
         """Names of the implementations this function may call."""
         return tuple(sorted(self._impls))

@@ -47,11 +47,11 @@ class Submit:
             copies at once and takes only the default or None.
         :param within: seconds the copy has beside the engine's compute before anything
             waits for it (the rest of the step, say, for a load the next step reads, or a
-            step or more for an offload). Where the job would run on a kernel, it takes the
-            route that uses no SMs instead when that is predicted to end the step sooner:
-            it finishes in time and leaves the compute every SM (predicted from the
-            calibration's speed, host cost and compute slowdown by SM count). None (the
-            default): the fastest route, as resolved. Used for movers of one KV group with
+            step or more for an offload). The job takes the route predicted to end the step
+            soonest (from the calibration's speed, host cost and compute slowdown): where it
+            would run on a kernel, a route that uses no SMs and finishes in time; on a mover
+            that can stage, the staged route, the kernel or the batch route (see
+            ``explain()``). None (the default): the mover's route, as built. Used for movers of one KV group with
             one chunk size whose route is not forced; for a job handed to the issuing
             thread, that thread decides.
         :return: the job id :meth:`poll` and :meth:`wait` refer to.

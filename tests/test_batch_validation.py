@@ -186,6 +186,16 @@ def clashes(a, an, b, bn):
     return np.maximum(a[:, None], b[None, :]) < np.minimum((a + an)[:, None], (b + bn)[None, :])
 
 
+def _refusal(src, dst, sizes):
+    """``validate``'s refusal of the batch as text, or None where it accepts it."""
+    try:
+        validate(src, dst, sizes)
+    except InvalidTransferError as e:
+        return str(e)
+    return None
+
+
+
 @pytest.mark.parametrize("count", [1, 2, SMALL_BATCH, SMALL_BATCH + 1, 1000])
 def test_validation_matches_a_plain_pairwise_check(count):
     rng = np.random.default_rng(count)
@@ -198,11 +208,7 @@ def test_validation_matches_a_plain_pairwise_check(count):
         among = clashes(dst, sizes, dst, sizes)
         np.fill_diagonal(among, False)
         over = clashes(dst, sizes, src, sizes)
-        try:
-            validate(src, dst, sizes)
-            refused = None
-        except InvalidTransferError as e:
-            refused = str(e)
+        refused = _refusal(src, dst, sizes)
         verdicts.add(refused is None)
         assert (refused is not None) == bool(among.any() or over.any()), (trial, refused)
         if refused and "destination ranges of descriptors" in refused:
@@ -515,11 +521,7 @@ def test_one_size_destinations_are_refused_exactly_when_two_are_closer_than_the_
         sizes = np.full(count, size, dtype=np.int64)
         among = clashes(dst, sizes, dst, sizes)
         np.fill_diagonal(among, False)
-        try:
-            validate(src, dst, sizes)
-            refused = None
-        except InvalidTransferError as e:
-            refused = str(e)
+        refused = _refusal(src, dst, sizes)
         verdicts.add(refused is None)
         assert (refused is not None) == bool(among.any()), (trial, refused)
         if refused:

@@ -97,8 +97,9 @@ class _Halves:
         return stream
 
     def run(self, slices: Any, to_host: bool, stream: Any) -> None:
-        """Run ``slices``: ``(device_op(h, stream), link_op(h, streams))`` pairs for half
-        ``h``; ``link_op`` may spread its copies over the link streams it is given. The
+        """Run ``slices``: ``(device_op(h, stream), link_op(h, streams, gate))`` pairs for half
+        ``h``; ``link_op`` may spread its copies over the link streams it is given, each
+        stream it uses waiting for the event ``gate`` first. The
         caller's stream ends after every slice's link (device to host) or scatter."""
         s, link, links = self.caller(stream), self.link_stream, self.links
         if link is None:
@@ -106,9 +107,9 @@ class _Halves:
                 h, self.turn = self.turn, self.turn ^ 1
                 if to_host:
                     device_op(h, None)
-                    link_op(h, links)
+                    link_op(h, links, None)
                 else:
-                    link_op(h, links)
+                    link_op(h, links, None)
                     device_op(h, None)
             return
         last = None
@@ -123,15 +124,11 @@ class _Halves:
                 s.wait_event(free)
                 device_op(h, s)
                 ready.record(s)
-                for ls in links:
-                    ls.wait_event(ready)
-                self._join(h, link_op(h, links))
+                self._join(h, link_op(h, links, ready))
                 free.record(link)
                 last = free
             else:
-                for ls in links:
-                    ls.wait_event(free)
-                self._join(h, link_op(h, links))
+                self._join(h, link_op(h, links, free))
                 ready.record(link)
                 s.wait_event(ready)
                 device_op(h, s)
@@ -204,15 +201,16 @@ class StagedCopy:
             else:
                 self.kernel(staged, dev, sizes, s)
 
-        def link_op(h: int, streams: tuple) -> int:
+        def link_op(h: int, streams: tuple, gate: Any) -> int:
             staged = halves.base[h] + rel
-            return self._link(staged, host, sizes, streams)
+            return self._link(staged, host, sizes, streams, gate)
 
         return device_op, link_op
 
-    def _link(self, staged: np.ndarray, host: np.ndarray, sizes: np.ndarray, streams: tuple) -> int:
+    def _link(self, staged: np.ndarray, host: np.ndarray, sizes: np.ndarray, streams: tuple, gate: Any) -> int:
         """Copy the runs over the link, spread over up to ``len(streams)`` streams in parts
-        of equal bytes; returns how many streams were used."""
+        of equal bytes, each stream used waiting for ``gate`` (an event; None: nothing)
+        first; returns how many streams were used."""
         a, b, z = coalesce(staged, host, sizes) if self.to_host else coalesce(host, staged, sizes)
         parts = max(1, min(len(streams), len(z) // MIN_LINK_DESCRIPTORS))
         if parts == 1:
@@ -226,6 +224,8 @@ class StagedCopy:
         with deferred.collect(stable=False) as issued:
             for lo, hi, stream in zip(cuts, cuts[1:], streams):
                 if hi > lo:
+                    if gate is not None:
+                        stream.wait_event(gate)
                     self.link(a[lo:hi], b[lo:hi], z[lo:hi], stream)
                     used += 1
         for item in issued:
@@ -282,10 +282,10 @@ class StagedByIds:
             else:
                 self.kernels[h](slots, dev_ids, s)
 
-        def link_op(h: int, streams: tuple) -> int:
+        def link_op(h: int, streams: tuple, gate: Any) -> int:
             host = (r.base[None, :] + host_ids[:, None] * r.stride[None, :]).ravel()
             staged = (halves.base[h] + slots[:, None] * r.slot_bytes + r.rel[None, :]).ravel()
-            return st._link(staged, host, np.tile(r.size, k), streams)
+            return st._link(staged, host, np.tile(r.size, k), streams, gate)
 
         return device_op, link_op
 

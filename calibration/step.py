@@ -6,7 +6,8 @@ per layer in the device's layout, or block-major: :func:`kvswap.host_cache`), fi
 random bytes, and BlockMover jobs of ``B`` random blocks are moved as an engine moves them,
 beside a compute load on the compute stream (bf16 GEMMs sized to the step's length):
 
-* the compute is launched first, then the job is submitted, from the same thread;
+* the compute is launched first (one CUDA graph, as engines launch a step), then the job
+  is submitted, from the same thread;
 * host to device (a prefix load into free blocks) waits for nothing: it runs beside the
   step's compute;
 * device to host (an offload) waits for the work queued before the step (the writes of
@@ -318,7 +319,7 @@ def run_step_bench(env: Any, dev: DeviceInfo, caches: Iterable[KVCache], directi
         "env": env.name,
         "settings": asdict(settings),
         "compute": {"gemm": env.gemm_label, "gemms": env.gemms,
-                    "gemm_ms": round(env.gemm_seconds * 1e3, 4)},
+                    "gemm_ms": round(env.gemm_seconds * 1e3, 4), "launch": env.launch},
         "contenders": list(CONTENDERS),
         "vllm_policy": VLLM_POLICY,
         "cases": [],

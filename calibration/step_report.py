@@ -92,7 +92,8 @@ def markdown_table(doc: dict[str, Any]) -> str:
 def header(doc: dict[str, Any]) -> str:
     d, comp, s = doc["device"], doc["compute"], doc["settings"]
     return (f"device {d['name']!r} ({d['platform']}, {d['compute_units']} SMs, link {d.get('link', '?')}); "
-            f"compute: {comp['gemms']} x {comp['gemm']} ({comp['gemm_ms']:.3f} ms each, step {s['step_ms']} ms); "
+            f"compute: {comp['gemms']} x {comp['gemm']} ({comp['gemm_ms']:.3f} ms each, step {s['step_ms']} ms"
+            f"{', launched as ' + comp['launch'] if comp.get('launch') else ''}); "
             f"median of {s['reps']} repetitions, contenders interleaved; bound = max(compute alone, bytes / "
             f"contiguous ceiling); vllm = {doc['vllm_policy']}")
 

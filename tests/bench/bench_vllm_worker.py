@@ -15,6 +15,12 @@ the machine hits both alike. Per direction, ``k`` and job size:
   same way, and its medians over the first's (an A/A comparison: how far apart two
   identical contenders land in this run).
 
+The engine's thread waits for each job one of two ways (``--engine``): ``busy``, it runs
+Python until the copy is done, as an engine thread runs its step between the submit and
+``get_finished``; ``idle``, it sleeps in ``wait`` until the copy is done, after which every
+line of Python runs several times slower (caches and clocks gone cold), the worker's few
+lines more than the bare mover's.
+
     python tests/bench/bench_vllm_worker.py --out-dir results [--device cuda:0]
 """
 from __future__ import annotations
@@ -53,7 +59,14 @@ def timed(fn: Any) -> tuple[Any, float]:
     return out, time.perf_counter() - t0
 
 
-def measure(args: argparse.Namespace, direction: str, k: int, blocks: int) -> dict[str, Any]:
+def spin_until(deadline: float) -> None:
+    """The engine's thread busy with its own work until ``deadline``."""
+    clock = time.perf_counter
+    while clock() < deadline:
+        pass
+
+
+def measure(args: argparse.Namespace, direction: str, k: int, blocks: int, engine: str) -> dict[str, Any]:
     import torch
 
     import kvswap
@@ -74,6 +87,7 @@ def measure(args: argparse.Namespace, direction: str, k: int, blocks: int) -> di
     rng = np.random.default_rng(blocks * 10 + k)
     names = ("worker", "bare", "bare_b")
     rows: dict[str, dict[str, list[float]]] = {who: {"host": [], "transfer": []} for who in names}
+    last = {who: 0.0 for who in names}  # each contender's last copy time: how long a busy engine spins
     for rep in range(args.warmup + args.reps):
         dspec, hspec, dev, host = job_specs(rng, blocks, k, args.device_blocks, num_chunks)
         for who in names[rep % 3:] + names[:rep % 3]:  # each contender first, second and third in turn
@@ -82,6 +96,8 @@ def measure(args: argparse.Namespace, direction: str, k: int, blocks: int) -> di
                     lambda: worker.submit_load(rep, hspec, dspec))
                 ok, t_submit = timed(submit)
                 assert ok
+                if engine == "busy":
+                    spin_until(time.perf_counter() + 1.2 * last[who] + 100e-6)
                 worker.wait({rep})
                 sync()
                 done, t_poll = timed(worker.get_finished)
@@ -90,12 +106,15 @@ def measure(args: argparse.Namespace, direction: str, k: int, blocks: int) -> di
             else:
                 bare = bares[who]
                 job, t_submit = timed(lambda: bare.submit(dev, host) if direction == "d2h" else bare.submit(host, dev))
+                if engine == "busy":
+                    spin_until(time.perf_counter() + 1.2 * last[who] + 100e-6)
                 bare.wait(job)
                 sync()
                 done, t_poll = timed(bare.poll)
                 (r,) = done
                 seconds = r.seconds
             assert r.ok, r.error
+            last[who] = seconds
             if rep >= args.warmup:
                 rows[who]["host"].append(t_submit + t_poll)
                 rows[who]["transfer"].append(seconds)
@@ -105,7 +124,7 @@ def measure(args: argparse.Namespace, direction: str, k: int, blocks: int) -> di
         bare.close()
     med = {who: {m: statistics.median(v) for m, v in r.items()} for who, r in rows.items()}
     return {
-        "direction": direction, "k": k, "blocks": blocks, "bytes": blocks * args.layers * args.page,
+        "engine": engine, "direction": direction, "k": k, "blocks": blocks, "bytes": blocks * args.layers * args.page,
         "worker_host_us": med["worker"]["host"] * 1e6, "bare_host_us": med["bare"]["host"] * 1e6,
         "host_ratio": med["worker"]["host"] / med["bare"]["host"],
         "host_extra_us": (med["worker"]["host"] - med["bare"]["host"]) * 1e6,
@@ -121,14 +140,14 @@ def measure(args: argparse.Namespace, direction: str, k: int, blocks: int) -> di
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ("| dir | k | blocks | worker host µs | bare host µs | ratio | +µs | ≤ 1.1× + 20 µs | worker copy ms | "
+    head = ("| engine | dir | k | blocks | worker host µs | bare host µs | ratio | +µs | ≤ 1.1× + 20 µs | worker copy ms | "
             "bare copy ms | ratio | A/A host ratio (+µs) | A/A copy ratio |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         tr = "-" if r["transfer_ratio"] is None else f"{r['transfer_ratio']:.3f}"
         aa = "-" if r["aa_transfer_ratio"] is None else f"{r['aa_transfer_ratio']:.3f}"
-        lines.append(f"| {r['direction']} | {r['k']} | {r['blocks']} | {r['worker_host_us']:.1f} | "
+        lines.append(f"| {r['engine']} | {r['direction']} | {r['k']} | {r['blocks']} | {r['worker_host_us']:.1f} | "
                      f"{r['bare_host_us']:.1f} | {r['host_ratio']:.3f} | {r['host_extra_us']:+.1f} | "
                      f"{'yes' if r['within_bar'] else 'no'} | {r['worker_transfer_ms']:.3f} | "
                      f"{r['bare_transfer_ms']:.3f} | {tr} | {r['aa_host_ratio']:.3f} ({r['aa_host_extra_us']:+.1f}) | "
@@ -148,9 +167,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--k", default="1,4", help="blocks per chunk")
     ap.add_argument("--reps", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--engine", default="busy,idle",
+                    help="how the engine's thread waits for a job: busy (runs Python), idle (sleeps), or both")
     args = ap.parse_args(argv)
-    rows = [measure(args, d, k, b) for d in ("d2h", "h2d") for k in map(int, args.k.split(","))
-            for b in map(int, args.blocks.split(","))]
+    rows = [measure(args, d, k, b, e) for e in args.engine.split(",") for d in ("d2h", "h2d")
+            for k in map(int, args.k.split(",")) for b in map(int, args.blocks.split(","))]
     print(table(rows))
     for d in ("d2h", "h2d"):
         print(f"{d} route: {next(r['route'] for r in rows if r['direction'] == d)}")

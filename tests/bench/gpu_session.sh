@@ -3,7 +3,7 @@
 # under $OUT (default /tmp/kvswap-out). Run from the repository root:
 #   bash tests/bench/gpu_session.sh tests calibrate bench benches overhead step fuzz
 # Steps:
-#   tests      the gpu-marked tests
+#   tests      the gpu-marked tests (GPU_TESTS: the files or folders, default tests)
 #   calibrate  kvswap calibrate (CAL_ARGS: unset means --quick; set it empty for the full grid)
 #   bench      kvswap explain and kvswap bench, with the profile just calibrated if there is one
 #              (BENCH_ARGS, e.g. "--passes 3")
@@ -34,7 +34,8 @@ for step in "$@"; do
   case "$step" in
     tests)
       { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-        timeout "$T" python3 -m pytest -q -m gpu tests -rfE -p no:cacheprovider; } >"$OUT/gpu_tests.log" 2>&1
+        # shellcheck disable=SC2086
+        timeout "$T" python3 -m pytest -q -m gpu ${GPU_TESTS:-tests} -rfE -p no:cacheprovider; } >"$OUT/gpu_tests.log" 2>&1
       tail -n 25 "$OUT/gpu_tests.log" ;;
     calibrate)
       # shellcheck disable=SC2086

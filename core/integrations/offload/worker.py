@@ -61,13 +61,6 @@ class _Pending(NamedTuple):
     device_ids: list[np.ndarray]
 
 
-def _as_ids(values: Any) -> Optional[np.ndarray]:
-    """``values`` where it already is a 1-D integer array (vLLM's specs hold numpy arrays)."""
-    if isinstance(values, np.ndarray) and values.ndim == 1 and values.dtype.kind in "iu":
-        return values
-    return None
-
-
 class OffloadWorker:
     """Moves KV blocks between an engine's device caches and a host cache kvswap allocates.
 
@@ -184,10 +177,12 @@ class OffloadWorker:
         operations, as int64 so the mover takes them without converting; anything else,
         and anything this path does not recognise, goes through :func:`job_block_ids`,
         which checks every field and says what is wrong."""
-        if not self._grouped:
-            dev, chunks = _as_ids(device_spec.block_ids), _as_ids(host_spec.block_ids)
+        dev, chunks = device_spec.block_ids, host_spec.block_ids
+        # vLLM's specs hold 1-D integer numpy arrays: the short path takes only those.
+        if (not self._grouped and type(dev) is np.ndarray and type(chunks) is np.ndarray and dev.ndim == 1
+                and chunks.ndim == 1 and dev.dtype.kind in "iu" and chunks.dtype.kind in "iu"):
             sizes, k = device_spec.group_sizes, self.blocks_per_chunk
-            if dev is not None and chunks is not None and len(sizes) == 1 and sizes[0] == len(dev):
+            if len(sizes) == 1 and sizes[0] == len(dev):
                 if k == 1:
                     if len(chunks) == len(dev):
                         return [dev.astype(np.int64, copy=False)], [chunks.astype(np.int64, copy=False)]

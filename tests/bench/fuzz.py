@@ -250,7 +250,9 @@ def fuzz_mover(torch: Any, kvswap: Any, policy: Any, direction: str, cfg: Config
             # it is in flight at once; the second reuses the descriptor buffers it returned.
             for wave in range(2):
                 if cfg.device != "cpu" and wave == 0:
-                    torch.cuda._sleep(200_000_000)  # about 0.1 s of a GPU's clock on the compute stream
+                    # About 0.5 s of a GPU's clock on the compute stream: longer than the wave's
+                    # submits with their mirror updates, which took over 0.1 s on an H200.
+                    torch.cuda._sleep(1_000_000_000)
                 for _ in range(cfg.inflight + 8):
                     k = int(rng.integers(1, min(n_src, n_dst, 64) + 1))
                     sid = rng.integers(0, n_src, k)

@@ -15,11 +15,17 @@ the machine hits both alike. Per direction, ``k`` and job size:
   same way, and its medians over the first's (an A/A comparison: how far apart two
   identical contenders land in this run).
 
-The engine's thread waits for each job one of two ways (``--engine``): ``busy``, it runs
-Python until the copy is done, as an engine thread runs its step between the submit and
-``get_finished``; ``idle``, it sleeps in ``wait`` until the copy is done, after which every
-line of Python runs several times slower (caches and clocks gone cold), the worker's few
-lines more than the bare mover's.
+The engine's thread waits for each job one of three ways (``--engine``), for a fixed time
+per case (1.1 x the copy's time in the warm-up repetitions), then in ``wait``:
+
+* ``idle``: it sleeps in ``wait`` from the start; after such a sleep every line of Python
+  runs several times slower (caches and clocks gone cold), the worker's few lines more
+  than the bare mover's;
+* ``busy``: it stays on the CPU but lets other threads run (``time.sleep(0)`` in a loop),
+  as an engine thread does while its step's work releases the GIL;
+* ``python``: it runs pure Python, holding the GIL but for the interpreter's switch
+  interval, as an engine thread busy in Python does; a route that needs kvswap's own
+  thread to move the job then waits for it.
 
     python tests/bench/bench_vllm_worker.py --out-dir results [--device cuda:0]
 """
@@ -59,11 +65,16 @@ def timed(fn: Any) -> tuple[Any, float]:
     return out, time.perf_counter() - t0
 
 
-def spin_until(deadline: float) -> None:
-    """The engine's thread busy with its own work until ``deadline``."""
+def spin_until(deadline: float, engine: str) -> None:
+    """The engine's thread busy with its own work until ``deadline``: releasing the GIL
+    (``busy``) or holding it (``python``)."""
     clock = time.perf_counter
-    while clock() < deadline:
-        pass
+    if engine == "busy":
+        while clock() < deadline:
+            time.sleep(0)
+    else:
+        while clock() < deadline:
+            pass
 
 
 def measure(args: argparse.Namespace, direction: str, k: int, blocks: int, engine: str) -> dict[str, Any]:
@@ -87,8 +98,11 @@ def measure(args: argparse.Namespace, direction: str, k: int, blocks: int, engin
     rng = np.random.default_rng(blocks * 10 + k)
     names = ("worker", "bare", "bare_b")
     rows: dict[str, dict[str, list[float]]] = {who: {"host": [], "transfer": []} for who in names}
-    last = {who: 0.0 for who in names}  # each contender's last copy time: how long a busy engine spins
+    warm: list[float] = []  # copy times in the warm-up repetitions (the engine idle then)
+    spin = 0.0  # how long the engine's thread works before it waits, per job (fixed per case)
     for rep in range(args.warmup + args.reps):
+        if rep == args.warmup and engine != "idle":
+            spin = 1.1 * statistics.median(warm)
         dspec, hspec, dev, host = job_specs(rng, blocks, k, args.device_blocks, num_chunks)
         for who in names[rep % 3:] + names[:rep % 3]:  # each contender first, second and third in turn
             if who == "worker":
@@ -96,8 +110,8 @@ def measure(args: argparse.Namespace, direction: str, k: int, blocks: int, engin
                     lambda: worker.submit_load(rep, hspec, dspec))
                 ok, t_submit = timed(submit)
                 assert ok
-                if engine == "busy":
-                    spin_until(time.perf_counter() + 1.2 * last[who] + 100e-6)
+                if spin:
+                    spin_until(time.perf_counter() + spin, engine)
                 worker.wait({rep})
                 sync()
                 done, t_poll = timed(worker.get_finished)
@@ -106,16 +120,17 @@ def measure(args: argparse.Namespace, direction: str, k: int, blocks: int, engin
             else:
                 bare = bares[who]
                 job, t_submit = timed(lambda: bare.submit(dev, host) if direction == "d2h" else bare.submit(host, dev))
-                if engine == "busy":
-                    spin_until(time.perf_counter() + 1.2 * last[who] + 100e-6)
+                if spin:
+                    spin_until(time.perf_counter() + spin, engine)
                 bare.wait(job)
                 sync()
                 done, t_poll = timed(bare.poll)
                 (r,) = done
                 seconds = r.seconds
             assert r.ok, r.error
-            last[who] = seconds
-            if rep >= args.warmup:
+            if rep < args.warmup:
+                warm.append(seconds)
+            else:
                 rows[who]["host"].append(t_submit + t_poll)
                 rows[who]["transfer"].append(seconds)
     route = route_summary(worker.store if direction == "d2h" else worker.load)
@@ -167,11 +182,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--k", default="1,4", help="blocks per chunk")
     ap.add_argument("--reps", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=4)
-    ap.add_argument("--engine", default="busy,idle",
-                    help="how the engine's thread waits for a job: busy (runs Python), idle (sleeps), or both")
+    ap.add_argument("--engine", default="idle,busy,python",
+                    help="how the engine's thread waits for a job: idle, busy, python (see above), comma-separated")
     args = ap.parse_args(argv)
-    rows = [measure(args, d, k, b, e) for e in args.engine.split(",") for d in ("d2h", "h2d")
-            for k in map(int, args.k.split(",")) for b in map(int, args.blocks.split(","))]
+    rows = []
+    for e in args.engine.split(","):
+        for d in ("d2h", "h2d"):
+            for k in map(int, args.k.split(",")):
+                for b in map(int, args.blocks.split(",")):
+                    rows.append(measure(args, d, k, b, e))
+                    print(table(rows[-1:]).splitlines()[-1], flush=True)  # a row as it is measured
     print(table(rows))
     for d in ("d2h", "h2d"):
         print(f"{d} route: {next(r['route'] for r in rows if r['direction'] == d)}")

@@ -235,8 +235,9 @@ def test_a_layout_that_cannot_be_moved_is_refused(refs, match):
 @pytest.mark.parametrize("k", [1, 3, 4])
 def test_one_groups_ids_map_as_the_checked_path_maps_them(k):
     """A one-group worker maps a job's ids on its own short path: the same host block for
-    every device block as the reference, int64 either way; a job that path does not
-    recognise goes to the checked path, which refuses it by name."""
+    every device block as the reference, the engine's device array passed as it is (the
+    mover widens it); a job that path does not recognise goes to the checked path, which
+    refuses it by name."""
     from kvswap import BlockIdError
     from kvswap.integrations.offload.ids import job_block_ids
 
@@ -250,7 +251,7 @@ def test_one_groups_ids_map_as_the_checked_path_maps_them(k):
                                   job.device.block_indices)
             host_spec = HostSpec(job.host.block_ids.astype(cast))
             (dev,), (host,) = worker._ids(dev_spec, host_spec)
-            assert dev.dtype == host.dtype == np.int64
+            assert dev is dev_spec.block_ids and host.dtype == (np.int64 if k > 1 else cast)
             assert list(zip(dev.tolist(), host.tolist())) == job.pairs[0]
             (ref_dev,), (ref_host,) = job_block_ids(dev_spec, host_spec, k, 1)
             assert np.array_equal(dev, ref_dev) and np.array_equal(host, ref_host)

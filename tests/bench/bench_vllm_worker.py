@@ -4,8 +4,10 @@ test: it prints ratios measured in one run, it asserts nothing).
 Both move the same random jobs between llama-3.1-8b-shaped canonical caches (``--layers``
 int8 tensors of ``(num_blocks, --page)``) and one block-major host cache: the worker from
 vLLM-shaped job specs (chunk ids of ``k`` blocks, a group starting inside its first chunk),
-the bare mover from host block ids computed beforehand. Their jobs take turns, so drift in
-the machine hits both alike. Per direction, ``k`` and job size:
+the bare mover from the same job as vLLM hands it where no mapping is needed (its int32
+device ids, and at ``k`` = 1 its int32 chunk ids, which are host block ids) and host block
+ids computed beforehand where one is (``k`` > 1). Their jobs take turns, so drift in the
+machine hits both alike. Per direction, ``k`` and job size:
 
 * host time per job: the engine thread's time in ``submit`` plus in the ``get_finished``
   (``poll``) call that returns the job, medians, and the worker's over the mover's;
@@ -50,13 +52,14 @@ from offload_jobs import DeviceSpec, HostSpec, reference_host_ids  # noqa: E402
 def job_specs(rng: np.random.Generator, blocks: int, k: int, device_blocks: int,
               num_chunks: int) -> tuple[DeviceSpec, HostSpec, np.ndarray, np.ndarray]:
     """A one-group job of ``blocks`` device blocks starting inside a chunk (where k > 1):
-    vLLM's specs, and the same job as device and host block ids."""
+    vLLM's specs, and the same job as a bare mover takes it (device and host block ids)."""
     start = int(rng.integers(0, k))
     n_chunks = -(-(blocks + start) // k)
     dev = rng.choice(device_blocks, blocks, replace=False)
     chunks = rng.choice(num_chunks, n_chunks, replace=False)
-    host = np.array(reference_host_ids(chunks.tolist(), [blocks], [start], k)[0])
-    return DeviceSpec(dev.astype(np.int32), [blocks], [start]), HostSpec(chunks.astype(np.int32)), dev, host
+    dspec, hspec = DeviceSpec(dev.astype(np.int32), [blocks], [start]), HostSpec(chunks.astype(np.int32))
+    host = hspec.block_ids if k == 1 else np.array(reference_host_ids(chunks.tolist(), [blocks], [start], k)[0])
+    return dspec, hspec, dspec.block_ids, host
 
 
 def timed(fn: Any) -> tuple[Any, float]:

@@ -56,9 +56,37 @@ class Counters:
     seconds: float = 0.0
 
 
-class _Pending(NamedTuple):
-    job_id: int
-    device_ids: list[np.ndarray]
+class _Side:
+    """One direction's mover, counters and jobs in flight (mover job id -> (engine job id,
+    device ids)): what a job touches, in one place. Finished jobs wait in ``done`` until
+    the counters are read: per job the engine's thread appends once instead of updating
+    four counters (after a wait, each line of Python costs microseconds)."""
+
+    __slots__ = ("name", "mover", "counters", "jobs", "store", "done")
+
+    def __init__(self, name: str, mover: BlockMover, counters: Counters) -> None:
+        self.name, self.mover, self.counters, self.store = name, mover, counters, name == STORE
+        self.jobs: dict[int, tuple[int, list[np.ndarray]]] = {}
+        self.done: list[tuple[Any, list[np.ndarray]]] = []  # (mover result, device ids) of ok jobs
+
+    def fold(self) -> Counters:
+        """The counters, with the finished jobs not yet counted added."""
+        c, done = self.counters, self.done
+        for r, device_ids in done:
+            c.jobs += 1
+            c.blocks += sum(map(len, device_ids))
+            c.bytes += r.bytes
+            c.seconds += r.seconds
+        done.clear()
+        return c
+
+
+FOLD_AT = 4096  # finished jobs kept uncounted at most
+_result = tuple.__new__  # builds a JobResult without its Python-level __new__ (a per-job cost)
+
+
+# A chunk id read as unsigned, so that a negative one is out of range of the chunk table.
+_UNSIGNED = {np.dtype(t): np.dtype(t.replace("int", "uint")) for t in ("int8", "int16", "int32", "int64")}
 
 
 class OffloadWorker:
@@ -114,15 +142,19 @@ class OffloadWorker:
         else:
             self.store = BlockMover(dev[0], host[0], "d2h", block_dim=0, policy=policy)
             self.load = BlockMover(host[0], dev[0], "h2d", block_dim=0, policy=policy)
-        self.counters = {STORE: Counters(), LOAD: Counters()}
-        self._movers = {STORE: self.store, LOAD: self.load}
-        self._pending: dict[tuple[str, int], _Pending] = {}  # (direction, mover job id) -> job
-        self._by_job: dict[int, tuple[str, int]] = {}  # engine job id -> (direction, mover job id)
-        self._open = {STORE: 0, LOAD: 0}  # jobs in flight per direction
+        self._stores = _Side(STORE, self.store, Counters())
+        self._loads = _Side(LOAD, self.load, Counters())
+        self._sides = (self._stores, self._loads)
+        self._where: dict[int, tuple[_Side, int]] = {}  # engine job id -> (its side, mover job id)
         stats = self.options.stats_file
         self.stats_path = stats.replace("{rank}", str(rank)) if stats else None
         self._closed = False
         self._write_stats()
+
+    @property
+    def counters(self) -> dict[str, Counters]:
+        """What each direction (``"store"``, ``"load"``) has done since the worker was built."""
+        return {STORE: self._stores.fold(), LOAD: self._loads.fold()}
 
     @classmethod
     def from_canonical(cls, kv_caches: Any, num_chunks: int, blocks_per_chunk: int,
@@ -142,39 +174,39 @@ class OffloadWorker:
         :return: True once the job is on its way; False when it was refused (logged; no
             byte moved, or, where the copy route failed at launch, its mover reports it).
         """
-        return self._submit(STORE, job_id, device_spec, host_spec)
+        return self._submit(self._stores, job_id, device_spec, host_spec)
 
     def submit_load(self, job_id: int, host_spec: Any, device_spec: Any) -> bool:
         """Start copying the chunks of ``host_spec`` into the device blocks of ``device_spec``;
         as :meth:`submit_store`."""
-        return self._submit(LOAD, job_id, device_spec, host_spec)
+        return self._submit(self._loads, job_id, device_spec, host_spec)
 
-    def _submit(self, direction: str, job_id: int, device_spec: Any, host_spec: Any) -> bool:
+    def _submit(self, side: _Side, job_id: int, device_spec: Any, host_spec: Any) -> bool:
         try:
             if self._closed:
                 raise ConfigurationError("the worker is shut down")
-            if job_id in self._by_job:
+            if job_id in self._where:
                 raise ConfigurationError(f"job {job_id} is still in flight; a job id names one job at a time")
             device, host = self._ids(device_spec, host_spec)
-            mover = self._movers[direction]
-            if self._grouped:
-                mid = mover.submit(device, host) if direction == STORE else mover.submit(host, device)
+            if not self._grouped:
+                src, dst = (device[0], host[0]) if side.store else (host[0], device[0])
             else:
-                mid = mover.submit(device[0], host[0]) if direction == STORE else mover.submit(host[0], device[0])
+                src, dst = (device, host) if side.store else (host, device)
+            mid = side.mover.submit(src, dst)
         except Exception as e:
-            self.counters[direction].refused += 1
-            self.log.error("kvswap refused %s job %s (device blocks %s, chunks %s): %s: %s", direction, job_id,
+            side.counters.refused += 1
+            self.log.error("kvswap refused %s job %s (device blocks %s, chunks %s): %s: %s", side.name, job_id,
                            _few(getattr(device_spec, "block_ids", None)), _few(getattr(host_spec, "block_ids", None)),
                            type(e).__name__, e)
             return False
-        self._pending[direction, mid] = _Pending(job_id, device)
-        self._by_job[job_id] = (direction, mid)
-        self._open[direction] += 1
+        side.jobs[mid] = (job_id, device)
+        self._where[job_id] = (side, mid)
         return True
 
     def _ids(self, device_spec: Any, host_spec: Any) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """A job's ids per group. One group (most models) is mapped here in a few array
-        operations, as int64 so the mover takes them without converting; anything else,
+        operations (the engine's arrays pass as they are: the mover widens int32 once, as it
+        would for a caller of its own); anything else,
         and anything this path does not recognise, goes through :func:`job_block_ids`,
         which checks every field and says what is wrong."""
         dev, chunks = device_spec.block_ids, host_spec.block_ids
@@ -185,53 +217,54 @@ class OffloadWorker:
             if len(sizes) == 1 and sizes[0] == len(dev):
                 if k == 1:
                     if len(chunks) == len(dev):
-                        return [dev.astype(np.int64, copy=False)], [chunks.astype(np.int64, copy=False)]
+                        return [dev], [chunks]
                 else:
                     skip = int(device_spec.block_indices[0])
                     skip = skip % k if skip >= 0 else -1
                     if skip >= 0 and len(chunks) == -(-(len(dev) + skip) // k):
                         try:  # read as unsigned, a negative chunk id is out of range too
-                            rows = self._chunk_blocks[chunks.view(chunks.dtype.str.replace("i", "u"))]
+                            rows = self._chunk_blocks[chunks.view(_UNSIGNED.get(chunks.dtype, chunks.dtype))]
                         except IndexError:
                             rows = None  # the checked path names the bad id
                         if rows is not None:
-                            return [dev.astype(np.int64, copy=False)], [rows.ravel()[skip:skip + len(dev)]]
+                            return [dev], [rows.ravel()[skip:skip + len(dev)]]
         return job_block_ids(device_spec, host_spec, self.blocks_per_chunk, len(self.groups))
 
     def get_finished(self) -> list[JobResult]:
         """Jobs finished since the last call, stores first, each direction in submission order."""
         out: list[JobResult] = []
-        for direction, mover in self._movers.items():
-            if not self._open[direction]:
+        where = self._where
+        for side in self._sides:
+            jobs = side.jobs
+            if not jobs:
                 continue  # nothing of this direction in flight: no poll
             try:
-                results = mover.poll()
+                results = side.mover.poll()
             except Exception as e:  # a mover that cannot say is logged, never raised into the engine
-                self.log.error("kvswap could not poll its %s jobs: %s: %s", direction, type(e).__name__, e)
+                self.log.error("kvswap could not poll its %s jobs: %s: %s", side.name, type(e).__name__, e)
                 continue
-            pending, c = self._pending, self.counters[direction]
+            done = side.done
             for r in results:
-                job = pending.pop((direction, r.job_id), None)
+                job = jobs.pop(r.job_id, None)
                 if job is None:
                     continue  # its submit failed and was reported then
-                del self._by_job[job.job_id]
-                self._open[direction] -= 1
+                job_id, device_ids = job
+                del where[job_id]
                 ok, error = r.ok, r.error
-                if ok and direction == LOAD and self.options.corrupt_loads:
+                if ok and not side.store and self.options.corrupt_loads:
                     try:
-                        self._corrupt(job.device_ids)
+                        self._corrupt(device_ids)
                     except Exception as e:
                         ok, error = False, f"{type(e).__name__}: {e}"
                 if ok:
-                    c.jobs += 1
-                    c.blocks += sum(map(len, job.device_ids))
-                    c.bytes += r.bytes
-                    c.seconds += r.seconds
-                    out.append(JobResult(job.job_id, True, r.bytes, r.seconds))
+                    done.append((r, device_ids))
+                    out.append(_result(JobResult, (job_id, True, r.bytes, r.seconds, None)))
                 else:
-                    c.failed += 1
-                    self.log.error("kvswap %s job %s failed: %s", direction, job.job_id, error)
-                    out.append(JobResult(job.job_id, False, 0, r.seconds, error))
+                    side.counters.failed += 1
+                    self.log.error("kvswap %s job %s failed: %s", side.name, job_id, error)
+                    out.append(JobResult(job_id, False, 0, r.seconds, error))
+            if len(done) >= FOLD_AT:
+                side.fold()
         if out and self.stats_path:
             self._write_stats()
         return out
@@ -251,25 +284,25 @@ class OffloadWorker:
         """Block until each of ``job_ids`` that is in flight has finished (its result still
         comes from :meth:`get_finished`); ids of refused or finished jobs are skipped."""
         for job_id in job_ids:
-            where = self._by_job.get(job_id)
+            where = self._where.get(job_id)
             if where is None:
                 continue
-            direction, mid = where
+            side, mid = where
             try:
-                self._movers[direction].wait(mid)
+                side.mover.wait(mid)
             except Exception as e:
-                self.log.error("kvswap could not wait for %s job %s: %s: %s", direction, job_id, type(e).__name__, e)
+                self.log.error("kvswap could not wait for %s job %s: %s: %s", side.name, job_id, type(e).__name__, e)
 
     def shutdown(self) -> None:
         """Wait for every job, close both movers, write the counters a last time. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        for direction, mover in self._movers.items():
+        for side in self._sides:
             try:
-                mover.close()
+                side.mover.close()
             except Exception as e:
-                self.log.error("kvswap could not close its %s mover: %s: %s", direction, type(e).__name__, e)
+                self.log.error("kvswap could not close its %s mover: %s: %s", side.name, type(e).__name__, e)
         self._write_stats()
 
     # -- what it is ----------------------------------------------------------------------
@@ -291,8 +324,8 @@ class OffloadWorker:
     def stats(self) -> dict[str, Any]:
         """The counters, per direction, and what the cache holds."""
         return {
-            STORE: asdict(self.counters[STORE]),
-            LOAD: asdict(self.counters[LOAD]),
+            STORE: asdict(self._stores.fold()),
+            LOAD: asdict(self._loads.fold()),
             "num_chunks": self.num_chunks,
             "blocks_per_chunk": self.blocks_per_chunk,
             "host_block_bytes": self.host.block_bytes,

@@ -206,10 +206,10 @@ class OffloadWorker:
     def _ids(self, device_spec: Any, host_spec: Any) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """A job's ids per group. One group (most models) is mapped here in a few array
         operations (the engine's arrays pass as they are: the mover widens int32 once, as it
-        would for a caller of its own); anything else,
-        and anything this path does not recognise, goes through :func:`job_block_ids`,
-        which checks every field and says what is wrong."""
-        dev, chunks = device_spec.block_ids, host_spec.block_ids
+        would for a caller of its own); anything else, and anything this path does not
+        recognise, goes through :func:`job_block_ids`, which checks every field and says
+        what is wrong."""
+        dev, chunks = getattr(device_spec, "block_ids", None), getattr(host_spec, "block_ids", None)
         # vLLM's specs hold 1-D integer numpy arrays: the short path takes only those.
         if (not self._grouped and type(dev) is np.ndarray and type(chunks) is np.ndarray and dev.ndim == 1
                 and chunks.ndim == 1 and dev.dtype.kind in "iu" and chunks.dtype.kind in "iu"):

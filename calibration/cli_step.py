@@ -52,6 +52,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="compute per step: bf16 GEMMs for about this long (default 20)")
     g.add_argument("--reps", type=positive, default=7, metavar="N",
                    help="repetitions per case, contenders interleaved; numbers are medians (default 7)")
+    g.add_argument("--variants", action="store_true",
+                   help="also run the default with one older mechanism taken away each: without `within`, "
+                   "without its issuing thread, sending descriptors instead of ids, and with the CUDA issuer "
+                   "thread on (what each still gains shows against the default)")
     g.add_argument("--plot", type=Path, metavar="FILE.png", help="also draw the results (needs matplotlib)")
     g.add_argument("--render", type=Path, nargs="+", metavar="FILE.json",
                    help="measure nothing: print the markdown table and the bars of step-benchmark JSON file(s) "
@@ -120,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
 
     from .progress import Progress
     from .step import DeviceEnv, StepSettings, run_step_bench
-    from .step_report import bars, bars_table, header, plot, text_table
+    from .step_report import bars, bars_table, header, plot, text_table, variants_table
     from .timing import on_host
 
     if args.json is not None and args.json.is_dir():
@@ -135,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         raise KvSwapError(f"kvswap bench --model needs a GPU (CUDA or ROCm): the device here is {dev.name!r}, "
                           f"and its numbers are an engine's step on an accelerator")
     settings = StepSettings(blocks=tuple(args.blocks), step_ms=args.step_ms, reps=args.reps,
+                            variants=args.variants,
                             **({"host_layouts": tuple(args.host_layouts)} if args.host_layouts else {}))
     progress = Progress.on_stderr("run")
     try:
@@ -148,6 +153,10 @@ def run(args: argparse.Namespace) -> int:
     print(text_table(doc))
     print()
     print(bars_table(bars([doc])))
+    stays = variants_table([doc])
+    if stays:
+        print()
+        print(stays)
     for note in doc["notes"]:
         print(f"note: {note}")
     if args.json is not None:

@@ -47,13 +47,13 @@ from kvswap import BlockMover, TransferResult
 from kvswap.types import DeviceInfo, Direction
 
 from .progress import Progress
-from .step_contenders import (CONTENDERS, KERNEL_SMS, VLLM_POLICY, Contender, Routes, beside_label, bind,
-                              contenders_for, exact_sms_calibration, is_staged, make_mover, route_label,
+from .step_contenders import (CONTENDERS, KERNEL_SMS, VARIANTS, VLLM_POLICY, Contender, Routes, beside_label,
+                              bind, contenders_for, exact_sms_calibration, is_staged, make_mover, route_label,
                               routes_available)
 from .step_workload import HOST_LAYOUTS, DeviceEnv, HostEnv, StepPools, WrongBytes
 from .timing import median
 
-__all__ = ["CONTENDERS", "HOST_LAYOUTS", "KERNEL_SMS", "CaseResult", "Contender", "ContenderResult", "DeviceEnv",
+__all__ = ["CONTENDERS", "HOST_LAYOUTS", "KERNEL_SMS", "VARIANTS", "CaseResult", "Contender", "ContenderResult", "DeviceEnv",
            "HostEnv", "Routes", "StepPools", "StepSettings", "WrongBytes", "bind", "compute_alone", "contenders_for",
            "exact_sms_calibration", "make_mover", "one_step", "route_label", "routes_available", "run_case",
            "run_step_bench", "transfer_alone"]
@@ -227,8 +227,9 @@ def run_case(env: Any, pools: StepPools, dev: DeviceInfo, direction: Direction, 
                 try:
                     got.alone.append(transfer_alone(env, pools, m, direction, sid, did))
                     got.bytes_checked += pools.check(direction, sid, did)
-                    s, t, comp, span = one_step(env, pools, m, direction, sid, did, alone_c)
-                    beside_routes.setdefault(c.name, beside_label(m, cache, blocks, alone_c, staged[c.name]))
+                    s, t, comp, span = one_step(env, pools, m, direction, sid, did, alone_c if c.within else None)
+                    if c.within:
+                        beside_routes.setdefault(c.name, beside_label(m, cache, blocks, alone_c, staged[c.name]))
                     got.bytes_checked += pools.check(direction, sid, did)
                 except Exception as e:
                     errors[c.name] = f"{type(e).__name__}: {e}"
@@ -294,6 +295,7 @@ class StepSettings:
     reps: int = 7
     seed: int = 0
     pool_factor: int = 2  # blocks in each pool: this many times the largest job, at least 64
+    variants: bool = False  # also the default without each older mechanism (step_contenders.VARIANTS)
 
 
 def pool_blocks(settings: StepSettings) -> int:
@@ -330,7 +332,8 @@ def run_step_bench(env: Any, dev: DeviceInfo, caches: Iterable[KVCache], directi
             if not impl:
                 doc["notes"].append(f"{d}: no {kind}-kind route here; its contenders are left out")
     if progress is not None:
-        per_case = {d: sum(c.same_as is None for c in contenders_for(d, caches[0], 1, *available[d]))
+        per_case = {d: sum(c.same_as is None for c in contenders_for(d, caches[0], 1, *available[d],
+                                                                      with_variants=settings.variants))
                     for d in directions} if caches else {}
         progress.add(sum(per_case[d] * settings.reps for d in directions) * len(settings.blocks) * len(caches)
                      * len(settings.host_layouts))
@@ -340,7 +343,7 @@ def run_step_bench(env: Any, dev: DeviceInfo, caches: Iterable[KVCache], directi
             try:
                 for d in directions:
                     for b in settings.blocks:
-                        cs = contenders_for(d, cache, b, *available[d])
+                        cs = contenders_for(d, cache, b, *available[d], with_variants=settings.variants)
                         case = run_case(env, pools, dev, d, b, cs, settings.reps, rng, progress, ceiling)
                         doc["cases"].append(asdict(case))
             finally:

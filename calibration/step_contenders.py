@@ -2,6 +2,7 @@
 routes available to them here, and the route each one's job took, as the tables name it."""
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Optional
@@ -21,6 +22,9 @@ VLLM_POLICY = (f"vLLM's Triton path: h2d chunks under {PEER_MAX_BLOCK // KiB} Ki
                f"{PEER_MIN_BATCH} descriptors on the kernel at {PEER_SMS} SMs, else the batch route; "
                f"d2h always the batch route")
 CONTENDERS = ("default", "low_interference", "batch", f"kernel@{KERNEL_SMS}", "staged", "vllm")
+# The default with one of kvswap's older mechanisms taken away (``kvswap bench --model
+# --variants``): what each still gains shows against the default's step.
+VARIANTS = ("default/no-within", "default/no-thread", "default/descriptors", "default/issuer")
 # How BlockMover.explain() names the staged route a mover takes by itself.
 STAGED_NOTE = re.compile(r"note: staged: (\S+) moves")
 
@@ -29,12 +33,17 @@ STAGED_NOTE = re.compile(r"note: staged: (\S+) moves")
 class Contender:
     """One way to resolve the mover. ``exact_sms`` binds the forced kernel at exactly that
     many SMs (not the calibrated knee capped by it); ``same_as`` names the contender whose
-    mover (and measurements) this one shares in a case."""
+    mover (and measurements) this one shares in a case. ``options``: further BlockMover
+    arguments; ``env``: environment variables set while the mover is built; ``within``:
+    whether its submits say how long the step's compute runs."""
 
     name: str
     policy: Policy
     exact_sms: Optional[int] = None
     same_as: Optional[str] = None
+    options: tuple = ()
+    env: tuple = ()
+    within: bool = True
 
     @property
     def key(self) -> tuple[Policy, Optional[int]]:
@@ -49,11 +58,22 @@ class Routes(NamedTuple):
     staged: Optional[str] = None
 
 
+def variants() -> list[Contender]:
+    """:data:`VARIANTS`: the default without ``within``, without its issuing thread (every
+    job built and launched in ``submit``), sending descriptors instead of ids to the device,
+    and with the CUDA issuer thread on."""
+    return [Contender("default/no-within", Policy(), within=False),
+            Contender("default/no-thread", Policy(), options=(("issuing_thread", False),)),
+            Contender("default/descriptors", Policy(), options=(("device_descriptors", False),)),
+            Contender("default/issuer", Policy(), env=(("KVSWAP_CUDA_ISSUER", "on"),))]
+
+
 def contenders_for(direction: Direction, cache: KVCache, blocks: int, batch_impl: Optional[str],
-                   kernel_impl: Optional[str], staged_impl: Optional[str] = None) -> list[Contender]:
+                   kernel_impl: Optional[str], staged_impl: Optional[str] = None,
+                   with_variants: bool = False) -> list[Contender]:
     """The contenders of one case. Routes that are not available here are left out (their
     impl None); vLLM's policy is the batch route or the kernel on 12 SMs, whichever its rule
-    picks for this chunk size and job."""
+    picks for this chunk size and job. ``with_variants`` adds :func:`variants`."""
     out = [Contender("default", Policy()), Contender("low_interference", Policy(prefer="low_interference"))]
     forced: dict[str, Contender] = {}
     if batch_impl:
@@ -70,7 +90,7 @@ def contenders_for(direction: Direction, cache: KVCache, blocks: int, batch_impl
     twin = twin or forced.get("batch")
     if twin is not None:
         out.append(Contender("vllm", twin.policy, twin.exact_sms, same_as=twin.name))
-    return out
+    return out + variants() if with_variants else out
 
 
 def routes_available(direction: Direction, device: Any, host: Any = None) -> Routes:
@@ -108,7 +128,16 @@ def bind(contender: Contender, dev: DeviceInfo, target: Callable[..., Any], *arg
 def make_mover(src: list, dst: list, direction: Direction, block_dim: int, contender: Contender,
                dev: DeviceInfo) -> BlockMover:
     """A BlockMover for ``contender`` over these tensors."""
-    return bind(contender, dev, BlockMover, src, dst, direction, block_dim=block_dim)
+    saved = {k: os.environ.get(k) for k, _ in contender.env}
+    os.environ.update(dict(contender.env))
+    try:
+        return bind(contender, dev, BlockMover, src, dst, direction, block_dim=block_dim, **dict(contender.options))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _kinds(mover: BlockMover) -> dict[str, str]:

@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 from kvswap.cli.models import PRESETS
 
 from .plot import save_png
+from .step_contenders import VARIANTS
 
 KiB = 1024
 
@@ -134,8 +135,10 @@ def _geomean(values: Sequence[float]) -> Optional[float]:
 def bars(docs: Sequence[dict[str, Any]], interference: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
     """Each bar: ``{"bar", "cases", "passed", "worst", "worst_case", "ok", "note"}`` (``ok``
     None where no case could be judged). ``interference``: documents of
-    :mod:`kvswap.calibration.step_interference`, which the staged route's slowdown bar reads."""
-    cases = [c for doc in docs for c in doc["cases"]]
+    :mod:`kvswap.calibration.step_interference`, which the staged route's slowdown bar reads.
+    The default's variants (:func:`variants_table`) are not contenders here."""
+    cases = [dict(c, contenders=[x for x in c["contenders"] if x["name"] not in VARIANTS])
+             for doc in docs for c in doc["cases"]]
     out: list[dict[str, Any]] = []
 
     def bar(name: str, judged: list[tuple[str, float, bool]], worst_is_min: bool, extra: str = "") -> None:
@@ -345,12 +348,48 @@ def interference_markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def variants_table(docs: Sequence[dict[str, Any]]) -> Optional[str]:
+    """What each older mechanism still gains (``kvswap bench --model --variants``): per
+    variant, over the cases where it and the default both ran, its step (makespan over the
+    compute alone) over the default's: above 1 the mechanism it lacks shortened the step,
+    below 1 it lengthened it. Also its submit host time over the default's. None where no
+    document holds a variant."""
+    per: dict[str, list[tuple[str, float, Optional[float]]]] = {v: [] for v in VARIANTS}
+    for doc in docs:
+        for case in doc["cases"]:
+            default = _contender(case, "default")
+            if default is None:
+                continue
+            for v in VARIANTS:
+                c = _contender(case, v)
+                if c is not None:
+                    r = makespan_over_compute(case, c) / makespan_over_compute(case, default)
+                    host = c["submit_us"] / default["submit_us"] if default["submit_us"] else None
+                    per[v].append((_case_label(case), r, host))
+    if not any(per.values()):
+        return None
+    lines = ["| variant | cases | step / default's, geomean | most gained (case) | most lost (case) | "
+             "submit host time / default's, geomean |", "|---|---|---|---|---|---|"]
+    for v, got in per.items():
+        if not got:
+            continue
+        hi, lo = max(got, key=lambda g: g[1]), min(got, key=lambda g: g[1])
+        hosts = [h for _, _, h in got if h]
+        lines.append(f"| {v} | {len(got)} | {_geomean([r for _, r, _ in got]):.3f} | {hi[1]:.3f} ({hi[0]}) | "
+                     f"{lo[1]:.3f} ({lo[0]}) | {_f(_geomean(hosts), '.3f')} |")
+    return "\n".join(lines)
+
+
 def render_markdown(doc: dict[str, Any], command: str = "", plot_path: Optional[str] = None,
                     interference: Sequence[dict[str, Any]] = ()) -> str:
     """The section of docs/benchmarks.md for one device's run (``interference``: its
     step_interference documents, which one bar reads)."""
     out = [f"**{doc['device']['name']}**" + (f" — `{command}`" if command else ""), "", header(doc), "",
            markdown_table(doc), "", bars_table(bars([doc], interference))]
+    stays = variants_table([doc])
+    if stays:
+        out += ["", "What each older mechanism still gains (the default without it, step over the default's):",
+                "", stays]
     if plot_path:
         out += ["", f"![step benchmark on {doc['device']['name']}]({plot_path})"]
     return "\n".join(out) + "\n"

@@ -131,10 +131,10 @@ def test_pools_check_every_moved_byte_and_the_untouched_blocks(shape, direction,
 
 
 def run_tiny(shapes=(TINY_FLASH, TINY_MLA), directions=(Direction.H2D, Direction.D2H), blocks=(3, 5), reps=2,
-             layouts=step.HOST_LAYOUTS):
+             layouts=step.HOST_LAYOUTS, variants=False):
     calls = []
     env = HostEnv(lambda: calls.append(sum(range(2000))))
-    settings = StepSettings(blocks=blocks, host_layouts=tuple(layouts), step_ms=1.0, reps=reps)
+    settings = StepSettings(blocks=blocks, host_layouts=tuple(layouts), step_ms=1.0, reps=reps, variants=variants)
     doc = step.run_step_bench(env, cpu(), [s.at(2) for s in shapes], list(directions), settings)
     return doc, calls
 
@@ -359,3 +359,63 @@ def test_block_mover_decides_by_the_calibration_it_is_given():
         assert mover.swap_fn.plan.calibration["source"] == cal.source
     with kvswap.BlockMover(src, dst, "h2d", block_dim=1, profiles=False) as mover:
         assert mover.swap_fn.plan.calibration["source"] != cal.source
+
+
+def test_variants_run_beside_the_default_every_byte_checked_and_stay_out_of_the_bars():
+    """--variants: the default without each older mechanism, measured like every contender;
+    the bars judge the same contenders as without them, and a table says what each gains."""
+    doc, _ = run_tiny(shapes=(TINY_FLASH,), directions=(Direction.H2D, Direction.D2H), blocks=(4,), reps=2,
+                      variants=True)
+    doc = json.loads(json.dumps(doc))
+    for case in doc["cases"]:
+        by = {c["name"]: c for c in case["contenders"]}
+        assert list(by)[-len(step.VARIANTS):] == list(step.VARIANTS)
+        for v in step.VARIANTS:
+            assert by[v]["error"] is None and by[v]["same_as"] is None, by[v]
+            assert by[v]["bytes_checked"] == 2 * case["reps"] * case["bytes"] and by[v]["makespan_ms"] > 0
+    plain = json.loads(json.dumps(doc))
+    for case in plain["cases"]:
+        case["contenders"] = [c for c in case["contenders"] if c["name"] not in step.VARIANTS]
+    assert step_report.bars([doc]) == step_report.bars([plain])
+    table = step_report.variants_table([doc])
+    assert all(f"| {v} | 4 | " in table for v in step.VARIANTS), table
+    assert step_report.variants_table([plain]) is None
+    assert "What each older mechanism still gains" in step_report.render_markdown(doc)
+
+
+def test_a_variants_mover_options_and_environment_apply_while_it_is_built(monkeypatch):
+    from kvswap.calibration import step_contenders
+
+    monkeypatch.delenv("KVSWAP_CUDA_ISSUER", raising=False)
+    seen = {}
+
+    def mover(*args, **kwargs):
+        seen.update(kwargs, env=os.environ.get("KVSWAP_CUDA_ISSUER"))
+        return "mover"
+
+    monkeypatch.setattr(step_contenders, "BlockMover", mover)
+    by = {c.name: c for c in step_contenders.variants()}
+    assert step_contenders.make_mover([], [], Direction.H2D, 0, by["default/issuer"], cpu()) == "mover"
+    assert seen["env"] == "on" and "KVSWAP_CUDA_ISSUER" not in os.environ  # set while built, then restored
+    step_contenders.make_mover([], [], Direction.H2D, 0, by["default/no-thread"], cpu())
+    assert seen["issuing_thread"] is False and seen["env"] is None
+    step_contenders.make_mover([], [], Direction.H2D, 0, by["default/descriptors"], cpu())
+    assert seen["device_descriptors"] is False
+    assert by["default/no-within"].within is False and all(c.within for n, c in by.items() if n != "default/no-within")
+
+
+def test_the_no_within_variant_submits_without_within():
+    class Recording(HostEnv):
+        def submit(self, mover, sid, did, after, within=None):
+            self.withins.append(within)
+            return super().submit(mover, sid, did, after, within)
+
+    env = Recording(lambda: sum(range(500)))
+    env.withins = []
+    cache = TINY_FLASH.at(2)
+    pools = StepPools(env, cache, 64)
+    contenders = [Contender("default", Policy()), Contender("default/no-within", Policy(), within=False)]
+    case = step.run_case(env, pools, cpu(), Direction.H2D, 4, contenders, 3, np.random.default_rng(0))
+    assert all(c.error is None for c in case.contenders)
+    # per repetition: each contender alone (no within), then beside compute (within: the default's only)
+    assert sum(w is not None for w in env.withins) == 3 and all(w > 0 for w in env.withins if w is not None)

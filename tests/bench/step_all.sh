@@ -7,6 +7,7 @@
 # step part grows with REPS and with the cases (--blocks, --host-layouts, --tp).
 #
 #   OUT=results tests/bench/step_all.sh          (REPS=3 by default; PYTHON=python3)
+#   VARIANTS=1 adds the default without each older mechanism (kvswap bench --model --variants)
 set -euo pipefail
 OUT=${OUT:-step-results}
 PY=${PYTHON:-python3}
@@ -15,6 +16,7 @@ mkdir -p "$OUT"
 DEV=$($PY -c "import re, torch; m = re.search(r'[A-Z]+\d{2,4}', torch.cuda.get_device_name()); print(m.group(0).lower() if m else 'gpu')" 2>/dev/null || echo gpu)
 
 STEP="kvswap bench --model all --tp 1,8 --blocks 32,512 --host-layouts per-layer,block-major --reps $REPS"
+[ -n "${VARIANTS:-}" ] && STEP="$STEP --variants"
 CEIL="kvswap bench --layers 1 --kv-heads 1 --head-dim 128 --blocks 5000 --directions h2d --host-layouts per-layer --reps $REPS"
 SECONDS=0
 $PY -m kvswap ${STEP#kvswap } --json "$OUT/step-$DEV.json" | tee "$OUT/step-$DEV.txt"

@@ -62,10 +62,11 @@ class _Side:
     the counters are read: per job the engine's thread appends once instead of updating
     four counters (after a wait, each line of Python costs microseconds)."""
 
-    __slots__ = ("name", "mover", "counters", "jobs", "store", "done")
+    __slots__ = ("name", "mover", "counters", "jobs", "store", "done", "corrupt")
 
-    def __init__(self, name: str, mover: BlockMover, counters: Counters) -> None:
+    def __init__(self, name: str, mover: BlockMover, counters: Counters, corrupt: bool = False) -> None:
         self.name, self.mover, self.counters, self.store = name, mover, counters, name == STORE
+        self.corrupt = corrupt  # the test control corrupt_loads, on the load side
         self.jobs: dict[int, tuple[int, list[np.ndarray]]] = {}
         self.done: list[tuple[Any, list[np.ndarray]]] = []  # (mover result, device ids) of ok jobs
 
@@ -143,7 +144,7 @@ class OffloadWorker:
             self.store = BlockMover(dev[0], host[0], "d2h", block_dim=0, policy=policy)
             self.load = BlockMover(host[0], dev[0], "h2d", block_dim=0, policy=policy)
         self._stores = _Side(STORE, self.store, Counters())
-        self._loads = _Side(LOAD, self.load, Counters())
+        self._loads = _Side(LOAD, self.load, Counters(), corrupt=bool(self.options.corrupt_loads))
         self._sides = (self._stores, self._loads)
         self._where: dict[int, tuple[_Side, int]] = {}  # engine job id -> (its side, mover job id)
         stats = self.options.stats_file
@@ -251,7 +252,7 @@ class OffloadWorker:
                 job_id, device_ids = job
                 del where[job_id]
                 ok, error = r.ok, r.error
-                if ok and not side.store and self.options.corrupt_loads:
+                if ok and side.corrupt:
                     try:
                         self._corrupt(device_ids)
                     except Exception as e:

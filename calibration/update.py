@@ -185,7 +185,12 @@ def update(path: Path, which: Sequence[str], dev: DeviceInfo, spec: Any, host: A
     section = got.staged_section(doc.get("staged"))
     if section is not None:
         doc["staged"] = section
-    doc.setdefault("settings", {}).update(got.settings)
+    settings = doc.setdefault("settings", {})
+    for part, new in got.settings.items():  # the notes of routes not measured now are kept
+        old = settings.get(part)
+        if isinstance(old, dict) and isinstance(old.get("routes"), dict) and isinstance(new.get("routes"), dict):
+            new = {**new, "routes": {**old["routes"], **new["routes"]}}
+        settings[part] = new
     doc.setdefault("failures", []).extend(f.to_dict() for f in got.failures.records)
     doc.setdefault("notes", []).append(f"{', '.join(which)} measured again for {', '.join(measured)} on {when} "
                                        f"(kvswap {__version__}, kvswap calibrate --update)")

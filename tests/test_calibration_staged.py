@@ -74,6 +74,7 @@ def test_update_adds_only_the_staged_route_to_a_profile_without_it(staged_on_cpu
     doc.pop("staged")
     for d in doc["host_cost"].values():
         d.pop("triton.staged")
+    doc["settings"]["host_cost"]["routes"]["h2d host.reference"] = "its note"
     out.write_text(json.dumps(doc))
     before = profiles.load(out)
     assert before.predict("triton.staged", "staged", Direction.D2H, 4 * KiB) is None  # still loads: no staged data
@@ -90,6 +91,7 @@ def test_update_adds_only_the_staged_route_to_a_profile_without_it(staged_on_cpu
         assert {r[0] for r in rows} == {"triton.staged", "staged"} and all(len(r) == 4 for r in rows)
     for key in ("curves", "decisions", "ceiling_gbps"):
         assert after[key] == doc[key]
+    assert after["settings"]["host_cost"]["routes"]["h2d host.reference"] == "its note"  # a route not measured now
     assert profiles.load(out).predict("triton.staged", "staged", Direction.D2H, 4 * KiB) > 0
 
 

@@ -151,11 +151,12 @@ def _measure_route(env: Any, pools: StepPools, mover: Any, d: Direction, reps: i
     t_probe = transfer_alone(env, pools, mover, d, sid, did)
     compute = compute_alone(env)
     blocks = max(probe, min(pools.num_blocks // 2, math.ceil(probe * COVER * compute / max(t_probe, 1e-9))))
-    ratios, lost, beside, comp = [], [], [], []
+    ratios, lost, beside, comp, alone = [], [], [], [], []
     checked = 0
     for _ in range(reps):
         sid, did = pools.draw(rng, blocks)
         alone_c = compute_alone(env)
+        alone.append(alone_c)
         _, t, c, _ = one_step(env, pools, mover, d, sid, did)
         checked += pools.check(d, sid, did)
         ratios.append(c / alone_c if alone_c > 0 else 1.0)
@@ -164,7 +165,10 @@ def _measure_route(env: Any, pools: StepPools, mover: Any, d: Direction, reps: i
         comp.append(c)
     return {"blocks": blocks, "slowdown": round(median(lost), 4),
             "compute_ratio": round(median(ratios), 4), "transfer_beside_ms": round(median(beside) * 1e3, 4),
-            "compute_beside_ms": round(median(comp) * 1e3, 4), "covered": median(beside) >= median(comp),
+            "compute_beside_ms": round(median(comp) * 1e3, 4),
+            # The compute alone rep to rep: the noise a slowdown is read against.
+            "compute_alone_spread": round((max(alone) - min(alone)) / median(alone), 4),
+            "covered": median(beside) >= median(comp),
             "bytes_checked": checked}
 
 

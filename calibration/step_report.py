@@ -58,10 +58,13 @@ def host_layout(case: dict[str, Any]) -> str:
     return case.get("host_layout", "per-layer")
 
 
-def rows(doc: dict[str, Any]) -> list[list[str]]:
+def rows(doc: dict[str, Any], variants: bool = True) -> list[list[str]]:
+    """One row per case and contender; without ``variants``, the default's variants left out."""
     out = []
     for case in doc["cases"]:
         for c in case["contenders"]:
+            if not variants and c["name"] in VARIANTS:
+                continue
             route = c["route"] + (f" (= {c['same_as']})" if c["same_as"] else "")
             if c["error"]:
                 cells = ["failed: " + c["error"][:60]] + [""] * 8
@@ -85,8 +88,10 @@ def text_table(doc: dict[str, Any]) -> str:
 
 
 def markdown_table(doc: dict[str, Any]) -> str:
+    """The cases as a markdown table; the default's variants are summed up in
+    :func:`variants_table` instead (the JSON keeps their rows)."""
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows(doc)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows(doc, variants=False)]
     return "\n".join(lines)
 
 
@@ -276,8 +281,9 @@ def bars_table(results: Sequence[dict[str, Any]]) -> str:
 # -- the plot ----------------------------------------------------------------------------------
 
 def plot(doc: dict[str, Any], path: Path) -> Path:
-    """Per direction and host layout: each contender's transfer time beside compute and the
-    step's makespan over the compute alone and over its bound, per case (needs matplotlib:
+    """Per direction and host layout: each contender's (not the default's variants) transfer
+    time beside compute and the step's makespan over the compute alone and over its bound,
+    per case (needs matplotlib:
     ``pip install kvswap[plot]``)."""
     import matplotlib
 
@@ -285,7 +291,9 @@ def plot(doc: dict[str, Any], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     panels = list(dict.fromkeys((c["direction"], host_layout(c)) for c in doc["cases"]))
-    names = list(dict.fromkeys(c["name"] for case in doc["cases"] for c in case["contenders"]))
+    # The default's variants are left to the variants table, as in the markdown.
+    names = list(dict.fromkeys(c["name"] for case in doc["cases"] for c in case["contenders"]
+                               if c["name"] not in VARIANTS))
     metrics = (("transfer beside compute (ms, log)", lambda case, c: c["transfer_beside_ms"], True),
                ("step makespan / compute alone", makespan_over_compute, False),
                ("step makespan / bound", makespan_over_bound, False))

@@ -22,7 +22,7 @@ from kvswap import (
     Calibration, CopyImpl, Curve, DriverError, InvalidTransferError, Policy, PluginWarning, ResolutionError,
     hookimpl,
 )
-from kvswap.addressing.descriptors import SMALL_BATCH, validate
+from kvswap.addressing.descriptors import GRID_FROM, GRID_SLOTS, SMALL_BATCH, _grid_clash, validate
 from kvswap.registry.plugins import create_plugin_host
 from kvswap.registry.reference import host_copy
 
@@ -527,4 +527,42 @@ def test_one_size_destinations_are_refused_exactly_when_two_are_closer_than_the_
         if refused:
             i, j = (int(w) for w in refused.split("descriptors ")[1].split(" overlap")[0].split(" and "))
             assert among[i, j]
+    assert verdicts == {True, False}
+
+
+@pytest.mark.parametrize("spread", [2, GRID_SLOTS + 1, 1 << 12])
+def test_large_one_size_batches_on_a_grid_are_refused_exactly_when_two_destinations_overlap(spread):
+    """From GRID_FROM descriptors, destinations on a grid of the block size are checked by
+    slot (a bitmap over a compact range, sorted slot numbers over a wide one) and the rest
+    by sorting: every way gives the pairwise check's verdict and names an overlapping pair."""
+    rng = np.random.default_rng(spread)
+    count = GRID_FROM + int(rng.integers(0, 600))
+    size = int(rng.choice([512, 4096, 3 * 1024]))
+    verdicts = set()
+    for trial in range(24):
+        slots = rng.choice(spread * count, count, replace=False).astype(np.int64)
+        dst = slots * size + (1 << 32)
+        i, j = (int(x) for x in rng.choice(count, 2, replace=False))
+        if trial % 4 == 1:
+            dst[i] = dst[j]  # the same slot
+        elif trial % 4 == 2:
+            dst[i] = dst[j] + int(rng.integers(1, size))  # off the grid, overlapping
+        elif trial % 4 == 3:
+            dst[i] = dst[j] + size * (1 + int(rng.integers(0, 2)))  # adjacent or one apart: overlaps only a taken slot
+        src = rng.permutation(count).astype(np.int64) * size + ((1 << 32) if trial % 6 == 5 else (1 << 44))
+        sizes = np.full(count, size, dtype=np.int64)
+        among = clashes(dst, sizes, dst, sizes)
+        np.fill_diagonal(among, False)
+        over = clashes(dst, sizes, src, sizes)
+        refused = _refusal(src, dst, sizes)
+        verdicts.add(refused is None)
+        assert (refused is not None) == bool(among.any() or over.any()), (trial, refused)
+        grid = _grid_clash(dst, size)
+        assert (grid is None) == (trial % 4 == 2)  # only the shifted one leaves the grid
+        assert grid is None or grid[0] == bool(among.any())
+        if refused and "destination ranges of descriptors" in refused:
+            a, b = (int(w) for w in refused.split("descriptors ")[1].split(" overlap")[0].split(" and "))
+            assert among[a, b]
+        elif refused:
+            assert not among.any()
     assert verdicts == {True, False}

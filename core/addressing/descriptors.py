@@ -107,14 +107,21 @@ def validate(src: Any, dst: Any, sizes: Any) -> Batch:
         _bad_size(n)
     # Destinations sorted first (one sort): their ends are then their least and greatest.
     # Blocks of one size (what engines send) need only the sorted starts, not the
-    # permutation; no sort at all when already ascending.
+    # permutation; no sort at all when already ascending, nor for a large batch on a grid
+    # of its block size (:func:`_grid_clash`).
+    grid = None
     if smallest == largest:
-        ds = d if bool((d[1:] >= d[:-1]).all()) else np.sort(d)
+        if bool((d[1:] >= d[:-1]).all()):
+            ds = d
+        else:
+            grid = _grid_clash(d, smallest) if count >= GRID_FROM else None
+            ds = None if grid is not None else np.sort(d)
         ends = None
     else:
         order = np.argsort(d)
         ds, ends = d[order], (d + n)[order]
-    lo_s, hi_s, lo_d, hi_d = int(s.min()), int(s.max()), int(ds[0]), int(ds[-1])
+    lo_s, hi_s = int(s.min()), int(s.max())
+    lo_d, hi_d = (int(ds[0]), int(ds[-1])) if grid is None else grid[1:]
     if lo_s <= 0 or lo_d <= 0:
         _bad_address(s, d)
     if hi_s > INT64_MAX - largest or hi_d > INT64_MAX - largest:
@@ -123,19 +130,54 @@ def validate(src: Any, dst: Any, sizes: Any) -> Batch:
         if past.any():
             _past_end(s, d, n, int(np.argmax(past)))
     # Destinations against each other: of one size, no two starts closer than the size.
-    if (int((ds[1:] - ds[:-1]).min()) < smallest) if ends is None else bool((ends[:-1] > ds[1:]).any()):
+    if grid is not None:
+        if grid[0]:
+            _name_dst_clash(d, n)
+    elif (int((ds[1:] - ds[:-1]).min()) < smallest) if ends is None else bool((ends[:-1] > ds[1:]).any()):
         _name_dst_clash(d, n)
-    if ends is None:
-        ends = ds + smallest
     # Destinations against sources, where the two spans meet at all (host and device memory
     # lie apart): the destinations are sorted and disjoint, so their ends ascend too, and a
     # source overlaps one exactly when the last destination starting before the source ends,
     # ends after the source starts.
     if lo_d < hi_s + largest and lo_s < hi_d + largest:
+        if ds is None:
+            ds = np.sort(d)
+        if ends is None:
+            ends = ds + smallest
         pos = np.searchsorted(ds, s + n, side="left") - 1
         if bool(((pos >= 0) & (ends[np.maximum(pos, 0)] > s)).any()):
             _name_src_clash(s, d, n)
     return Batch(s, d, n, smallest, largest)
+
+
+# From this many descriptors of one size, destinations on a grid of that size are checked
+# by slot (:func:`_grid_clash`) instead of sorted: numpy's sort of 10,000 int64 addresses
+# took about 300 us on a test host, the slot check about a sixth of that.
+GRID_FROM = 1024
+# Slots per descriptor the grid check may mark in a bitmap; a wider range sorts 32-bit
+# slot numbers instead (about 0.6 of sorting the addresses).
+GRID_SLOTS = 64
+
+
+def _grid_clash(d: np.ndarray, size: int) -> Optional[tuple[bool, int, int]]:
+    """``(any two destinations overlap, least, greatest)`` for destinations that all lie
+    on a grid of ``size`` bytes from the least (blocks of a pool of slots, as engines
+    allocate them): two overlap exactly when they share a slot. None where they do not lie
+    on such a grid, or span more slots than 32 bits count."""
+    lo, hi = int(d.min()), int(d.max())
+    span = (hi - lo) // size + 1
+    dense = span <= GRID_SLOTS * len(d)
+    if not dense and span >= 1 << 31:
+        return None
+    slot, off = np.divmod(d - lo, size)
+    if off.any():
+        return None
+    if dense:
+        seen = np.zeros(span, dtype=np.bool_)
+        seen[slot] = True
+        return np.count_nonzero(seen) != len(d), lo, hi
+    slot = np.sort(slot.astype(np.int32))
+    return bool((slot[1:] == slot[:-1]).any()), lo, hi
 
 
 def checked(src: Any, dst: Any, sizes: Any) -> Batch:

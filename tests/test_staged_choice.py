@@ -202,3 +202,25 @@ def test_the_staged_route_a_within_job_takes_moves_every_byte(host):
             assert torch.equal(view[:, did], device[layer][:, sid])
         rest = np.setdiff1d(np.arange(8), did)
         assert bool((cache.buffer.view(8, -1)[rest] == 0xA5).all())
+
+
+def test_a_job_leaves_the_staged_route_for_a_noisier_one_only_where_it_is_predicted_clearly_sooner(host):
+    """The staged route is the mover's own; the kernel slows the compute more. With no compute
+    beside the copy, only the copies' lengths count: a kernel predicted 2% quicker does not
+    take the job (the prediction leaves out the copy's own slowdown beside compute), one
+    predicted 10% quicker does."""
+    from kvswap.mover.within import SWITCH_MARGIN
+
+    for staged_gbps, moves in ((44.0, False), (40.5, True)):
+        choice, fn, t, args = _choose(host, calibration(staged_gbps=staged_gbps, kern_slow=0.3))
+        assert choice.steps is not None  # beside a compute as long as the copy, staged ends the step sooner
+        rank = StagedRanking(choice, fn, Direction.D2H, Policy(), args, t)
+        n = 512
+        t_kern = n * t.block_bytes / 45e9 + (30 + 0.01 * n * t.count) * 1e-6
+        t_staged = n * t.block_bytes / staged_gbps / 1e9 + (40 + 0.01 * n * t.count) * 1e-6
+        assert t_kern < t_staged  # the kernel's copy is predicted quicker either way
+        assert (t_kern * (1 + SWITCH_MARGIN) < t_staged) is moves
+        got = rank(n, 0.0)
+        assert (got is None) is not moves
+        if moves:
+            assert got is fn and fn.plan.routes[0].impl == "acme.kern"  # the resolved route

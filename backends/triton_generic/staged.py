@@ -49,6 +49,11 @@ LINK_STREAMS = 4
 # Descriptors a stream takes at least: each further batch call costs the caller's thread
 # tens of microseconds, which a few descriptors' overlap does not repay.
 MIN_LINK_DESCRIPTORS = 8
+# The priority of a stream of the route's own that the gathers and scatters run on (lower is
+# higher, as CUDA counts), or None to run them on the caller's stream. Beside compute, a
+# burst on the caller's stream waits for SMs behind the compute's thread blocks, and the link
+# waits for the burst.
+BURST_PRIORITY: Optional[int] = None
 
 
 class _Halves:
@@ -81,6 +86,11 @@ class _Halves:
             self.ready = (torch.cuda.Event(), torch.cuda.Event())
             self.free = (torch.cuda.Event(), torch.cuda.Event())
             self.start = torch.cuda.Event()
+            # The bursts' own stream (BURST_PRIORITY), ordered after the caller's at the start
+            # and before it at the end.
+            self.burst = (None if BURST_PRIORITY is None else
+                          torch.cuda.Stream(device=device_index, priority=BURST_PRIORITY))
+            self.begin, self.end = torch.cuda.Event(), torch.cuda.Event()
             # Per half, an event per further link stream: the first link stream joins them.
             self.joined = tuple(tuple(torch.cuda.Event() for _ in self.links[1:]) for _ in range(2))
 
@@ -113,6 +123,10 @@ class _Halves:
                     device_op(h, None)
             return
         last = None
+        b = self.burst or s
+        if b is not s:
+            self.begin.record(s)
+            b.wait_event(self.begin)
         if not to_host:  # the link reads the host no sooner than the caller's stream asks
             self.start.record(s)
             for ls in links:
@@ -121,20 +135,23 @@ class _Halves:
             h, self.turn = self.turn, self.turn ^ 1
             ready, free = self.ready[h], self.free[h]
             if to_host:
-                s.wait_event(free)
-                device_op(h, s)
-                ready.record(s)
+                b.wait_event(free)
+                device_op(h, b)
+                ready.record(b)
                 self._join(h, link_op(h, links, ready))
                 free.record(link)
                 last = free
             else:
                 self._join(h, link_op(h, links, free))
                 ready.record(link)
-                s.wait_event(ready)
-                device_op(h, s)
-                free.record(s)
+                b.wait_event(ready)
+                device_op(h, b)
+                free.record(b)
         if last is not None:
             s.wait_event(last)
+        elif b is not s:
+            self.end.record(b)
+            s.wait_event(self.end)
 
     def _join(self, h: int, used: int) -> None:
         """The first link stream waits for the ``used - 1`` further ones of half ``h``."""
@@ -212,6 +229,10 @@ class StagedCopy:
         of equal bytes, each stream used waiting for ``gate`` (an event; None: nothing)
         first; returns how many streams were used."""
         a, b, z = coalesce(staged, host, sizes) if self.to_host else coalesce(host, staged, sizes)
+        return self._issue(a, b, z, streams, gate)
+
+    def _issue(self, a: np.ndarray, b: np.ndarray, z: np.ndarray, streams: tuple, gate: Any) -> int:
+        """:meth:`_link` for runs already merged: ``a`` to ``b``, ``z`` bytes each."""
         parts = max(1, min(len(streams), len(z) // MIN_LINK_DESCRIPTORS))
         if parts == 1:
             cuts = [0, len(z)]
@@ -256,6 +277,9 @@ class StagedByIds:
     def __init__(self, staged: StagedCopy, runs: Runs, kernels: tuple, slots: int) -> None:
         self.staged, self.runs, self.kernels, self.slots = staged, runs, kernels, slots
         self.slot_ids = np.arange(slots, dtype=np.int64)
+        # A full slice's runs in the staging half, relative to its base, and their sizes.
+        self.slot_rel = (self.slot_ids[:, None] * runs.slot_bytes + runs.rel[None, :]).ravel()
+        self.slot_sizes = np.tile(runs.size, slots)
         self.note = (f"staged: {runs.count} link run(s) of {runs.smallest}+ bytes per block, "
                      f"{slots} block(s) per slice")
 
@@ -267,14 +291,21 @@ class StagedByIds:
         order = np.argsort(host_ids, kind="stable")
         host_ids, dev_ids = host_ids[order], dev_ids[order]
         halves = st.halves()
-        slices = [self._slice(halves, host_ids[lo:lo + self.slots], dev_ids[lo:lo + self.slots])
-                  for lo in range(0, len(host_ids), self.slots)]
+        # Built one at a time as the halves take them: each slice's runs are ready before its
+        # gather is launched, so its link is enqueued right behind it.
+        slices = (self._slice(halves, host_ids[lo:lo + self.slots], dev_ids[lo:lo + self.slots])
+                  for lo in range(0, len(host_ids), self.slots))
         halves.run(slices, st.to_host, stream)
 
     def _slice(self, halves: _Halves, host_ids: np.ndarray, dev_ids: np.ndarray) -> tuple:
         st, r = self.staged, self.runs
         k = len(host_ids)
         slots = self.slot_ids[:k]
+        m = k * r.count
+        host = (r.base[None, :] + host_ids[:, None] * r.stride[None, :]).ravel()
+        rel, sizes = self.slot_rel[:m], self.slot_sizes[:m]
+        # Merged relative to the half's base, which moves every run of the half alike.
+        a, b, z = coalesce(rel, host, sizes) if st.to_host else coalesce(host, rel, sizes)
 
         def device_op(h: int, s: Any) -> None:
             if st.to_host:
@@ -283,9 +314,8 @@ class StagedByIds:
                 self.kernels[h](slots, dev_ids, s)
 
         def link_op(h: int, streams: tuple, gate: Any) -> int:
-            host = (r.base[None, :] + host_ids[:, None] * r.stride[None, :]).ravel()
-            staged = (halves.base[h] + slots[:, None] * r.slot_bytes + r.rel[None, :]).ravel()
-            return st._link(staged, host, np.tile(r.size, k), streams, gate)
+            base = halves.base[h]
+            return st._issue(a + base, b, z, streams, gate) if st.to_host else st._issue(a, b + base, z, streams, gate)
 
         return device_op, link_op
 

@@ -22,6 +22,15 @@ from ..types import Direction, Policy
 from .staged import seconds
 
 
+# A route that slows the compute more than the mover's own must be predicted to end the step
+# this much sooner before a job leaves its own for it: the prediction leaves out how much
+# the copy itself slows beside compute, which grows with the SMs it takes (on an H200, a
+# 2.7 GB load into block-major blocks predicted 2% quicker on a 4-SM kernel took 58 ms
+# beside GEMMs, the mover's staged route 51; docs/benchmarks.md, the default without
+# ``within``).
+SWITCH_MARGIN = 0.05
+
+
 def check_within(within: Any) -> None:
     """Refuse a ``within`` that is no number of seconds >= 0."""
     # A float or an int skips the abstract-class check, slow on a cold thread.
@@ -71,7 +80,8 @@ class StagedRanking:
     route, the resolved route at the job's batch tier and every other usable route, ranked
     by the step each is predicted to end (:func:`kvswap.resolution.routing.step_cost`); the
     function of the winner, or None where it is the mover's own (staged, or the resolved
-    route, as built). Ties go to the mover's own.
+    route, as built). Ties go to the mover's own, and a route that slows the compute more
+    than the mover's own must win by :data:`SWITCH_MARGIN`.
 
     :param bind: resolve the other routes now (a device mover), not on first use.
     """
@@ -97,11 +107,14 @@ class StagedRanking:
         if rates is None:
             return None
         own = self._staged if self._own_staged else rates[1][0]
+        own_slowdown = next((r[4] for r in rates if r[0] == own), 0.0)
         best, cost = own, None
         for r in rates:
             c = step_cost(seconds(r, count, nbytes), r[4], float(within))
             if r[0] == own:
                 c -= 1e-12  # a tie keeps the mover's own route
+            elif r[4] > own_slowdown:
+                c *= 1.0 + SWITCH_MARGIN  # a route that slows the compute more must win clearly
             if cost is None or c < cost:
                 best, cost = r[0], c
         if best == own:

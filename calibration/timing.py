@@ -151,11 +151,13 @@ def schedule(count: int, repeats: int, rng: random.Random) -> list[tuple[int, bo
 
 
 def held_us(call: Callable[[], Any], stream: Any = None, busy_cycles: int = 0,
-            clock: Optional[Callable[[], int]] = None) -> float:
+            clock: Optional[Callable[[], int]] = None, spin: bool = False) -> float:
     """Microseconds ``call()`` holds the calling thread (``time.perf_counter_ns``, or
     ``clock``), garbage collection off. With a torch ``stream``, a sleep kernel of
     ``busy_cycles`` is queued on it first, so the stream is still busy when the call returns
-    and only host work counts; the stream is waited for after the timing."""
+    and only host work counts; the stream is waited for after the timing, blocking (the
+    thread sleeps, and the next call starts cold, as after an engine's wait) or, with
+    ``spin``, polled (the thread stays busy, as an engine's between its calls)."""
     if stream is not None:
         import torch
 
@@ -172,7 +174,11 @@ def held_us(call: Callable[[], Any], stream: Any = None, busy_cycles: int = 0,
         if was:
             gc.enable()
     if stream is not None:
-        stream.synchronize()
+        if spin:
+            while not stream.query():
+                pass
+        else:
+            stream.synchronize()
     return (t1 - t0) / 1e3
 
 

@@ -4,7 +4,8 @@ not a test: it prints, it asserts nothing).
 The budget: the caller's thread returns from ``BlockMover.submit`` and from a SwapFn
 call within 100 µs + 10 ns per descriptor, on every route. Timed with the transfer
 stream busy (a sleep kernel queued first), so only host work counts; median of
-``--reps`` calls, each on fresh ids.
+``--reps`` calls, each on fresh ids. Between calls the thread blocks on the stream, so each
+call starts cold; ``--warm`` polls it instead, so the thread stays busy.
 
 * ``swapfn``: ``resolve(direction, policy=force)`` called on N scattered 4 KiB blocks
   (one pinned pool, one device pool), and the bound transfer it ends in called alone
@@ -41,10 +42,13 @@ def budget_us(descriptors: int) -> float:
     return 100.0 + 0.010 * descriptors
 
 
+WARM = False  # --warm: poll the busy stream instead of blocking on it between calls
+
+
 def held_us(stream: Any, fn: Callable[[], Any], spin: int = 50_000_000) -> float:
     from kvswap.calibration.timing import held_us as timed
 
-    return timed(fn, stream, spin)  # what calibration times a route's host cost with
+    return timed(fn, stream, spin, spin=WARM)  # what calibration times a route's host cost with
 
 
 def resolve_for(route: str, direction: str, device: str, block_bytes: Any) -> Any:
@@ -166,7 +170,12 @@ def main() -> None:
     ap.add_argument("--routes", type=lambda s: s.split(","), default=list(ROUTES))
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--part", choices=("swapfn", "submit", "both"), default="both")
+    ap.add_argument("--warm", action="store_true",
+                    help="between calls, poll the busy stream instead of blocking on it: the thread stays busy, "
+                         "as an engine's does between its calls, instead of starting each call cold")
     args = ap.parse_args()
+    global WARM
+    WARM = args.warm
 
     import torch
 

@@ -49,11 +49,6 @@ LINK_STREAMS = 4
 # Descriptors a stream takes at least: each further batch call costs the caller's thread
 # tens of microseconds, which a few descriptors' overlap does not repay.
 MIN_LINK_DESCRIPTORS = 8
-# The priority of a stream of the route's own that the gathers and scatters run on (lower is
-# higher, as CUDA counts), or None to run them on the caller's stream. Beside compute, a
-# burst on the caller's stream waits for SMs behind the compute's thread blocks, and the link
-# waits for the burst.
-BURST_PRIORITY: Optional[int] = None
 
 
 class _Halves:
@@ -86,11 +81,6 @@ class _Halves:
             self.ready = (torch.cuda.Event(), torch.cuda.Event())
             self.free = (torch.cuda.Event(), torch.cuda.Event())
             self.start = torch.cuda.Event()
-            # The bursts' own stream (BURST_PRIORITY), ordered after the caller's at the start
-            # and before it at the end.
-            self.burst = (None if BURST_PRIORITY is None else
-                          torch.cuda.Stream(device=device_index, priority=BURST_PRIORITY))
-            self.begin, self.end = torch.cuda.Event(), torch.cuda.Event()
             # Per half, an event per further link stream: the first link stream joins them.
             self.joined = tuple(tuple(torch.cuda.Event() for _ in self.links[1:]) for _ in range(2))
 
@@ -123,10 +113,6 @@ class _Halves:
                     device_op(h, None)
             return
         last = None
-        b = self.burst or s
-        if b is not s:
-            self.begin.record(s)
-            b.wait_event(self.begin)
         if not to_host:  # the link reads the host no sooner than the caller's stream asks
             self.start.record(s)
             for ls in links:
@@ -135,23 +121,20 @@ class _Halves:
             h, self.turn = self.turn, self.turn ^ 1
             ready, free = self.ready[h], self.free[h]
             if to_host:
-                b.wait_event(free)
-                device_op(h, b)
-                ready.record(b)
+                s.wait_event(free)
+                device_op(h, s)
+                ready.record(s)
                 self._join(h, link_op(h, links, ready))
                 free.record(link)
                 last = free
             else:
                 self._join(h, link_op(h, links, free))
                 ready.record(link)
-                b.wait_event(ready)
-                device_op(h, b)
-                free.record(b)
+                s.wait_event(ready)
+                device_op(h, s)
+                free.record(s)
         if last is not None:
             s.wait_event(last)
-        elif b is not s:
-            self.end.record(b)
-            s.wait_event(self.end)
 
     def _join(self, h: int, used: int) -> None:
         """The first link stream waits for the ``used - 1`` further ones of half ``h``."""

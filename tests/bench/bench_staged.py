@@ -94,9 +94,6 @@ def main() -> int:
     p.add_argument("--sms", default="16,32,66,132", help="SM counts of the staged device side to try")
     p.add_argument("--link-streams", default="1,2,4",
                    help="copy-engine streams of the staged route's link to try (the mover's default route)")
-    p.add_argument("--burst-priorities", default="",
-                   help="stream priorities of the staged route's gathers and scatters to try (the mover's default "
-                        "route; e.g. -1,-5: higher than the compute's), beside the default")
     p.add_argument("--shapes", default="4x80,8x64,16x40,32x32", help="chunk KiB x layers, comma-separated")
     p.add_argument("--link-only", action="store_true", help="measure the batch route's runs over --link-streams")
     p.add_argument("--json", default=None)
@@ -108,7 +105,7 @@ def main() -> int:
                 json.dump(dict(device=torch.cuda.get_device_name(), link_only=rows), f, indent=1)
         return 0
     dev = torch.device("cuda:0")
-    default_links, default_priority = staged_mod.LINK_STREAMS, staged_mod.BURST_PRIORITY
+    default_links = staged_mod.LINK_STREAMS
     # (chunk KiB, layers, heads): 16 tokens x heads x 128 x 2 B per K or V chunk
     shapes = [(int(c), int(n), int(c) // 4) for c, n in (x.split("x") for x in args.shapes.split(","))]
     a = torch.randn(GEMM, GEMM, device=dev, dtype=torch.bfloat16)
@@ -146,16 +143,12 @@ def main() -> int:
             comp_alone = timed(lambda: (launch_compute(), torch.cuda.current_stream().wait_stream(compute)),
                                args.reps)
             streams = [int(x) for x in args.link_streams.split(",")]
-            contenders = [(f"default/{n} link" if len(streams) > 1 else "default", Policy(), n, None) for n in streams]
-            contenders += [(f"default/burst priority {q}", Policy(), None, int(q))
-                           for q in args.burst_priorities.split(",") if q]
-            contenders += [("kernel", Policy(force="triton.kernel"), None, None),
-                           ("batch", Policy(force="cuda.batch"), None, None)]
-            contenders += [(f"staged@{k}", Policy(force="triton.staged", max_sms=int(k)), None, None)
+            contenders = [(f"default/{n} link" if len(streams) > 1 else "default", Policy(), n) for n in streams]
+            contenders += [("kernel", Policy(force="triton.kernel"), None), ("batch", Policy(force="cuda.batch"), None)]
+            contenders += [(f"staged@{k}", Policy(force="triton.staged", max_sms=int(k)), None)
                            for k in args.sms.split(",") if k]
-            for name, policy, links, priority in contenders:
+            for name, policy, links in contenders:
                 staged_mod.LINK_STREAMS = links or default_links
-                staged_mod.BURST_PRIORITY = priority if priority is not None else default_priority
                 try:
                     mover = BlockMover(src, dst, direction, block_dim=1, policy=policy)
                 except Exception as e:

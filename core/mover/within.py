@@ -26,8 +26,7 @@ from .staged import seconds
 # this much sooner before a job leaves its own for it: the prediction leaves out how much
 # the copy itself slows beside compute, which grows with the SMs it takes (on an H200, a
 # 2.7 GB load into block-major blocks predicted 2% quicker on a 4-SM kernel took 58 ms
-# beside GEMMs, the mover's staged route 51; docs/benchmarks.md, the default without
-# ``within``).
+# beside GEMMs, the mover's staged route 51; docs/design.md).
 SWITCH_MARGIN = 0.05
 
 

@@ -205,20 +205,26 @@ def test_validation_matches_a_plain_pairwise_check(count):
         space = int(sizes.sum()) * max(2, count * (trial % 4))
         dst = rng.integers(1, space, count) + (1 << 30) * (trial % 2)  # apart from the sources, or among them
         src = rng.integers(1, space, count) + (1 << 30)
-        among = clashes(dst, sizes, dst, sizes)
-        np.fill_diagonal(among, False)
-        over = clashes(dst, sizes, src, sizes)
-        refused = _refusal(src, dst, sizes)
-        verdicts.add(refused is None)
-        assert (refused is not None) == bool(among.any() or over.any()), (trial, refused)
-        if refused and "destination ranges of descriptors" in refused:
-            i, j = (int(w) for w in refused.split("descriptors ")[1].split(" overlap")[0].split(" and "))
-            assert among[i, j]
-        elif refused:
-            assert "the destination range of descriptor" in refused and not among.any()
-            i, j = (int(w) for w in refused.split("descriptor ")[1:3] for w in [w.split(" ")[0]])
-            assert over[i, j]
+        verdicts.add(_matches_pairwise(src, dst, sizes, trial) is None)
     assert verdicts == {True, False}  # both verdicts were exercised
+
+
+def _matches_pairwise(src, dst, sizes, trial):
+    """validate's refusal (None: accepted), checked against a plain pairwise check: refused
+    exactly when two destinations or a destination and a source overlap, naming such a pair."""
+    among = clashes(dst, sizes, dst, sizes)
+    np.fill_diagonal(among, False)
+    over = clashes(dst, sizes, src, sizes)
+    refused = _refusal(src, dst, sizes)
+    assert (refused is not None) == bool(among.any() or over.any()), (trial, refused)
+    if refused and "destination ranges of descriptors" in refused:
+        i, j = (int(w) for w in refused.split("descriptors ")[1].split(" overlap")[0].split(" and "))
+        assert among[i, j]
+    elif refused:
+        assert "the destination range of descriptor" in refused and not among.any()
+        i, j = (int(w) for w in refused.split("descriptor ")[1:3] for w in [w.split(" ")[0]])
+        assert over[i, j]
+    return refused
 
 
 def test_triton_kernel_through_resolve_refuses_identical_destinations():
@@ -551,18 +557,10 @@ def test_large_one_size_batches_on_a_grid_are_refused_exactly_when_two_destinati
             dst[i] = dst[j] + size * (1 + int(rng.integers(0, 2)))  # adjacent or one apart: overlaps only a taken slot
         src = rng.permutation(count).astype(np.int64) * size + ((1 << 32) if trial % 6 == 5 else (1 << 44))
         sizes = np.full(count, size, dtype=np.int64)
-        among = clashes(dst, sizes, dst, sizes)
-        np.fill_diagonal(among, False)
-        over = clashes(dst, sizes, src, sizes)
-        refused = _refusal(src, dst, sizes)
-        verdicts.add(refused is None)
-        assert (refused is not None) == bool(among.any() or over.any()), (trial, refused)
+        verdicts.add(_matches_pairwise(src, dst, sizes, trial) is None)
         grid = _grid_clash(dst, size)
         assert (grid is None) == (trial % 4 == 2)  # only the shifted one leaves the grid
+        among = clashes(dst, sizes, dst, sizes)
+        np.fill_diagonal(among, False)
         assert grid is None or grid[0] == bool(among.any())
-        if refused and "destination ranges of descriptors" in refused:
-            a, b = (int(w) for w in refused.split("descriptors ")[1].split(" overlap")[0].split(" and "))
-            assert among[a, b]
-        elif refused:
-            assert not among.any()
     assert verdicts == {True, False}

@@ -94,13 +94,9 @@ def run(direction: str, n: int, pools: Pools, reps: int) -> dict:
         graph.replay()
 
     timer = DeviceTimer(dev)
-    for way in (call, launched, replayed):  # each way's bytes, once, on a draw it will copy
+    for way in (call, launched, replayed):  # each way's bytes, once, on the draw it copies next
         turn[0] = 0
-        pools.poison(draws[0], 16)
-        timer.once(way)
-        wrong = pools.check(draws[0], 16)
-        if wrong:
-            raise SystemExit(f"{direction} n={n} {way.__name__}: {wrong}")
+        pools.verify(timer, way, draws[0])
     gpu = [statistics.median(t) for t in timer.measure([call, launched, replayed], reps)]
     with torch.cuda.stream(s):
         host = [held_us(w, s, reps) for w in (call, launched, replayed)]

@@ -5,7 +5,7 @@ For each direction and (block size, batch), scattered blocks at random distinct 
 upload and copy, as ``kvswap bench`` times it), and the very kernel variant it launched
 (same SM count and launch shape) launched again over the same descriptors, packed once
 into device memory beforehand. The ratio resident/SwapFn time is what the call's own
-host work and descriptor upload cost; 1.0 means none. Both are checked once (64 sampled
+host work and descriptor upload cost; 1.0 means none. Both are checked once (sampled
 blocks, every byte, poisoned first). Where the resolved route is not a kernel, the row says which it is.
 
 ``python3 tests/bench/bench_resident.py --json resident.json`` (default 4 KiB x 10,000)
@@ -57,12 +57,8 @@ def run(direction: str, block: int, n: int, pools: Pools, reps: int) -> dict:
                            stream.cuda_stream)
 
     timer = DeviceTimer(dev)
-    for call in (swapfn, resident):  # each checked: poison sampled destinations, copy, compare them
-        pools.poison(batch, 64)
-        timer.once(call)
-        wrong = pools.check(batch, 64)
-        if wrong:
-            raise SystemExit(f"{direction} {block} x {n}: {call.__name__}: {wrong}")
+    for call in (swapfn, resident):  # each checked: sampled destinations poisoned, copied, compared
+        pools.verify(timer, call, batch)
     t_fn, t_res = (statistics.median(x) for x in timer.measure([swapfn, resident], reps))
     nbytes = int(sizes.sum())
     row.update(grid=launch.grid, descriptors=launch.descriptors, swapfn_gbps=round(nbytes / t_fn / 1e9, 2),

@@ -59,3 +59,24 @@ def test_graphed_small_copies_move_every_byte_and_nothing_else(torch_gpu, direct
     ((impl, sms, _),) = fn.assign(s, d, np.full(n, BLOCK, dtype=np.int64))
     g = fn._fns[(impl, sms)]._graphs
     assert g.failed is None and len(g._rings) == 3  # one ring per shape, each captured
+
+
+def test_graphs_turned_off_launch_plainly_and_still_copy_every_byte(torch_gpu, monkeypatch):
+    torch = torch_gpu
+    monkeypatch.setenv(graphs.ENV, "off")
+    rng = np.random.default_rng(9)
+    host = torch.randint(0, 256, (SLOTS * BLOCK,), dtype=torch.uint8).pin_memory()
+    dev = torch.randint(0, 256, (SLOTS * BLOCK,), dtype=torch.uint8, device="cuda:0")
+    fn = kvswap.resolve("h2d", device="cuda:0", policy=Policy(force="triton.kernel"))
+    n = 16
+    for _ in range(2 * graphs.SEEN_BEFORE_CAPTURE):
+        src_slots, dst_slots = rng.choice(SLOTS, n, replace=False), rng.choice(SLOTS, n, replace=False)
+        s = src_slots.astype(np.int64) * BLOCK + host.data_ptr()
+        d = dst_slots.astype(np.int64) * BLOCK + dev.data_ptr()
+        fn(s, d, np.full(n, BLOCK, dtype=np.int64))
+        torch.cuda.synchronize()
+        got = dev.cpu().numpy().reshape(SLOTS, BLOCK)[dst_slots]
+        assert np.array_equal(got, host.numpy().reshape(SLOTS, BLOCK)[src_slots])
+    ((impl, sms, _),) = fn.assign(s, d, np.full(n, BLOCK, dtype=np.int64))
+    g = fn._fns[(impl, sms)]._graphs
+    assert not g._rings and graphs.ENV in g.failed

@@ -12,9 +12,13 @@ fails, the launch goes the plain way.
 """
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any, Optional
 
+# Set to off (or 0, no, false) to launch every copy the plain way, e.g. where an engine's own
+# graph captures must not meet another thread's.
+ENV = "KVSWAP_TRITON_GRAPHS"
 # Descriptors a graphed launch may have: the graphs read them from pinned memory, as the
 # launcher's own small batches do (launch.HOST_TILES).
 MAX_DESCRIPTORS = 256
@@ -48,7 +52,9 @@ class Graphs:
         self._rings: dict[tuple, list[Slot]] = {}
         self._stream: Any = None
         self._lock = threading.Lock()
-        self.failed: Optional[str] = None  # why captures stopped, after one failed
+        self.failed: Optional[str] = None  # why no graphs are captured: turned off, or one failed
+        if os.environ.get(ENV, "").strip().lower() in ("off", "0", "no", "false"):
+            self.failed = f"{ENV}={os.environ[ENV]}"
 
     def slot(self, launch: Any) -> Optional[Slot]:
         """A free slot of ``launch``'s shape, marked in use (capturing its graphs now if the

@@ -308,13 +308,15 @@ class KernelCopy:
         import torch
 
         n, tile, m = launch.n, launch.tile, 3 * launch.n
+        read = True  # whether the GPU reads ``entry`` (a graph replay reads its own buffer)
         try:
-            if launch.descriptors == "host" and n <= MAX_GRAPHED:
+            variant = self.variants.get(tile)  # compiles on a shape's first use
+            if launch.descriptors == "host" and n <= MAX_GRAPHED and variant.direct:
                 slot = self._graphs.slot(launch)
                 if slot is not None:
+                    read = False
                     self._graphs.replay(slot, entry.view[:m], s, current)
                     return
-            variant = self.variants.get(tile)  # compiles on a shape's first use
             if launch.descriptors == "host":
                 desc, ptr = entry.host, entry.host_ptr
             else:
@@ -333,8 +335,8 @@ class KernelCopy:
                 with torch.cuda.stream(s):
                     copy_kernel[(launch.grid,)](desc, n, tile.splits, **constexprs(tile), num_warps=tile.warps)
         finally:
-            # Also on failure: the upload may already be in flight.
-            entry.done.record(s)
+            if read:  # also on failure: the upload may already be in flight
+                entry.done.record(s)
             self._pool.give(entry)
 
 

@@ -1,18 +1,19 @@
-"""Whether a CUDA graph makes a small kernel copy cheaper than launching it.
+"""Whether replaying small kernel copies from CUDA graphs (backends/triton_generic/graphs.py)
+makes them cheaper than launching them.
 
 For each direction and batch of scattered 4 KiB blocks, the copy kernel that ``triton.kernel``
 binds, three ways, each call on fresh random blocks:
 
-* ``call``: the bound transfer as a SwapFn calls it (descriptors packed into its pinned
-  staging buffer, the compiled variant launched on the raw stream);
-* ``launch``: the same variant launched over descriptors already packed in a fixed pinned
-  buffer (packing and launching only, none of the call's bookkeeping);
-* ``graph``: that launch captured once as a CUDA graph over the fixed buffer and replayed
-  (the descriptors written into the buffer each call, as a graph needs fixed addresses).
+* ``plain``: the bound transfer with its graphs turned off (descriptors packed into its
+  pinned staging buffer, the compiled variant launched on the raw stream);
+* ``graphed``: the bound transfer as it ships: once a launch shape was seen twice, its
+  calls replay a graph captured over fixed pinned buffers;
+* ``floor``: one graph captured here over one fixed buffer and replayed, none of the
+  call's bookkeeping (what a replay costs at least).
 
 Per way: the GPU time from an idle stream to the copy's end (``kvswap bench``'s timing) and the
-time the call holds the thread, medians, as ratios to ``call``; every way's bytes checked
-once (sampled blocks, poisoned first).
+time the call holds the thread, medians, as ratios to ``plain``; every way's bytes checked
+once (poisoned first).
 
 ``python3 tests/bench/bench_graph_launch.py --json graph.json``
 """
@@ -49,14 +50,19 @@ def held_us(call, stream, reps: int) -> float:
 
 def run(direction: str, n: int, pools: Pools, reps: int) -> dict:
     dev = pools.device
-    fn = kvswap.resolve(direction, device=dev.torch_device, policy=Policy(force="triton.kernel"))
     batch = pools.batch(direction, BLOCK, n)
-    ((impl, sms, _),) = fn.assign(batch.src, batch.dst, batch.sizes)
-    kc = fn._fns[(impl, sms)]
-    if getattr(kc, "variants", None) is None:
-        return dict(direction=direction, n=n, route=impl, note="not a kernel at this batch")
+    bound = []
+    for _ in range(2):  # two SwapFns, two bound launchers: one keeps its graphs, one does not
+        fn = kvswap.resolve(direction, device=dev.torch_device, policy=Policy(force="triton.kernel"))
+        ((impl, sms, _),) = fn.assign(batch.src, batch.dst, batch.sizes)
+        bound.append(fn._fns[(impl, sms)])
+    kc, plain_kc = bound
+    if getattr(kc, "variants", None) is None or kc is plain_kc:
+        return dict(direction=direction, n=n, route=impl, note="not a kernel of its own at this batch")
+    plain_kc._graphs.failed = "turned off by the benchmark"
     s = torch.cuda.Stream(device=dev.index or 0)
-    kc(batch.src, batch.dst, batch.sizes, s)
+    for k in (kc, kc, plain_kc):  # the second sighting of the shape captures kc's graphs
+        k(batch.src, batch.dst, batch.sizes, s)
     s.synchronize()
     launch = kc.last_launch
     variant = kc.variants.get(launch.tile)
@@ -70,37 +76,36 @@ def run(direction: str, n: int, pools: Pools, reps: int) -> dict:
         turn[0] += 1
         return b
 
-    def pack(b) -> None:
-        view[:n], view[n:2 * n], view[2 * n:] = b.src, b.dst, b.sizes
+    def plain(stream):
+        b = fresh()
+        plain_kc(b.src, b.dst, b.sizes, stream)
 
-    def call(stream):
+    def graphed(stream):
         b = fresh()
         kc(b.src, b.dst, b.sizes, stream)
 
-    def launched(stream):
-        pack(fresh())
-        kc.variants.launch(variant, launch.tile, launch.grid, fixed.data_ptr(), n, launch.tile.splits,
-                           stream.cuda_stream)
-
     graph = torch.cuda.CUDAGraph()
     cap = torch.cuda.Stream(device=dev.index or 0)
-    pack(batch)
     with torch.cuda.graph(graph, stream=cap):
         kc.variants.launch(variant, launch.tile, launch.grid, fixed.data_ptr(), n, launch.tile.splits,
                            cap.cuda_stream)
 
-    def replayed(stream):
-        pack(fresh())
+    def floor(stream):
+        b = fresh()
+        view[:n], view[n:2 * n], view[2 * n:] = b.src, b.dst, b.sizes
         graph.replay()
 
+    ways = (plain, graphed, floor)
     timer = DeviceTimer(dev)
-    for way in (call, launched, replayed):  # each way's bytes, once, on the draw it copies next
+    for way in ways:  # each way's bytes, once, on the draw it copies next
         turn[0] = 0
         pools.verify(timer, way, draws[0])
-    gpu = [statistics.median(t) for t in timer.measure([call, launched, replayed], reps)]
+    gpu = [statistics.median(t) for t in timer.measure(list(ways), reps)]
     with torch.cuda.stream(s):
-        host = [held_us(w, s, reps) for w in (call, launched, replayed)]
+        host = [held_us(w, s, reps) for w in ways]
+    graphs = kc._graphs
     return dict(direction=direction, n=n, route=f"{impl}@{sms}", grid=launch.grid, descriptors=launch.descriptors,
+                graphs=len(graphs._rings), graph_failure=graphs.failed,
                 gpu_us=[round(g * 1e6, 1) for g in gpu], host_us=[round(h, 1) for h in host])
 
 
@@ -113,16 +118,18 @@ def main() -> int:
     dev = detect(plugin_host(), "cuda:0")
     pools = Pools(dev, 256 << 20)
     rows = [run(d, int(n), pools, args.reps) for d in ("h2d", "d2h") for n in args.batches.split(",")]
-    print(f"device {torch.cuda.get_device_name()}: 4 KiB blocks on triton.kernel, call / launch over a fixed "
-          f"buffer / CUDA graph replay (median of {args.reps})")
-    print("| dir | n | route | GPU us call | launch / call | graph / call | host us call | launch / call | graph / call |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"device {torch.cuda.get_device_name()}: 4 KiB blocks on triton.kernel, plain launch / graphed "
+          f"(as shipped) / one bare replay (median of {args.reps})")
+    print("| dir | n | route | shapes graphed | GPU us plain | graphed / plain | floor / plain | thread us plain | "
+          "graphed / plain | floor / plain |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "note" in r:
-            print(f"| {r['direction']} | {r['n']} | {r['route']} | {r['note']} | | | | | |")
+            print(f"| {r['direction']} | {r['n']} | {r['route']} | {r['note']} | | | | | | |")
             continue
         g, h = r["gpu_us"], r["host_us"]
-        print(f"| {r['direction']} | {r['n']} | {r['route']} | {g[0]} | {g[1] / g[0]:.3f} | {g[2] / g[0]:.3f} | "
+        shapes = r["graphs"] if r["graph_failure"] is None else f"failed: {r['graph_failure']}"
+        print(f"| {r['direction']} | {r['n']} | {r['route']} | {shapes} | {g[0]} | {g[1] / g[0]:.3f} | {g[2] / g[0]:.3f} | "
               f"{h[0]} | {h[1] / h[0]:.3f} | {h[2] / h[0]:.3f} |")
     if args.json:
         with open(args.json, "w") as f:

@@ -2,12 +2,14 @@
 test: it prints ratios measured in one run, it asserts nothing).
 
 Both move the same random jobs between llama-3.1-8b-shaped canonical caches (``--layers``
-int8 tensors of ``(num_blocks, --page)``) and one block-major host cache: the worker from
-vLLM-shaped job specs (chunk ids of ``k`` blocks, a group starting inside its first chunk),
-the bare mover from the same job as vLLM hands it where no mapping is needed (its int32
-device ids, and at ``k`` = 1 its int32 chunk ids, which are host block ids) and host block
-ids computed beforehand where one is (``k`` > 1). Their jobs take turns, so drift in the
-machine hits both alike. Per direction, ``k`` and job size:
+int8 tensors of ``(num_blocks, --page)``) and one block-major host cache, each from the same
+vLLM-shaped job specs (chunk ids of ``k`` blocks, a group starting inside its first chunk).
+The bare mover takes the job the shortest way a caller of its own could: the spec's int32
+device ids as they are, and its chunk ids as they are at ``k`` = 1 (they are host block ids)
+or, at ``k`` > 1, mapped to host blocks in one numpy expression timed with its submit
+(``--premapped`` computes them beforehand instead, leaving the mapping to the worker's
+account alone). Their jobs take turns, so drift in the machine hits both alike. Per
+direction, ``k`` and job size:
 
 * host time per job: the engine thread's time in ``submit`` plus in the ``get_finished``
   (``poll``) call that returns the job, medians, and the worker's over the mover's;
@@ -50,16 +52,26 @@ from offload_jobs import DeviceSpec, HostSpec, reference_host_ids  # noqa: E402
 
 
 def job_specs(rng: np.random.Generator, blocks: int, k: int, device_blocks: int,
-              num_chunks: int) -> tuple[DeviceSpec, HostSpec, np.ndarray, np.ndarray]:
+              num_chunks: int) -> tuple[DeviceSpec, HostSpec, np.ndarray]:
     """A one-group job of ``blocks`` device blocks starting inside a chunk (where k > 1):
-    vLLM's specs, and the same job as a bare mover takes it (device and host block ids)."""
+    vLLM's specs, and its host block ids (the reference mapping, to check the bare one)."""
     start = int(rng.integers(0, k))
     n_chunks = -(-(blocks + start) // k)
     dev = rng.choice(device_blocks, blocks, replace=False)
     chunks = rng.choice(num_chunks, n_chunks, replace=False)
     dspec, hspec = DeviceSpec(dev.astype(np.int32), [blocks], [start]), HostSpec(chunks.astype(np.int32))
-    host = hspec.block_ids if k == 1 else np.array(reference_host_ids(chunks.tolist(), [blocks], [start], k)[0])
-    return dspec, hspec, dspec.block_ids, host
+    host = np.array(reference_host_ids(chunks.tolist(), [blocks], [start], k)[0])
+    return dspec, hspec, host
+
+
+def bare_host_ids(dspec: DeviceSpec, hspec: HostSpec, k: int, within: np.ndarray) -> np.ndarray:
+    """A one-group job's host block ids as a bare mover's caller maps them: chunk ``c``
+    holds host blocks ``c * k .. c * k + k - 1``, and the group starts ``block_indices[0] % k``
+    blocks into its first chunk (``within`` is ``np.arange(k)``)."""
+    if k == 1:
+        return hspec.block_ids
+    skip = dspec.block_indices[0] % k
+    return (hspec.block_ids[:, None] * k + within).ravel()[skip:skip + len(dspec.block_ids)]
 
 
 def timed(fn: Any) -> tuple[Any, float]:
@@ -99,6 +111,7 @@ def measure(args: argparse.Namespace, direction: str, k: int, blocks: int, engin
 
     bares = {"bare": bare_mover(), "bare_b": bare_mover()}
     rng = np.random.default_rng(blocks * 10 + k)
+    within = np.arange(k, dtype=np.int32)
     names = ("worker", "bare", "bare_b")
     rows: dict[str, dict[str, list[float]]] = {who: {"host": [], "transfer": []} for who in names}
     warm: list[float] = []  # copy times in the warm-up repetitions (the engine idle then)
@@ -106,7 +119,9 @@ def measure(args: argparse.Namespace, direction: str, k: int, blocks: int, engin
     for rep in range(args.warmup + args.reps):
         if rep == args.warmup and engine != "idle":
             spin = 1.1 * statistics.median(warm)
-        dspec, hspec, dev, host = job_specs(rng, blocks, k, args.device_blocks, num_chunks)
+        dspec, hspec, host = job_specs(rng, blocks, k, args.device_blocks, num_chunks)
+        dev = dspec.block_ids
+        assert np.array_equal(bare_host_ids(dspec, hspec, k, within), host)
         for who in names[rep % 3:] + names[:rep % 3]:  # each contender first, second and third in turn
             if who == "worker":
                 submit = (lambda: worker.submit_store(rep, dspec, hspec)) if direction == "d2h" else (
@@ -122,7 +137,11 @@ def measure(args: argparse.Namespace, direction: str, k: int, blocks: int, engin
                 seconds = r.seconds
             else:
                 bare = bares[who]
-                job, t_submit = timed(lambda: bare.submit(dev, host) if direction == "d2h" else bare.submit(host, dev))
+                if args.premapped:
+                    ids = lambda: host  # noqa: E731
+                else:
+                    ids = lambda: bare_host_ids(dspec, hspec, k, within)  # noqa: E731
+                job, t_submit = timed(lambda: bare.submit(dev, ids()) if direction == "d2h" else bare.submit(ids(), dev))
                 if spin:
                     spin_until(time.perf_counter() + spin, engine)
                 bare.wait(job)
@@ -183,6 +202,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--host-blocks", type=int, default=1024)
     ap.add_argument("--blocks", default="16,64,256", help="device blocks per job")
     ap.add_argument("--k", default="1,4", help="blocks per chunk")
+    ap.add_argument("--premapped", action="store_true",
+                    help="give the bare mover its host block ids computed beforehand (not timed)")
     ap.add_argument("--reps", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--engine", default="idle,busy,python",

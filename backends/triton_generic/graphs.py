@@ -1,9 +1,11 @@
 """Small kernel copies replayed from CUDA graphs instead of launched.
 
-A copy of a few blocks costs more in its launch than in its bytes. Measured on an H100
-(tests/bench/bench_graph_launch.py, 1-64 blocks of 4 KiB): replaying the launch from a graph
-captured over a fixed pinned descriptor buffer took 0.41-0.58 of the GPU time from an idle
-stream, and 0.3 of the thread time, of the launcher's call. A graph bakes in its arguments,
+A copy of a few blocks costs more in its launch than in its bytes, and a graph replay
+reaches the GPU sooner than a kernel launch. Measured on an H100 host
+(tests/bench/bench_graph_launch.py, 1-256 blocks of 4 KiB, both directions): a graphed call
+took 0.88-0.94 of a plain call's GPU time from an idle stream. The call's own bookkeeping
+(descriptors packed, launch planned, events) stays, so its thread time moves less (0.75-0.78
+in five of eight cases, within that host's noise in the rest). A graph bakes in its arguments,
 so one is captured per launch shape (descriptor count, grid, tile), once the shape has been
 seen :data:`SEEN_BEFORE_CAPTURE` times (engines repeat their shapes; a one-off shape is not
 worth a capture), over :data:`RING` fixed buffers, each written again only once the replay

@@ -70,7 +70,8 @@ def measure(k: int, blocks: int, pause: float, reps: int, layers: int = 8, num_b
             time.sleep(pause)
 
     for rep in range(reps + 10):
-        dspec, hspec, dev, host = job_specs(rng, blocks, k, num_blocks, num_blocks // k)
+        dspec, hspec, host = job_specs(rng, blocks, k, num_blocks, num_blocks // k)
+        dev = dspec.block_ids
         rest()
         t0 = clock()
         worker.submit_store(rep, dspec, hspec)

@@ -14,9 +14,9 @@ call starts cold; ``--warm`` polls it instead, so the thread stays busy.
 * ``submit``: ``BlockMover.submit`` on 80 per-layer FlashAttention tensors a side
   (2 chunks of 4 KiB per layer and block: 32 blocks are 5,120 descriptors).
 
-Routes: ``cuda.batch`` (large batches on the issuer thread, turned on here: it is opt-in), ``cuda.batch`` with the
-issuer off (``KVSWAP_CUDA_ISSUER=off``: the synchronous driver call, for comparison),
-``triton.kernel`` and kvswap's default. Every transfer's bytes are checked once per
+Routes: ``cuda.batch`` (large batches on the issuer thread, turned on here: it is opt-in),
+``cuda.batch`` with the issuer off (``KVSWAP_CUDA_ISSUER=off``: the synchronous driver call,
+for comparison), ``triton.kernel`` and kvswap's default. Every transfer's bytes are checked once per
 route and count (the first call), so a fast wrong answer cannot pass.
 
     python3 tests/bench/bench_thread_held.py --json $OUT/thread_held.json

@@ -78,3 +78,9 @@ def test_a_failed_capture_or_the_switch_stops_capturing(g, monkeypatch):
     off = graphs.Graphs(0, pool=None, variants=None)
     monkeypatch.setattr(off, "_capture", lambda launch: pytest.fail("captured while turned off"))
     assert off.slot(launch) is None and off.slot(launch) is None and graphs.ENV in off.failed
+    assert off.describe() == f"CUDA graphs off ({graphs.ENV}=off)"
+
+
+def test_explain_says_whether_small_launches_are_graphed(monkeypatch):
+    monkeypatch.delenv(graphs.ENV, raising=False)
+    assert "replayed from CUDA graphs" in graphs.Graphs(0, pool=None, variants=None).describe()

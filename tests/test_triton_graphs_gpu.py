@@ -59,6 +59,7 @@ def test_graphed_small_copies_move_every_byte_and_nothing_else(torch_gpu, direct
     ((impl, sms, _),) = fn.assign(s, d, np.full(n, BLOCK, dtype=np.int64))
     g = fn._fns[(impl, sms)]._graphs
     assert g.failed is None and len(g._rings) == 3  # one ring per shape, each captured
+    assert "replayed from CUDA graphs" in fn.explain()
 
 
 def test_graphs_turned_off_launch_plainly_and_still_copy_every_byte(torch_gpu, monkeypatch):
@@ -80,3 +81,4 @@ def test_graphs_turned_off_launch_plainly_and_still_copy_every_byte(torch_gpu, m
     ((impl, sms, _),) = fn.assign(s, d, np.full(n, BLOCK, dtype=np.int64))
     g = fn._fns[(impl, sms)]._graphs
     assert not g._rings and graphs.ENV in g.failed
+    assert f"CUDA graphs off ({graphs.ENV}=off)" in fn.explain()

@@ -78,6 +78,12 @@ class Graphs:
         if os.environ.get(ENV, "").strip().lower() in ("off", "0", "no", "false"):
             self.failed = f"{ENV}={os.environ[ENV]}"
 
+    def describe(self) -> str:
+        """What this launcher does with small launches, for ``explain()``."""
+        if self.failed is not None:
+            return f"CUDA graphs off ({self.failed})"
+        return f"launches of up to {MAX_DESCRIPTORS} descriptors replayed from CUDA graphs once their shape repeats"
+
     def slot(self, launch: Any) -> Optional[Slot]:
         """A free slot of ``launch``'s shape, marked in use (capturing its graphs now if the
         shape is due), or None: launch it the plain way."""

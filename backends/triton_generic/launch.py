@@ -24,7 +24,7 @@ import numpy as np
 
 from kvswap.errors import ConfigurationError
 
-from .graphs import MAX_DESCRIPTORS as MAX_GRAPHED
+from .graphs import MAX_DESCRIPTORS as MAX_GRAPHED, Graphs
 
 # Whether Triton is installed, found without importing it.
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -218,14 +218,13 @@ class KernelCopy:
             self._pool = shared_pool(device_index, translate_src or translate_dst)
             self._streams = Streams(device_index)
             self.variants = variants(device_index)
-            from .graphs import Graphs
-
             self._graphs = Graphs(device_index, self._pool, self.variants)
         self._launches: dict[tuple[int, int, int], Launch] = {}
         self.last_launch: Optional[Launch] = None
         self.note = (f"{num_sms} SMs; tile {tiles.tile_elems} x 8 B, rows <= {tiles.row_max}, "
                      f"{tiles.warps} warps, vectors <= {tiles.align_max} B; descriptors read from host "
-                     f"up to {tiles.host_tiles} tiles per program")
+                     f"up to {tiles.host_tiles} tiles per program"
+                     + ("" if self._graphs is None else f"; {self._graphs.describe()}"))
 
     def prepare(self, block_bytes: Any = (), align: int = 16) -> list[Tile]:
         """Compile now (not on a first transfer) the variants for batches of blocks of

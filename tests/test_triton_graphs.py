@@ -30,7 +30,7 @@ def g(monkeypatch):
 
     def capture(launch):
         captured.append((launch.n, launch.grid, launch.tile))
-        return [graphs.Slot(SimpleNamespace(done=_Done()), graph=None) for _ in range(graphs.RING)]
+        return [graphs.Slot(SimpleNamespace(done=_Done()), graph=None, exec_handle=1) for _ in range(graphs.RING)]
 
     monkeypatch.setattr(out, "_capture", capture)
     out.captured = captured
@@ -79,6 +79,16 @@ def test_a_failed_capture_or_the_switch_stops_capturing(g, monkeypatch):
     monkeypatch.setattr(off, "_capture", lambda launch: pytest.fail("captured while turned off"))
     assert off.slot(launch) is None and off.slot(launch) is None and graphs.ENV in off.failed
     assert off.describe() == f"CUDA graphs off ({graphs.ENV}=off)"
+
+
+def test_no_graphs_where_the_platform_graph_launch_is_not_found(monkeypatch):
+    monkeypatch.delenv(graphs.ENV, raising=False)
+    monkeypatch.setattr(graphs, "raw_launcher", lambda: None)
+    g = graphs.Graphs(0, pool=None, variants=None)
+    launch = _launch()
+    assert g.slot(launch) is None and g.slot(launch) is None  # the second sighting tries, and stops
+    assert "cuGraphLaunch" in g.failed and "CUDA graphs off" in g.describe()
+    assert g.slot(_launch(n=3)) is None and g.slot(_launch(n=3)) is None
 
 
 def test_explain_says_whether_small_launches_are_graphed(monkeypatch):

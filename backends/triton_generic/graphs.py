@@ -5,12 +5,12 @@ reaches the GPU sooner than a kernel launch. Measured on an H100 host
 (tests/bench/bench_graph_launch.py, 1-256 blocks of 4 KiB, both directions): a graphed call
 took 0.88-0.94 of a plain call's GPU time from an idle stream. The call's own bookkeeping
 (descriptors packed, launch planned, events) stays, so its thread time moves less (0.75-0.78
-in five of eight cases, within that host's noise in the rest). A graph bakes in its arguments,
+of a plain call's in five of eight cases, 1.1-1.4 in the other three). A graph bakes in its arguments,
 so one is captured per launch shape (descriptor count, grid, tile), once the shape has been
 seen :data:`SEEN_BEFORE_CAPTURE` times (engines repeat their shapes; a one-off shape is not
 worth a capture), over :data:`RING` fixed buffers, each written again only once the replay
-that read it has finished. When every buffer of a shape is still being read, or a capture
-fails, the launch goes the plain way.
+that read it has finished. When every buffer of a shape is still being read, a capture
+failed, or the platform's graph launch cannot be called directly, the launch goes the plain way.
 """
 from __future__ import annotations
 
@@ -31,21 +31,22 @@ KEEP_SHAPES = 64
 
 class Slot:
     """One fixed buffer of a shape (a staging entry kept for good) and the graph over it
-    (``exec``: its executable's raw handle, 0 where torch does not give it). ``busy`` while
-    a thread fills and replays it; ``used`` once a replay was enqueued (its ``entry.done``
-    then says when the buffer may be written again)."""
+    (``exec``: its executable's raw handle). ``busy`` while a thread fills and replays it;
+    ``used`` once a replay was enqueued (its ``entry.done`` then says when the buffer may be
+    written again)."""
 
     __slots__ = ("entry", "graph", "exec", "used", "busy")
 
-    def __init__(self, entry: Any, graph: Any, exec_handle: int = 0) -> None:
+    def __init__(self, entry: Any, graph: Any, exec_handle: int) -> None:
         self.entry, self.graph, self.exec, self.used, self.busy = entry, graph, exec_handle, False, False
 
 
 def raw_launcher() -> Optional[Any]:
     """The platform's graph launch (``cuGraphLaunch``, ``hipGraphLaunch``) through ctypes, or
-    None. torch's ``replay()`` launches on the current stream only, and making the caller's
-    stream current costs more than the launch saves: graphed calls replayed that way took
-    1.4-1.8 times a plain call's GPU and thread time (bench_graph_launch.py, an H100 host)."""
+    None: then no graphs. torch's ``replay()`` launches on the current stream only, and making
+    the caller's stream current costs more than the launch saves: graphed calls replayed that
+    way took 1.4-1.8 times a plain call's GPU and thread time (bench_graph_launch.py, an H100
+    host)."""
     import ctypes
 
     import torch
@@ -109,13 +110,17 @@ class Graphs:
     def _capture(self, launch: Any) -> Optional[list[Slot]]:
         """:data:`RING` graphs of ``launch`` over fixed buffers, captured on a stream of
         their own (capture enqueues nothing; this thread alone is held to capture rules)."""
+        if self._launch is None:
+            self._launch = raw_launcher()
+            if self._launch is None:
+                self.failed = "no graph launch entry point (cuGraphLaunch, hipGraphLaunch) found"
+                return None
         import torch
 
         try:
             variant = self.variants.get(launch.tile)
             if self._stream is None:
                 self._stream = torch.cuda.Stream(device=self.device_index)
-                self._launch = raw_launcher()
             ring = []
             for _ in range(RING):
                 entry = self.pool.take(3 * launch.n)
@@ -127,29 +132,20 @@ class Graphs:
                                              launch.tile.splits, self._stream.cuda_stream)
                     finally:
                         graph.capture_end()
-                raw = getattr(graph, "raw_cuda_graph_exec", None)
-                ring.append(Slot(entry, graph, int(raw()) if raw is not None and self._launch is not None else 0))
+                ring.append(Slot(entry, graph, int(graph.raw_cuda_graph_exec())))  # a torch without it: no graphs
             return ring
         except Exception as e:  # the plain launch serves, from now on
             self.failed = f"{type(e).__name__}: {e}"
             return None
 
-    def replay(self, slot: Slot, packed: Any, s: Any, current: bool) -> None:
-        """Copy the ``packed`` descriptors into ``slot``'s buffer and replay its graph on
-        ``s`` (``current``: ``s`` is the current stream already)."""
-        import torch
-
+    def replay(self, slot: Slot, packed: Any, s: Any) -> None:
+        """Copy the ``packed`` descriptors into ``slot``'s buffer and launch its graph on the
+        torch stream ``s``."""
         try:
             slot.entry.view[:len(packed)] = packed
-            if slot.exec:
-                rc = self._launch(slot.exec, s.cuda_stream)
-                if rc:
-                    raise RuntimeError(f"{self._launch.__name__} of a captured copy failed with error {rc}")
-            elif current:
-                slot.graph.replay()
-            else:
-                with torch.cuda.stream(s):
-                    slot.graph.replay()
+            rc = self._launch(slot.exec, s.cuda_stream)
+            if rc:
+                raise RuntimeError(f"{self._launch.__name__} of a captured copy failed with error {rc}")
         finally:  # also on failure: a replay may be enqueued
             slot.entry.done.record(s)
             slot.used, slot.busy = True, False

@@ -314,7 +314,7 @@ class KernelCopy:
                 slot = self._graphs.slot(launch)
                 if slot is not None:
                     read = False
-                    self._graphs.replay(slot, entry.view[:m], s, current)
+                    self._graphs.replay(slot, entry.view[:m], s)
                     return
             if launch.descriptors == "host":
                 desc, ptr = entry.host, entry.host_ptr

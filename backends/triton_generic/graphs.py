@@ -88,6 +88,8 @@ class Graphs:
     def slot(self, launch: Any) -> Optional[Slot]:
         """A free slot of ``launch``'s shape, marked in use (capturing its graphs now if the
         shape is due), or None: launch it the plain way."""
+        if self.failed is not None and not self._rings:
+            return None  # turned off, or no capture ever worked: no lock, no counting, per call
         key = (launch.n, launch.grid, launch.tile)
         with self._lock:
             ring = self._rings.get(key)

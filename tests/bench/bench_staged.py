@@ -12,6 +12,10 @@ counts) it prints, as ratios measured in this run:
   over the GEMMs alone;
 * ``makespan/bound``: launch to both done, over max(compute alone, bytes / ceiling).
 
+A ``contiguous`` row does the same for one contiguous copy of the job's bytes on a side
+stream: the compute slowdown of moving those bytes over the link at all, the floor the
+routes are read against.
+
 Every job's bytes are checked once. ``python3 tests/bench/bench_staged.py --json out.json``
 
 ``--link-only`` measures the link by itself instead: the batch route copying runs of 64 KiB
@@ -86,6 +90,31 @@ def link_only(streams: list[int], reps: int) -> list[dict]:
     return rows
 
 
+def beside_compute(copy, launch_compute, compute, comp_alone: float, nbytes: int, ceiling: float,
+                   reps: int) -> dict:
+    """``copy(stream)`` enqueued on a side stream right after the GEMMs: the compute's
+    slowdown and the makespan over the bound, medians of ``reps``."""
+    side = torch.cuda.Stream()
+    comps, spans = [], []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        ev[0].record(compute)
+        side.wait_event(ev[0])
+        launch_compute()
+        ev[1].record(compute)
+        with torch.cuda.stream(side):
+            copy(side)
+        ev[2].record(side)
+        torch.cuda.synchronize()
+        comps.append(ev[0].elapsed_time(ev[1]) / 1e3)
+        spans.append(max(comps[-1], ev[0].elapsed_time(ev[2]) / 1e3))
+    bound = max(comp_alone, nbytes / (ceiling * 1e9))
+    return dict(slowdown=round(statistics.median(comps) / comp_alone - 1, 3),
+                makespan_over_bound=round(statistics.median(spans) / bound, 3),
+                ceiling_gbps=round(ceiling, 1), bytes=nbytes)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--blocks", type=int, default=512)
@@ -139,9 +168,14 @@ def main() -> int:
             ceil_t = timed(lambda: (d.copy_(h, non_blocking=True) if direction == "h2d"
                                     else h.copy_(d, non_blocking=True)), args.reps)
             ceiling = nbytes / ceil_t / 1e9
-            del h, d
             comp_alone = timed(lambda: (launch_compute(), torch.cuda.current_stream().wait_stream(compute)),
                                args.reps)
+            rows.append(dict(chunk_kib=chunk_kib, direction=direction, route="contiguous", label="",
+                             alone_over_ceiling=1.0, **beside_compute(
+                                 lambda s: (d.copy_(h, non_blocking=True) if direction == "h2d"
+                                            else h.copy_(d, non_blocking=True)),
+                                 launch_compute, compute, comp_alone, nbytes, ceiling, args.reps)))
+            del h, d
             streams = [int(x) for x in args.link_streams.split(",")]
             contenders = [(f"default/{n} link" if len(streams) > 1 else "default", Policy(), n) for n in streams]
             contenders += [("kernel", Policy(force="triton.kernel"), None), ("batch", Policy(force="cuda.batch"), None)]

@@ -10,7 +10,8 @@ copy of the same bytes are printed with it, so the gap between them can be read 
 
 ``python3 tests/bench/diag_staged_timeline.py --layers 32 --heads 1 --blocks 512 --out DIR``
 (llama-3.1-8b at TP 8: 4 KiB chunks, 256 KiB blocks). Writes ``DIR/timeline-<dir>-<way>.txt``
-and the Chrome traces beside them with ``--traces``.
+and the Chrome traces beside them with ``--traces``. ``--gap-ms`` leaves the machine idle before each
+timed job (a cold issuing thread and GPU), ``--pool`` spreads the blocks over larger pools.
 """
 from __future__ import annotations
 
@@ -68,10 +69,13 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=5, help="timed jobs per case (median)")
     p.add_argument("--out", type=Path, default=Path("staged-timeline"))
     p.add_argument("--traces", action="store_true", help="keep the Chrome traces")
+    p.add_argument("--pool", type=int, default=0, help="blocks in each pool (default twice --blocks)")
+    p.add_argument("--gap-ms", type=float, default=0.0,
+                   help="idle time before each timed submit (the threads and the GPU left to go quiet)")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda:0")
-    pool = 2 * args.blocks
+    pool = args.pool or 2 * args.blocks
     device = [torch.randint(-9, 9, (2, pool, 16, args.heads, 128), dtype=torch.int16, device=dev).view(torch.bfloat16)
               for _ in range(args.layers)]
     cache = kvswap.host_cache(device, pool, block_dim=1)
@@ -82,17 +86,18 @@ def main() -> int:
     for direction in ("d2h", "h2d"):
         src, dst = (list(cache.views), device) if direction == "h2d" else (device, list(cache.views))
         ceiling = contiguous_seconds(nbytes, direction == "d2h")
+        sid = rng.choice(pool, args.blocks, replace=False)
+        did = rng.choice(pool, args.blocks, replace=False)
         for way, thread in (("thread", True), ("submit", False)):
             mover = BlockMover(src, dst, direction, block_dim=1, policy=Policy(force="triton.staged"),
                                issuing_thread=thread)
-            sid = rng.choice(pool, args.blocks, replace=False)
-            did = rng.choice(pool, args.blocks, replace=False)
             mover.wait(mover.submit(sid, did))  # warm-up (compiles, allocates the staging buffer)
             for t_src, t_dst in zip(src, dst):
                 assert torch.equal(t_dst[:, did].view(torch.int16).cpu(), t_src[:, sid].view(torch.int16).cpu())
             measured, host = [], []
             for _ in range(args.reps):
                 torch.cuda.synchronize()
+                time.sleep(args.gap_ms / 1e3)
                 a = time.perf_counter()
                 job = mover.submit(sid, did)
                 host.append(time.perf_counter() - a)
@@ -100,6 +105,13 @@ def main() -> int:
                 (r,) = [x for x in mover.poll() if x.job_id == job]
                 measured.append(r.seconds)
             torch.cuda.synchronize()
+            med = statistics.median(measured)
+            head = (f"{direction} {way}, gap {args.gap_ms:g} ms, pool {pool}: {args.blocks} blocks x {cache.block_bytes} B "
+                    f"= {nbytes / 2**20:.1f} MiB; job {med * 1e3:.3f} ms (median of {args.reps}), contiguous copy "
+                    f"{ceiling * 1e3:.3f} ms, ratio {ceiling / med:.3f}; submit held the thread "
+                    f"{statistics.median(host) * 1e6:.0f} us")
+            summary.append(head)
+            print(head, flush=True)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                     torch.profiler.ProfilerActivity.CUDA]) as prof:
                 with torch.profiler.record_function("kvswap.submit"):
@@ -114,13 +126,7 @@ def main() -> int:
             lines = summarize(trace, t0)
             if not args.traces:
                 path.unlink()
-            med = statistics.median(measured)
-            head = (f"{direction} {way}: {args.blocks} blocks x {cache.block_bytes} B = {nbytes / 2**20:.1f} MiB; "
-                    f"job {med * 1e3:.3f} ms (median of {args.reps}), contiguous copy {ceiling * 1e3:.3f} ms, "
-                    f"ratio {ceiling / med:.3f}; submit held the thread {statistics.median(host) * 1e6:.0f} us")
             (args.out / f"timeline-{direction}-{way}.txt").write_text(head + "\n" + "\n".join(lines) + "\n")
-            summary.append(head)
-            print(head, flush=True)
             mover.close()
     (args.out / "summary.txt").write_text("\n".join(summary) + "\n")
     return 0

@@ -58,8 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "thread on (what each still gains shows against the default)")
     g.add_argument("--plot", type=Path, metavar="FILE.png", help="also draw the results (needs matplotlib)")
     g.add_argument("--render", type=Path, nargs="+", metavar="FILE.json",
-                   help="measure nothing: print the markdown table and the bars of step-benchmark JSON file(s) "
-                   "of one device (and draw --plot)")
+                   help="measure nothing: print as markdown the JSON file(s) of one device that kvswap bench "
+                   "wrote: the step benchmark's table and bars (and draw --plot), or the grid's tables")
     g.add_argument("--command", dest="render_command", default="", metavar="TEXT",
                    help="with --render: the command that produced the JSON, quoted in the markdown")
     add_shape_arguments(p)
@@ -86,9 +86,10 @@ def caches_from_args(args: argparse.Namespace) -> tuple[list[Any], list[str]]:
 
 
 def render(args: argparse.Namespace) -> int:
+    from .report import bench_markdown
     from .step_report import interference_markdown, merge, plot, render_markdown
 
-    steps, slowdowns = [], []
+    steps, slowdowns, grids = [], [], []
     for f in args.render:
         try:
             doc = json.loads(Path(f).read_text())
@@ -99,9 +100,11 @@ def render(args: argparse.Namespace) -> int:
             steps.append(doc)
         elif kind == "kvswap step interference":
             slowdowns.append(doc)
+        elif isinstance(doc, dict) and "peer_policy" in doc and "rows" in doc:
+            grids.append(doc)
         else:
-            raise ConfigurationError(f"--render {str(f)!r} is not the JSON of kvswap bench --model or of "
-                                     f"kvswap.calibration.step_interference")
+            raise ConfigurationError(f"--render {str(f)!r} is not the JSON of kvswap bench (its grid or --model) "
+                                     f"or of kvswap.calibration.step_interference")
     if steps:
         doc = merge(steps)
         print(render_markdown(doc, args.render_command, args.plot.name if args.plot else None, slowdowns), end="")
@@ -113,6 +116,8 @@ def render(args: argparse.Namespace) -> int:
     for doc in slowdowns:
         print()
         print(interference_markdown(doc), end="")
+    for doc in grids:
+        print(bench_markdown(doc, args.render_command))
     return 0
 
 

@@ -177,6 +177,14 @@ def bench_report(result: BenchResult) -> str:
     return "\n".join(out)
 
 
+def bench_markdown(doc: dict, command: str = "") -> str:
+    """The JSON of ``kvswap bench`` (the grid) as markdown: the device, the command that
+    measured it, and the tables as the run printed them."""
+    name = (doc.get("device") or {}).get("name", "unknown device")
+    head = f"**{name}**" + (f" — `{command}`" if command else "")
+    return "\n".join([head, "", "```text", bench_report(BenchResult.from_dict(doc)).rstrip(), "```", ""])
+
+
 def slowdown_lines(fitted: Fitted, interference: Sequence[dict] = ()) -> list[str]:
     """The compute slowdown per direction, route and SM count, and where it came from."""
     out = []

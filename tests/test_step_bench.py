@@ -423,3 +423,21 @@ def test_the_no_within_variant_submits_without_within():
     assert all(c.error is None for c in case.contenders)
     # per repetition: each contender alone (no within), then beside compute (within: the default's only)
     assert sum(w is not None for w in env.withins) == 3 and all(w > 0 for w in env.withins if w is not None)
+
+
+def test_render_prints_the_grid_of_kvswap_bench_as_it_ran(tmp_path):
+    """``--render`` of the grid's JSON (here the host's own copies, measured now): a table per
+    direction with a row per block size and batch, the command quoted."""
+    path = tmp_path / "grid.json"
+    out = kvswap_cli("bench", "--device", "cpu", "--block-bytes", "4096,65536", "--batches", "16,64",
+                     "--directions", "h2d", "--json", str(path))
+    assert out.returncode == 0, out.stderr
+    out = kvswap_cli("bench", "--render", str(path), "--command", "kvswap bench --device cpu")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].endswith("— `kvswap bench --device cpu`") and lines[2] == "```text"
+    assert lines[3].startswith("h2d: GB/s (contiguous ceiling ")
+    rows = [line.split()[:3] for line in lines
+            if line.strip().startswith(("4 KiB", "64 KiB")) and line.split()[2].isdigit()]  # not "... x 16:"
+    assert rows == [["4", "KiB", "16"], ["4", "KiB", "64"], ["64", "KiB", "16"], ["64", "KiB", "64"]]
+    assert lines[-2:] == ["```", ""] and "d2h: GB/s" not in out.stdout

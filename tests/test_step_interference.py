@@ -199,4 +199,4 @@ def test_render_prints_the_slowdown_table(tmp_path):
     bad.write_text("{}")
     out = subprocess.run([sys.executable, "-m", "kvswap", "bench", "--render", str(bad)], capture_output=True,
                          text=True, timeout=120)
-    assert out.returncode == 2 and "is not the JSON of kvswap bench --model" in out.stderr
+    assert out.returncode == 2 and "is not the JSON of kvswap bench (its grid or --model)" in out.stderr

@@ -20,7 +20,8 @@ Every job's bytes are checked once. ``python3 tests/bench/bench_staged.py --json
 
 ``--link-only`` measures the link by itself instead: the batch route copying runs of 64 KiB
 to 1 MiB between a contiguous device buffer and scattered host runs, its descriptors spread
-over 1-4 streams, as a fraction of the contiguous copy of the same bytes.
+over 1-4 streams, as a fraction of the contiguous copy of the same bytes; ``--host-mib``
+sets the pinned pool the runs are scattered over (an engine's host cache is many GiB).
 """
 from __future__ import annotations
 
@@ -52,10 +53,11 @@ def timed(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def link_only(streams: list[int], reps: int) -> list[dict]:
-    """The batch route's runs over 1..N streams against the contiguous ceiling."""
+def link_only(streams: list[int], reps: int, host_bytes: int = 256 << 20) -> list[dict]:
+    """The batch route's runs over 1..N streams against the contiguous ceiling, the runs at
+    random places of a pinned pool of ``host_bytes``."""
     dev, total = torch.device("cuda:0"), 128 << 20
-    host = torch.empty(2 * total, dtype=torch.uint8, pin_memory=True)
+    host = torch.empty(max(host_bytes, total), dtype=torch.uint8, pin_memory=True)
     device = torch.empty(total, dtype=torch.uint8, device=dev)
     contiguous = torch.empty(total, dtype=torch.uint8, pin_memory=True)
     side = [torch.cuda.Stream() for _ in range(max(streams))]
@@ -66,11 +68,11 @@ def link_only(streams: list[int], reps: int) -> list[dict]:
         fn = kvswap.resolve(direction, device=dev, policy=Policy(force="cuda.batch"))
         for run in (64 << 10, 256 << 10, 1 << 20):
             n = total // run
-            hp = host.data_ptr() + rng.choice(2 * n, n, replace=False).astype(np.int64) * run
+            hp = host.data_ptr() + rng.choice(host.numel() // run, n, replace=False).astype(np.int64) * run
             dp = device.data_ptr() + np.arange(n, dtype=np.int64) * run
             src, dst = (hp, dp) if direction == "h2d" else (dp, hp)
             sizes = np.full(n, run, dtype=np.int64)
-            row = dict(direction=direction, run_kib=run >> 10, descriptors=n)
+            row = dict(direction=direction, run_kib=run >> 10, descriptors=n, host_mib=host.numel() >> 20)
             for k in streams:
                 def spread():
                     cur, cuts = torch.cuda.current_stream(), np.linspace(0, n, k + 1).astype(int)
@@ -81,7 +83,8 @@ def link_only(streams: list[int], reps: int) -> list[dict]:
                         cur.wait_stream(s)
                 row[f"{k} stream(s)"] = round(ceil_t / timed(spread, reps), 3)
             rows.append(row)
-    print(f"device {torch.cuda.get_device_name()}: the batch route over scattered host runs / contiguous copy")
+    print(f"device {torch.cuda.get_device_name()}: the batch route over runs scattered in {host.numel() >> 20} MiB "
+          f"of pinned memory / contiguous copy")
     keys = [f"{k} stream(s)" for k in streams]
     print("| dir | run | descriptors | " + " | ".join(keys) + " |")
     print("|---|---|---|" + "---|" * len(keys))
@@ -125,10 +128,11 @@ def main() -> int:
                    help="copy-engine streams of the staged route's link to try (the mover's default route)")
     p.add_argument("--shapes", default="4x80,8x64,16x40,32x32", help="chunk KiB x layers, comma-separated")
     p.add_argument("--link-only", action="store_true", help="measure the batch route's runs over --link-streams")
+    p.add_argument("--host-mib", type=int, default=256, help="with --link-only: the pinned pool the runs lie in")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if args.link_only:
-        rows = link_only([int(x) for x in args.link_streams.split(",")], args.reps)
+        rows = link_only([int(x) for x in args.link_streams.split(",")], args.reps, args.host_mib << 20)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(dict(device=torch.cuda.get_device_name(), link_only=rows), f, indent=1)

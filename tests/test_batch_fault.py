@@ -4,29 +4,20 @@ fault, hang, fail or copy wrong): every exit status, the child-process map, the 
 derived from it and the doc section it rewrites."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from bench_scripts import load_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = ROOT / "tests" / "bench" / "batch_fault"
 
 
-def _load_envelope():
-    spec = importlib.util.spec_from_file_location("kvswap_envelope", HERE / "envelope.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-envelope = _load_envelope()
+envelope = load_bench("batch_fault/envelope.py", "kvswap_envelope")
 CC = shutil.which("cc") or shutil.which("gcc")
 INCLUDE = envelope.cuda_include(shutil.which("nvcc"))
 pytestmark = pytest.mark.skipif(CC is None or INCLUDE is None, reason="needs a C compiler and CUDA's cuda.h")

@@ -4,18 +4,13 @@ with its time and the kvswap modules the call passed through. It asserts nothing
 times: a benchmark is not a test."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent / "bench" / "bench_call_path.py"
+from bench_scripts import load_bench
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_call_path", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return load_bench("bench_call_path.py", "bench_call_path")
 
 
 def test_the_bench_runs_on_the_stand_ins_and_writes_a_row_per_case(tmp_path, capsys):

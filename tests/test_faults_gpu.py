@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from bench_scripts import load_bench
 
 pytestmark = pytest.mark.gpu
 
@@ -211,12 +212,7 @@ def test_threads_sharing_a_device_mover(route):
 
 
 def test_a_short_soak_on_the_gpu_moves_every_byte_right():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("kvswap_soak", BENCH / "soak.py")
-    soak = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = soak
-    spec.loader.exec_module(soak)
+    soak = load_bench("soak.py", "kvswap_soak")
     report = soak.run(soak.Config(device="cuda:0", seconds=30, blocks=2048, layers=4))
     print(soak.table(report))
     t = report.totals()

@@ -2,21 +2,11 @@
 every route and path runs, a clean run finds nothing, and a sabotaged one is caught."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-import pytest
-
-SCRIPT = Path(__file__).resolve().parent / "bench" / "fuzz.py"
+from bench_scripts import load_bench
 
 
 def load_fuzz():
-    spec = importlib.util.spec_from_file_location("kvswap_fuzz", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("fuzz.py", "kvswap_fuzz")
 
 
 TINY = dict(device="cpu", transfers=900, pool_bytes=1 << 21, max_size=4096, inflight=4, max_batch=48)

@@ -3,15 +3,10 @@ BlockMover with 256 jobs in flight), every byte and canary checked. The full cou
 ``python tests/bench/fuzz.py --device cuda:0 --transfers 100000 --json fuzz.json``."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from bench_scripts import load_bench
 
 pytestmark = pytest.mark.gpu
-
-SCRIPT = Path(__file__).resolve().parent / "bench" / "fuzz.py"
 
 
 def test_fuzz_every_route_on_the_gpu():
@@ -19,10 +14,7 @@ def test_fuzz_every_route_on_the_gpu():
 
     import kvswap
 
-    spec = importlib.util.spec_from_file_location("kvswap_fuzz", SCRIPT)
-    fuzz = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = fuzz  # dataclasses look their module up
-    spec.loader.exec_module(fuzz)
+    fuzz = load_bench("fuzz.py", "kvswap_fuzz")
     report = fuzz.run(fuzz.Config(device=f"cuda:{torch.cuda.current_device()}", transfers=20_000,
                                   pool_bytes=64 << 20, inflight=256, seed=21))
     for r in report.rows:

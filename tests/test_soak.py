@@ -5,7 +5,6 @@ the end. The full run on a GPU is ``tests/bench/soak.py --device cuda:0 --second
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,6 +12,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from bench_scripts import load_bench
 
 SCRIPT = Path(__file__).resolve().parent / "bench" / "soak.py"
 # glibc moves its mmap threshold up after the first large free, after which the soak's large
@@ -25,11 +25,7 @@ RSS_TOLERANCE = 8 << 20
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("kvswap_soak", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("soak.py", "kvswap_soak")
 
 
 def test_a_cpu_soak_moves_every_byte_right_with_flat_memory_and_threads(tmp_path):

@@ -2,21 +2,16 @@
 step JSON documents (the older one without host layouts, as runs from before them were)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 
-BENCH = Path(__file__).resolve().parent / "bench" / "step_vs_base.py"
+from bench_scripts import load_bench
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("step_vs_base", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("step_vs_base.py", "step_vs_base")
 
 
 def _case(model, tp, direction, blocks, spans, host_layout=None, error=None):

@@ -3,17 +3,13 @@ engine mode (here idle and python), direction, chunk size and job size, with bot
 table and written as JSON. It asserts nothing of the times: a benchmark is not a test."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent / "bench" / "bench_vllm_worker.py"
+from bench_scripts import load_bench
 
 
 def test_the_bench_runs_and_writes_a_row_per_case(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("bench_vllm_worker", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("bench_vllm_worker.py", "bench_vllm_worker")
     rows = bench.main(["--out-dir", str(tmp_path), "--device", "cpu", "--layers", "3", "--page", "2048",
                        "--device-blocks", "48", "--host-blocks", "48", "--blocks", "4,9", "--k", "1,4",
                        "--reps", "3", "--warmup", "1", "--engine", "idle,python"])

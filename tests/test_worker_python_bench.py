@@ -3,19 +3,13 @@ chunk size and job size, the worker's results checked job by job against stand-i
 It asserts nothing of the times: a benchmark is not a test."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent / "bench" / "bench_worker_python.py"
+from bench_scripts import load_bench
 
 
 def test_the_bench_runs_and_writes_a_row_per_case(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("bench_worker_python", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    spec.loader.exec_module(bench)
+    bench = load_bench("bench_worker_python.py", "bench_worker_python")
     out = tmp_path / "rows.json"
     rows = bench.main(["--k", "1,3", "--blocks", "5", "--reps", "4", "--pause", "0.2", "--json", str(out)])
     assert [(r["pause_ms"], r["k"], r["blocks"]) for r in rows] == [(0.0, 1, 5), (0.0, 3, 5), (0.2, 1, 5), (0.2, 3, 5)]

@@ -143,6 +143,12 @@ def lost_fraction(alone: float, beside: float, transfer: float) -> float:
     return min(max((beside - alone) / overlap, 0.0), 0.99)
 
 
+def cover_blocks(blocks: int, seconds: float, compute: float, least: int, most: int) -> int:
+    """Blocks for a job that lasts :data:`COVER` times ``compute`` at the speed a job of
+    ``blocks`` blocks took ``seconds`` at, within ``[least, most]``."""
+    return max(least, min(most, math.ceil(blocks * COVER * compute / max(seconds, 1e-9))))
+
+
 def _measure_route(env: Any, pools: StepPools, mover: Any, d: Direction, reps: int,
                    rng: np.random.Generator) -> dict[str, Any]:
     probe = min(64, pools.num_blocks // 2)
@@ -150,7 +156,14 @@ def _measure_route(env: Any, pools: StepPools, mover: Any, d: Direction, reps: i
     transfer_alone(env, pools, mover, d, sid, did)  # warm-up
     t_probe = transfer_alone(env, pools, mover, d, sid, did)
     compute = compute_alone(env)
-    blocks = max(probe, min(pools.num_blocks // 2, math.ceil(probe * COVER * compute / max(t_probe, 1e-9))))
+    most = pools.num_blocks // 2
+    blocks = cover_blocks(probe, t_probe, compute, probe, most)
+    # A route's fixed cost per job (the staged route's host work before its first link copy)
+    # makes a small probe look slow, and a job sized from it ends before the compute: sized
+    # once more from a job of the first estimate.
+    if probe < blocks < most:
+        sid, did = pools.draw(rng, blocks)
+        blocks = cover_blocks(blocks, transfer_alone(env, pools, mover, d, sid, did), compute, probe, most)
     ratios, lost, beside, comp, alone = [], [], [], [], []
     checked = 0
     for _ in range(reps):

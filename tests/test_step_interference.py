@@ -200,3 +200,39 @@ def test_render_prints_the_slowdown_table(tmp_path):
     out = subprocess.run([sys.executable, "-m", "kvswap", "bench", "--render", str(bad)], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 2 and "is not the JSON of kvswap bench (its grid or --model)" in out.stderr
+
+
+def test_a_job_is_sized_again_from_a_larger_probe_so_a_fixed_cost_does_not_leave_it_short(monkeypatch):
+    """A route that spends 2 ms per job before its first byte: the 64-block probe alone would
+    size a job of 8 ms beside 20 ms of compute; sized again from that job, it covers it."""
+    import numpy as np
+
+    fixed, per_block, compute = 0.002, 0.00001, 0.020
+    stepped = []
+
+    def transfer_alone(env, pools, mover, d, sid, did):
+        return fixed + per_block * len(sid)
+
+    def one_step(env, pools, mover, d, sid, did):
+        stepped.append(len(sid))
+        t = transfer_alone(env, pools, mover, d, sid, did)
+        return 0.0, t, compute * 1.05, max(t, compute * 1.05)
+
+    class Pools:
+        num_blocks = 100_000
+
+        def draw(self, rng, n):
+            return np.arange(n), np.arange(n)
+
+        def check(self, d, sid, did):
+            return len(sid)
+
+    monkeypatch.setattr(step_interference, "transfer_alone", transfer_alone)
+    monkeypatch.setattr(step_interference, "compute_alone", lambda env: compute)
+    monkeypatch.setattr(step_interference, "one_step", one_step)
+    first = step_interference.cover_blocks(64, transfer_alone(None, None, None, None, range(64), None), compute,
+                                           64, 50_000)
+    assert fixed + per_block * first < compute  # the probe's estimate alone falls short
+    rec = step_interference._measure_route(None, Pools(), None, Direction.H2D, 3, np.random.default_rng(0))
+    assert rec["covered"] and stepped == [rec["blocks"]] * 3 and rec["blocks"] > first
+    assert rec["slowdown"] == pytest.approx(1 / 21, abs=1e-3)  # 1 ms lost over all 21 ms of the compute

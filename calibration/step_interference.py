@@ -45,6 +45,8 @@ COVER = 1.3  # a job sized for this many times the compute alone
 # The staged route's block-major pools hold at least this many bytes: at about 50 GB/s its job
 # needs some 1.3 GB to outlast 20 ms of compute, and a job takes at most half the pool.
 STAGED_POOL_BYTES = 3 << 30
+# The reference row beside each staged one: a contiguous copy of the same bytes, no route.
+CONTIGUOUS = "contiguous copy"
 
 
 def workload() -> KVCache:
@@ -61,7 +63,8 @@ def measure(env: Any, dev: DeviceInfo, directions: Sequence[Direction], sm_count
     ``cache``, and one per direction for the batch route on each of ``by_size`` (other
     block sizes; :func:`size_workloads`), all with per-layer host tensors; with ``staged``,
     also one per direction for the staged route on each of them with a block-major host
-    cache (where a staged route is available), its pool at least ``staged_pool_bytes``;
+    cache (where a staged route is available), its pool at least ``staged_pool_bytes``, and
+    on a device one for a contiguous copy of the same bytes (:data:`CONTIGUOUS`);
     without ``per_layer``, only those (``kvswap calibrate --only staged``)."""
     cache = cache or workload()
     rng = np.random.default_rng(seed)
@@ -109,7 +112,7 @@ def _measure_routes(env: Any, dev: DeviceInfo, pools: StepPools, d: Direction, s
         routes.append((available.staged, "staged", None, Contender("staged", Policy(force=available.staged))))
     if progress is not None:
         progress.add(len(routes))
-    records = []
+    records: list[dict[str, Any]] = []
     for impl, kind, sms, c in routes:
         rec: dict[str, Any] = {"direction": str(d), "route": impl, "kind": kind, "num_sms": sms,
                                "chunk_bytes": cache.chunk_bytes, "workload": cache.label,
@@ -128,7 +131,43 @@ def _measure_routes(env: Any, dev: DeviceInfo, pools: StepPools, d: Direction, s
         records.append(rec)
         if progress is not None:
             progress.step(f"{d} {c.name} {cache.chunk_bytes // 1024} KiB")
+        if kind == "staged" and "slowdown" in rec and hasattr(env, "torch"):
+            records.append(_measure_contiguous(env, pools, d, rec["blocks"], reps))
     return records
+
+
+def _measure_contiguous(env: Any, pools: StepPools, d: Direction, blocks: int, reps: int) -> dict[str, Any]:
+    """One contiguous copy of a ``blocks``-block job's bytes, between the block-major host
+    allocation and its device mirror on a side stream, beside the compute as a job is: what
+    moving those bytes over the link at all costs the compute, the floor a staged route's
+    slowdown is read against (:data:`CONTIGUOUS`)."""
+    torch, cache = env.torch, pools.cache
+    nbytes = blocks * cache.block_bytes
+    host, dev = pools.host_flat[0][:nbytes], pools.mirror[0][:nbytes]
+    src, dst = (host, dev) if d.src_is_host else (dev, host)
+    side = torch.cuda.Stream(device=env.index)
+    lost, beside, comp = [], [], []
+    for _ in range(reps):
+        alone = compute_alone(env)
+        with env.context():
+            env.sync()
+            c0 = env.mark()
+            env.launch_compute()
+            c1 = env.mark()
+            t0 = env.mark(side)
+            with torch.cuda.stream(side):
+                dst.copy_(src, non_blocking=True)
+            t1 = env.mark(side)
+            env.sync()
+        t, c = env.elapsed(t0, t1), env.elapsed(c0, c1)
+        lost.append(lost_fraction(alone, c, t))
+        beside.append(t)
+        comp.append(c)
+    return {"direction": str(d), "route": CONTIGUOUS, "kind": "contiguous", "num_sms": 0,
+            "chunk_bytes": cache.chunk_bytes, "workload": cache.label, "host_layout": pools.host_layout,
+            "blocks": blocks, "slowdown": round(median(lost), 4), "transfer_beside_ms": round(median(beside) * 1e3, 4),
+            "compute_beside_ms": round(median(comp) * 1e3, 4), "covered": median(beside) >= median(comp),
+            "bytes_checked": 0}
 
 
 def lost_fraction(alone: float, beside: float, transfer: float) -> float:
@@ -193,7 +232,7 @@ def profile_rows(records: Sequence[dict[str, Any]]) -> dict[str, list[list[Any]]
     were measured at several."""
     out: dict[str, dict[tuple, float]] = {}
     for r in records:
-        if r.get("error") or "slowdown" not in r:
+        if r.get("error") or "slowdown" not in r or r["kind"] == "contiguous":  # a reference, not a route
             continue
         rows = out.setdefault(r["direction"], {})
         sized = r["kind"] in ("batch", "staged") and r.get("chunk_bytes")

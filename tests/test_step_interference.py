@@ -236,3 +236,22 @@ def test_a_job_is_sized_again_from_a_larger_probe_so_a_fixed_cost_does_not_leave
     rec = step_interference._measure_route(None, Pools(), None, Direction.H2D, 3, np.random.default_rng(0))
     assert rec["covered"] and stepped == [rec["blocks"]] * 3 and rec["blocks"] > first
     assert rec["slowdown"] == pytest.approx(1 / 21, abs=1e-3)  # 1 ms lost over all 21 ms of the compute
+
+
+def test_a_contiguous_copy_is_a_reference_row_not_a_route():
+    """The contiguous copy measured beside each staged row stays out of the profile (it is no
+    route the resolver could rank) and shows as the staged bar's floor in the report."""
+    from kvswap.calibration import step_report
+
+    staged = {"direction": "h2d", "route": "triton.staged", "kind": "staged", "num_sms": 32, "slowdown": 0.09,
+              "blocks": 900, "transfer_beside_ms": 24.0, "compute_beside_ms": 21.5, "covered": True,
+              "chunk_bytes": 4 * KiB, "host_layout": "block-major"}
+    floor = dict(staged, route=step_interference.CONTIGUOUS, kind="contiguous", num_sms=0, slowdown=0.071)
+    other = dict(floor, direction="d2h", slowdown=-0.004)
+    rows = step_interference.profile_rows([staged, floor, other])
+    assert rows == {"h2d": [["staged", 32, 0.09, 4 * KiB], ["triton.staged", 32, 0.09, 4 * KiB]]}
+    (bar,) = [b for b in step_report.bars([], [{"records": [staged, floor, other]}]) if "slowdown" in b["bar"]]
+    assert bar["cases"] == 1 and bar["ok"] is False and bar["worst"] == 0.09
+    assert bar["note"] == "a contiguous copy of the same bytes beside the same compute: -0.4% to 7.1%"
+    table = step_report.interference_markdown({"device": "d", "records": [staged, floor]})
+    assert "| h2d | contiguous copy | block-major | - | 4 KiB | 900 | 7.1% |" in table

@@ -39,8 +39,8 @@ from .launch import DEFAULT_PLANS, TilePlan, interpreting
 
 NAME = "triton.staged"
 # SMs of the device-side gather or scatter. On an H100 (512 blocks of 4-32 KiB chunks), 16 to
-# 132 of them kept the route within a few % of the link's ceiling and cost bf16 GEMMs beside
-# it about the same (tests/bench/bench_staged.py); fewer leave more SMs to the compute.
+# 132 of them kept the route within a few % of the link's ceiling (tests/bench/bench_staged.py);
+# bf16 GEMMs beside it lost less with more (docs/design.md, "A third way").
 DEVICE_SMS = 32
 # Copy-engine streams a half's link is spread over. A batch call costs the copy engine a few
 # us per descriptor, one after another: on an H100 and an H200, runs of 256 KiB reached

@@ -131,8 +131,13 @@ def _measure_routes(env: Any, dev: DeviceInfo, pools: StepPools, d: Direction, s
         records.append(rec)
         if progress is not None:
             progress.step(f"{d} {c.name} {cache.chunk_bytes // 1024} KiB")
-        if kind == "staged" and "slowdown" in rec and hasattr(env, "torch"):
-            records.append(_measure_contiguous(env, pools, d, rec["blocks"], reps))
+        if kind == "staged" and "slowdown" in rec and env.name == "device":
+            try:
+                records.append(_measure_contiguous(env, pools, d, rec["blocks"], reps))
+            except Exception as e:
+                records.append({"direction": str(d), "route": CONTIGUOUS, "kind": "contiguous", "num_sms": 0,
+                                "chunk_bytes": cache.chunk_bytes, "host_layout": pools.host_layout,
+                                "error": f"{type(e).__name__}: {e}"})
     return records
 
 

@@ -114,9 +114,9 @@ def _measure_routes(env: Any, dev: DeviceInfo, pools: StepPools, d: Direction, s
         progress.add(len(routes))
     records: list[dict[str, Any]] = []
     for impl, kind, sms, c in routes:
-        rec: dict[str, Any] = {"direction": str(d), "route": impl, "kind": kind, "num_sms": sms,
-                               "chunk_bytes": cache.chunk_bytes, "workload": cache.label,
-                               "host_layout": pools.host_layout}
+        head = {"direction": str(d), "chunk_bytes": cache.chunk_bytes, "workload": cache.label,
+                "host_layout": pools.host_layout}
+        rec: dict[str, Any] = dict(head, route=impl, kind=kind, num_sms=sms)
         try:
             with env.context():
                 mover = make_mover(src, dst, d, cache.block_dim, c, dev)
@@ -132,12 +132,12 @@ def _measure_routes(env: Any, dev: DeviceInfo, pools: StepPools, d: Direction, s
         if progress is not None:
             progress.step(f"{d} {c.name} {cache.chunk_bytes // 1024} KiB")
         if kind == "staged" and "slowdown" in rec and env.name == "device":
+            ref: dict[str, Any] = dict(head, route=CONTIGUOUS, kind="contiguous", num_sms=0)
             try:
-                records.append(_measure_contiguous(env, pools, d, rec["blocks"], reps))
+                ref.update(_measure_contiguous(env, pools, d, rec["blocks"], reps))
             except Exception as e:
-                records.append({"direction": str(d), "route": CONTIGUOUS, "kind": "contiguous", "num_sms": 0,
-                                "chunk_bytes": cache.chunk_bytes, "host_layout": pools.host_layout,
-                                "error": f"{type(e).__name__}: {e}"})
+                ref["error"] = f"{type(e).__name__}: {e}"
+            records.append(ref)
     return records
 
 
@@ -146,8 +146,8 @@ def _measure_contiguous(env: Any, pools: StepPools, d: Direction, blocks: int, r
     allocation and its device mirror on a side stream, beside the compute as a job is: what
     moving those bytes over the link at all costs the compute, the floor a staged route's
     slowdown is read against (:data:`CONTIGUOUS`)."""
-    torch, cache = env.torch, pools.cache
-    nbytes = blocks * cache.block_bytes
+    torch = env.torch
+    nbytes = blocks * pools.cache.block_bytes
     host, dev = pools.host_flat[0][:nbytes], pools.mirror[0][:nbytes]
     src, dst = (host, dev) if d.src_is_host else (dev, host)
     side = torch.cuda.Stream(device=env.index)
@@ -168,9 +168,7 @@ def _measure_contiguous(env: Any, pools: StepPools, d: Direction, blocks: int, r
         lost.append(lost_fraction(alone, c, t))
         beside.append(t)
         comp.append(c)
-    return {"direction": str(d), "route": CONTIGUOUS, "kind": "contiguous", "num_sms": 0,
-            "chunk_bytes": cache.chunk_bytes, "workload": cache.label, "host_layout": pools.host_layout,
-            "blocks": blocks, "slowdown": round(median(lost), 4), "transfer_beside_ms": round(median(beside) * 1e3, 4),
+    return {"blocks": blocks, "slowdown": round(median(lost), 4), "transfer_beside_ms": round(median(beside) * 1e3, 4),
             "compute_beside_ms": round(median(comp) * 1e3, 4), "covered": median(beside) >= median(comp),
             "bytes_checked": 0}
 

@@ -38,12 +38,10 @@ from .by_ids import KernelCopyByIds
 from .launch import DEFAULT_PLANS, TilePlan, interpreting
 
 NAME = "triton.staged"
-# SMs of the device-side gather or scatter: all of the device's. Compute beside it waits for
-# each burst to leave the SMs, and a burst on more SMs is shorter: bf16 GEMMs beside the route
-# lost 4.1-4.8% device to host and 7.7-8.6% host to device on 132 SMs of an H200, 4.9-7.4% and
-# 9.1-13.5% on 32, at the same link speed (calibration/step_interference.py; docs/design.md).
-# Short programs, one per tile, instead of one per SM cost the GEMMs more (up to 17%).
-# Where the device does not report its SMs:
+# SMs of the device-side gather or scatter. On an H100 (512 blocks of 4-32 KiB chunks), 16 to
+# 132 of them kept the route within a few % of the link's ceiling (tests/bench/bench_staged.py);
+# bf16 GEMMs beside it lost less with more, but on 132 the transfer ran 1-5% slower than on 32
+# and the step was no shorter (docs/design.md, "A third way"; tests/bench/bench_staged_sms.py).
 DEVICE_SMS = 32
 # Copy-engine streams a half's link is spread over. A batch call costs the copy engine a few
 # us per descriptor, one after another: on an H100 and an H200, runs of 256 KiB reached
@@ -335,13 +333,13 @@ def bind_staged(staged: StagedCopy, template: Any) -> Optional[StagedByIds]:
 
 
 def bind(ctx: BindContext) -> StagedCopy:
-    """The factory: the device-side kernel on ``num_sms`` SMs (default: all of the device's,
-    else :data:`DEVICE_SMS`) and the link (``ctx.link``)."""
+    """The factory: the device-side kernel on ``num_sms`` SMs (default :data:`DEVICE_SMS`,
+    at most the device's) and the link (``ctx.link``)."""
     from .kernel import _device_index
 
     if ctx.link is None:
         raise ValueError("triton.staged needs a batch route for the link (BindContext.link)")
-    sms = int(ctx.params.get("num_sms") or ctx.device.compute_units or DEVICE_SMS)
+    sms = int(ctx.params.get("num_sms") or min(DEVICE_SMS, ctx.device.compute_units or DEVICE_SMS))
     kernel = KernelCopyByIds(num_sms=sms, device_index=_device_index(ctx.device),
                              tiles=TilePlan.from_params(ctx.params, DEFAULT_PLANS["d2d"]))
     return StagedCopy(kernel, ctx.link, ctx.direction, int(ctx.params.get("staging_bytes", 64 << 20)),

@@ -17,7 +17,9 @@ timed in five conditions, median of ``--reps`` each:
 Calls, on ``--descriptors`` scattered 4 KiB blocks host to device: ``cpu`` (kvswap's whole-batch
 check alone: numpy, no driver call), ``raw`` (the bound kernel route's launch without kvswap's
 check and routing) and ``swapfn`` (the resolved SwapFn forced onto that route). A ``cpu`` call
-that slows as much as the others says the thread, not the stream, is what slows.
+that slows as much as the others says the thread, not the stream, is what slows. The
+``swapfn`` call is also cut in three by clock reads inside it: ``check`` (the whole-batch
+check), ``route`` (from there to the bound transfer) and ``launch`` (the bound transfer).
 
     python3 tests/bench/diag_thread_held.py [--descriptors 64,5120] [--json out.json]
 """
@@ -37,7 +39,7 @@ SPIN = 50_000_000  # sleep-kernel cycles: some 25-30 ms
 CONDITIONS = ("idle", "busy", "busy-spin", "other", "nap")
 
 
-def timed(call: Callable[[], Any], condition: str, stream: Any, other: Any) -> float:
+def timed(call: Callable[[], Any], condition: str, stream: Any, other: Any, marks: list) -> float:
     import torch
 
     if condition in ("busy", "busy-spin"):
@@ -51,6 +53,7 @@ def timed(call: Callable[[], Any], condition: str, stream: Any, other: Any) -> f
     gc.disable()
     try:
         t0 = time.perf_counter_ns()
+        marks.append(t0)
         call()
         t1 = time.perf_counter_ns()
     finally:
@@ -75,6 +78,23 @@ def main() -> None:
     import kvswap
     from kvswap import Policy
     from kvswap.addressing.descriptors import validate
+    from kvswap.resolution import swapfn as swapfn_module
+
+    marks: list = []  # clock reads: the call's start, then (SwapFn) after its check, around the transfer
+
+    def checked(*a: Any) -> Any:
+        out = validate(*a)
+        marks.append(time.perf_counter_ns())
+        return out
+
+    def clocked(f: Any) -> Any:
+        def transfer(*a: Any) -> Any:
+            marks.append(time.perf_counter_ns())
+            try:
+                return f(*a)
+            finally:
+                marks.append(time.perf_counter_ns())
+        return transfer
 
     dev = f"cuda:{torch.cuda.current_device()}"
     slots = 2 * max(args.descriptors)
@@ -82,6 +102,12 @@ def main() -> None:
     gpu = torch.randint(0, 256, (slots * BLOCK,), dtype=torch.uint8, device=dev)
     stream, other = torch.cuda.Stream(), torch.cuda.Stream()
     fn = kvswap.resolve("h2d", device=dev, block_bytes=BLOCK, policy=Policy(force="triton.kernel"))
+    raw_fns = dict(fn._fns)
+    # The SwapFn's own calls clocked: its check, and the transfers its steps call.
+    swapfn_module.validate = checked
+    fn._fns = {key: clocked(f) for key, f in raw_fns.items()}
+    fn._steps = [fn._steps_of(r) for r in fn.plan.routes]
+    fn._by_size.clear()
     rng = np.random.default_rng(0)
     rows = []
     for n in args.descriptors:
@@ -93,17 +119,24 @@ def main() -> None:
         s, d, z = draw()
         fn(s, d, z, stream=stream)
         stream.synchronize()
-        steps = fn.assign(s, d, z)
-        bound = fn._fns[steps[0][:2]]
+        bound = raw_fns[fn.assign(s, d, z)[0][:2]]
         calls = {"cpu": lambda: validate(s, d, z), "raw": lambda: bound(s, d, z, stream),
                  "swapfn": lambda: fn(s, d, z, stream=stream)}
-        got: dict = {(c, k): [] for c in CONDITIONS for k in calls}
+        parts = ("swapfn:check", "swapfn:route", "swapfn:launch")
+        got: dict = {(c, k): [] for c in CONDITIONS for k in (*calls, *parts)}
         for _ in range(args.reps):
             s, d, z = draw()
             for c in CONDITIONS:  # every condition each rep, so drift spreads over all alike
                 for k, call in calls.items():
-                    got[(c, k)].append(timed(call, c, stream, other))
-        for k in calls:
+                    # Once untimed first: a call inherits the wait before it (the previous
+                    # condition's), so each timed call follows a wait of its own condition.
+                    timed(call, c, stream, other, [])
+                    marks.clear()
+                    got[(c, k)].append(timed(call, c, stream, other, marks))
+                    if k == "swapfn" and len(marks) == 4:  # start, checked, transfer in, transfer out
+                        for part, (a, b) in zip(parts, zip(marks, marks[1:])):
+                            got[(c, part)].append((b - a) / 1e3)
+        for k in (*calls, *parts):
             med = {c: statistics.median(got[(c, k)]) for c in CONDITIONS}
             rows.append(dict(descriptors=n, call=k, **{c: round(v, 1) for c, v in med.items()}))
             print(f"n={n:6d} {k:7s} " + "  ".join(f"{c} {v:7.1f}" for c, v in med.items()) + "  (us, median)",

@@ -11,14 +11,20 @@ Two parts, each over ``--sms`` (e.g. 32,66,132):
   (``Policy(force=<the staged route>, max_sms=k)``), contenders interleaved within each
   repetition; the arguments after ``--`` go to ``kvswap bench``.
 
+``render`` prints either part's JSON as markdown: the slowdown by SM count beside the
+contiguous copy's, or per case the transfer alone over its time on the fewest SMs and the step
+over its bound.
+
     python3 tests/bench/bench_staged_sms.py interference --sms 32,132 --json $OUT/sms.json
     python3 tests/bench/bench_staged_sms.py step --sms 32,66,132 -- --model llama-3.1-8b \\
         --tp 1 --blocks 512 --host-layouts block-major --reps 5 --json $OUT/sms_step.json
+    python3 tests/bench/bench_staged_sms.py render $OUT/sms.json $OUT/sms_step.json
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 
@@ -60,14 +66,56 @@ def step(sms: list, bench_args: list) -> int:
     return main(["bench", *bench_args])
 
 
+def render(doc: dict) -> str:
+    """Markdown for one part's JSON."""
+    if "cases" in doc:  # the step part: kvswap bench's JSON
+        sms = sorted({int(c["name"].split("@")[1]) for case in doc["cases"] for c in case["contenders"]})
+        device = doc["device"]["name"] if isinstance(doc["device"], dict) else doc["device"]
+        lines = [f"{device}, {doc['cases'][0]['reps']} repetitions, contenders interleaved:", "",
+                 "| model | tp | dir | chunk | B | " + " | ".join(f"alone @{k}" for k in sms[1:])
+                 + " | " + " | ".join(f"step/bound @{k}" for k in sms) + " |",
+                 "|---" * (5 + 2 * len(sms) - 1) + "|"]
+        for case in doc["cases"]:
+            by = {int(c["name"].split("@")[1]): c for c in case["contenders"]}
+            base = by[sms[0]]["transfer_alone_ms"]
+            lines.append(f"| {case['model']} | {case['tp']} | {case['direction']} | {case['chunk_bytes'] // 1024} KiB "
+                         f"| {case['blocks']} | " + " | ".join(f"{by[k]['transfer_alone_ms'] / base:.3f}" for k in sms[1:])
+                         + " | " + " | ".join(f"{by[k]['makespan_over_bound']:.3f}" for k in sms) + " |")
+        spans = {k: [c["makespan_over_bound"] for case in doc["cases"] for c in case["contenders"]
+                     if c["name"] == f"staged@{k}"] for k in sms}
+        lines.append("| geomean | | | | | " + " | ".join("" for _ in sms[1:]) + " | "
+                     + " | ".join(f"{math.exp(sum(map(math.log, v)) / len(v)):.3f}" for v in spans.values()) + " |")
+        lines += ["", f"alone @k: the transfer alone on k SMs over its time on {sms[0]}."]
+        return "\n".join(lines) + "\n"
+    rows: dict = {}
+    for r in doc["records"]:
+        if "slowdown" in r:
+            rows.setdefault((r["direction"], r["chunk_bytes"]), {}).setdefault(r["kind"], {})[r["device_sms"]] = r["slowdown"]
+    sms = sorted({r["device_sms"] for r in doc["records"]})
+    lines = [f"{doc['device']}, compute slowdown beside a job (step_interference):", "",
+             "| dir | chunk | " + " | ".join(f"staged @{k}" for k in sms) + " | contiguous copy |",
+             "|---" * (3 + len(sms)) + "|"]
+    for (d, chunk), kinds in sorted(rows.items()):
+        ref = sorted(kinds.get("contiguous", {}).values())
+        lines.append(f"| {d} | {chunk // 1024} KiB | "
+                     + " | ".join(f"{kinds['staged'][k]:.1%}" if k in kinds.get("staged", {}) else "-" for k in sms)
+                     + (f" | {ref[0]:.1%} to {ref[-1]:.1%} |" if ref else " | - |"))
+    return "\n".join(lines) + "\n"
+
+
 def run() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("part", choices=("interference", "step"))
+    ap.add_argument("part", choices=("interference", "step", "render"))
     ap.add_argument("--sms", type=lambda s: [int(x) for x in s.split(",")], default=[32, 132])
     ap.add_argument("--reps", type=int, default=5, help="interference: repetitions per route")
     ap.add_argument("--json", default="", help="interference: write the records here")
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)  # step: kvswap bench's arguments follow "--"
+    if argv[:1] == ["render"]:
+        for path in argv[1:]:
+            with open(path) as f:
+                print(render(json.load(f)))
+        return 0
     args = ap.parse_args(argv[:cut])
     if args.part == "interference":
         interference(args.sms, args.reps, args.json)

@@ -14,6 +14,9 @@ timed in five conditions, median of ``--reps`` each:
 * ``nap``: no GPU work queued; the thread sleeps as long as the sleep kernel runs before the
   call (the thread cold, the GPU idle).
 
+Each timed call follows an untimed one in the same condition, so the wait just before it is its
+own condition's.
+
 Calls, on ``--descriptors`` scattered 4 KiB blocks host to device: ``cpu`` (kvswap's whole-batch
 check alone: numpy, no driver call), ``raw`` (the bound kernel route's launch without kvswap's
 check and routing) and ``swapfn`` (the resolved SwapFn forced onto that route). A ``cpu`` call

@@ -58,9 +58,9 @@ def host():
     reset_plugin_host(None)
 
 
-def _mover(block_major: bool, seed: int) -> BlockMover:
+def _mover(block_major: bool, seed: int, layers: int = LAYERS) -> BlockMover:
     gen = torch.Generator().manual_seed(seed)
-    device = [torch.randn(2, 8, 16, 2, 64, generator=gen).to(torch.float16) for _ in range(LAYERS)]
+    device = [torch.randn(2, 8, 16, 2, 64, generator=gen).to(torch.float16) for _ in range(layers)]
     if block_major:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", kvswap.NumaWarning)
@@ -70,8 +70,8 @@ def _mover(block_major: bool, seed: int) -> BlockMover:
     return BlockMover(device, host, "d2h", block_dim=1, issuing_thread=False)
 
 
-def _choose(host, cal, block_major=True, policy=Policy(), seed=0):
-    mover = _mover(block_major, seed)
+def _choose(host, cal, block_major=True, policy=Policy(), seed=0, layers=LAYERS):
+    mover = _mover(block_major, seed, layers)
     t = mover._templates[0]
     assert t.chunk_sizes == (CHUNK,)
     args = dict(device="cpu", block_bytes=list(t.chunk_sizes), calibration=cal, host=host)
@@ -162,6 +162,19 @@ def test_without_staged_measurements_the_rule_decides_and_explain_says_so(host):
     assert choice.steps is not None and choice.staged is None
     assert "chosen by rule: host runs of 64 KiB or more (the calibration holds no staged measurement)" in choice.note
     assert MIN_RUN_BYTES == 64 * KiB
+
+
+def test_runs_under_the_rules_length_take_the_staged_route_where_a_measurement_predicts_it(host):
+    # 4 layers: one run of 32 KiB a block, under MIN_RUN_BYTES. Without a staged measurement the
+    # rule leaves it; with one, the predicted step decides (50 GB/s against the kernel's 45 and 30%).
+    ruled, _, _, _ = _choose(host, calibration(), layers=4)
+    assert ruled.steps is None and ruled.staged is None
+    assert ruled.note.startswith("staged route not used (by rule: the calibration holds no staged measurement): "
+                                 "the host side holds a block as 1 run(s) of 32768+ bytes")
+    measured, _, _, _ = _choose(host, calibration(staged_gbps=50.0), layers=4)
+    assert measured.steps is not None and measured.staged is not None
+    assert measured.note.startswith("staged: triton.staged moves each block as 1 host run(s) of 32768+ bytes")
+    assert "triton.staged" in measured.note.split("<- chosen")[0].rsplit(";", 1)[-1]
 
 
 def test_host_runs_shorter_than_measured_scale_the_staged_curve_by_what_the_link_loses(host):

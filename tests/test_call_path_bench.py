@@ -49,3 +49,20 @@ def test_stops_count_each_entry_into_a_module(tmp_path):
     s = rng.integers(1, 1 << 40, 3, dtype=np.int64) * 4096
     seq = bench.stops(lambda: descriptors.validate(s, s + (1 << 60), np.full(3, 8, dtype=np.int64)))
     assert seq == ["kvswap.addressing.descriptors"]  # one module, entered once, however many calls in it
+
+
+def test_the_cold_call_diagnostic_times_each_call_after_each_wait(tmp_path, capsys):
+    bench = load_bench("diag_cold_calls.py", "diag_cold_calls")
+    out = tmp_path / "cold.json"
+    rows = bench.main(["--descriptors", "3,40", "--wait-ms", "0.5", "--reps", "2", "--json", str(out)])
+    assert [r["call"] for r in rows] == ["check n=3", "check n=40", "numpy", "python"]
+    for r in rows:
+        assert all(r[f"{k}_us"] > 0 for k in bench.WAITS), r
+    assert json.loads(out.read_text())["rows"] == rows
+    assert capsys.readouterr().out.count("x\n") == 4  # a nap/warm ratio per call
+    calls = []
+    bench.wait("spin-self", 0.002, lambda: calls.append(1))
+    assert calls  # the wait that keeps the call warm runs the call itself
+    calls.clear()
+    bench.wait("spin", 0.002, lambda: calls.append(1))
+    assert not calls

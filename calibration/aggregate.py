@@ -10,6 +10,7 @@ from typing import Any, Optional, Sequence
 
 from kvswap.resolution.plan import human_bytes
 
+from .report import gbps_text, text_grid
 from .timing import median
 
 KiB = 1024
@@ -146,18 +147,8 @@ def summarize(rows: Sequence[dict[str, Any]], numa_rows: Sequence[dict[str, Any]
     }
 
 
-def _gb(v: Optional[float]) -> str:
-    return "-" if v is None else f"{v:.1f}"
-
-
 def _x(v: Optional[float]) -> str:
     return "-" if v is None else f"{v:.2f}"
-
-
-def _grid(header: list[str], rows: list[list[str]]) -> list[str]:
-    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
-    fmt = lambda r: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
-    return [fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
 
 
 def multi_report(result: dict[str, Any]) -> str:
@@ -174,25 +165,25 @@ def multi_report(result: dict[str, Any]) -> str:
         lines.append(f"  {d['name']}: {dev.get('name', '?')} (link {dev.get('link', '?')}, NUMA node {node}{wrong})")
     lines.append("")
     head = ["ceiling"] + [f"{n} tog/alone" for n in names] + ["aggregate", "sum alone", "agg/sum", "overlap"]
-    body = [[d] + [f"{_gb(c['together'].get(n))}/{_gb(c['alone'].get(n))}" for n in names]
-            + [_gb(c["aggregate_gbps"]), _gb(c["sum_alone_gbps"]), _x(c["aggregate_over_sum"]), _x(c["overlap"])]
+    body = [[d] + [f"{gbps_text(c['together'].get(n))}/{gbps_text(c['alone'].get(n))}" for n in names]
+            + [gbps_text(c["aggregate_gbps"]), gbps_text(c["sum_alone_gbps"]), _x(c["aggregate_over_sum"]), _x(c["overlap"])]
             for d, c in result["ceiling"].items()]
-    lines += _grid(head, body) + [""]
+    lines += text_grid(head, body) + [""]
     head = ["dir", "block", "batch", "route"] + [f"{n} tog/alone" for n in names] + [
         "aggregate", "agg/ceilings", "agg/shared", "agg/alone", "overlap", "impl"]
     body = []
     for r in result["rows"]:
         impls = ",".join(dict.fromkeys(r["labels"].values()))
         body.append([r["direction"], human_bytes(r["block_bytes"]), str(r["batch"]), r["route"]]
-                    + [f"{_gb(r['together'].get(n))}/{_gb(r['alone'].get(n))}" for n in names]
-                    + [_gb(r["aggregate_gbps"]), _x(r["over_ceilings"]), _x(r.get("over_shared_ceiling")),
+                    + [f"{gbps_text(r['together'].get(n))}/{gbps_text(r['alone'].get(n))}" for n in names]
+                    + [gbps_text(r["aggregate_gbps"]), _x(r["over_ceilings"]), _x(r.get("over_shared_ceiling")),
                        _x(r["over_alone"]), _x(r["overlap"]), impls])
-    lines += _grid(head, body)
+    lines += text_grid(head, body)
     if result["numa"]:
         lines += ["", "host memory on the wrong NUMA node (resolved route, each device alone):"]
-        lines += _grid(["device", "dir", "block", "batch", "nodes right/wrong", "right", "wrong", "wrong/right"],
+        lines += text_grid(["device", "dir", "block", "batch", "nodes right/wrong", "right", "wrong", "wrong/right"],
                        [[r["device"], r["direction"], human_bytes(r["block_bytes"]), str(r["batch"]),
-                         f"{r['right_node']}/{r['wrong_node']}", _gb(r["right_gbps"]), _gb(r["wrong_gbps"]),
+                         f"{r['right_node']}/{r['wrong_node']}", gbps_text(r["right_gbps"]), gbps_text(r["wrong_gbps"]),
                          _x(r["wrong_over_right"])] for r in result["numa"]])
     else:
         lines += ["", "wrong NUMA node: not measured (one node with memory and CPUs, or the devices' nodes unknown)"]

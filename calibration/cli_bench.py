@@ -2,12 +2,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from kvswap.cli import add_device, block_list, directions, non_negative, positive
-from kvswap.errors import ConfigurationError
+from kvswap.cli import add_device, block_list, directions, file_to_write, link_directions, non_negative, positive, write_json
 from kvswap.types import Direction
 
 HELP = "compare the resolved route with every candidate and a peer policy over a grid"
@@ -68,15 +66,8 @@ def run(args: argparse.Namespace) -> int:
         from .multi import run as run_devices
 
         return run_devices(args)
-    dirs = list(dict.fromkeys(args.directions))
-    if not dirs:
-        raise ConfigurationError("--directions must name at least one of h2d, d2h")
-    within = [str(d) for d in dirs if not d.crosses_host]
-    if within:
-        raise ConfigurationError(f"--directions {','.join(within)}: only copies across the host link (h2d, d2h) "
-                                 "are measured here")
-    if args.json is not None and args.json.is_dir():
-        raise ConfigurationError(f"--json {str(args.json)!r} is a directory; name the file to write")
+    dirs = link_directions(args.directions)
+    file_to_write(args.json, "--json")
     host = plugin_host()
     dev = detect(host, args.device)
     settings = bench_settings(on_host(dev), args.block_bytes, args.batches, args.repeats, args.passes,
@@ -103,7 +94,5 @@ def run(args: argparse.Namespace) -> int:
     for f in result.failures:
         print(f"failed: {f.describe()}")
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result.to_dict(), indent=1, default=str) + "\n")
-        print(f"results written to {args.json}")
+        write_json(args.json, result.to_dict())
     return 0

@@ -8,7 +8,7 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-from kvswap.cli import add_device, directions, non_negative
+from kvswap.cli import add_device, directions, file_to_write, link_directions, non_negative
 from kvswap.errors import ConfigurationError
 from kvswap.types import Direction
 
@@ -79,26 +79,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _check(args: argparse.Namespace) -> list[Direction]:
-    dirs = list(dict.fromkeys(args.directions))
-    if not dirs:
-        raise ConfigurationError("--directions must name at least one of h2d, d2h")
-    within = [str(d) for d in dirs if not d.crosses_host]
-    if within:
-        raise ConfigurationError(f"--directions {','.join(within)}: only copies across the host link (h2d, d2h) "
-                                 "are measured here")
+    dirs = link_directions(args.directions)
     if (args.only is None) != (args.update is None):
         raise ConfigurationError("--only and --update go together: --only PARTS --update PROFILE measures PARTS "
                                  "and rewrites PROFILE")
     if args.update is not None and (args.out is not None or args.plot is not None or args.interference):
         raise ConfigurationError("--update rewrites its profile in place and draws no plot: leave out --out, "
                                  "--plot and --interference (name the parts with --only)")
-    if args.out is not None and args.out.is_dir():
-        raise ConfigurationError(f"--out {str(args.out)!r} is a directory; name the profile file to write")
-    if args.plot is not None:
-        if args.plot.suffix.lower() != ".png":
-            raise ConfigurationError(f"--plot {str(args.plot)!r} must name a .png file")
-        if args.plot.is_dir():
-            raise ConfigurationError(f"--plot {str(args.plot)!r} is a directory")
+    file_to_write(args.out, "--out", "the profile file to write")
+    if args.plot is not None and args.plot.suffix.lower() != ".png":
+        raise ConfigurationError(f"--plot {str(args.plot)!r} must name a .png file")
+    file_to_write(args.plot, "--plot")
     return dirs
 
 

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvswap.cli import block_list, positive
+from kvswap.cli import block_list, file_to_write, positive, write_json
 from kvswap.errors import ConfigurationError, KvSwapError
 from kvswap.cli.models import DEFAULT_BLOCK_TOKENS, add_shape_arguments, shapes_from_args
 
@@ -132,8 +132,7 @@ def run(args: argparse.Namespace) -> int:
     from .step_report import bars, bars_table, header, plot, text_table, variants_table
     from .timing import on_host
 
-    if args.json is not None and args.json.is_dir():
-        raise ConfigurationError(f"--json {str(args.json)!r} is a directory; name the file to write")
+    file_to_write(args.json, "--json")
     dirs = list(dict.fromkeys(args.directions))
     caches, notes = caches_from_args(args)
     if not caches:
@@ -165,9 +164,7 @@ def run(args: argparse.Namespace) -> int:
     for note in doc["notes"]:
         print(f"note: {note}")
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=1, default=str) + "\n")
-        print(f"results written to {args.json}")
+        write_json(args.json, doc)
     if args.plot is not None:
         try:
             print(f"plot written to {plot(doc, args.plot)}")

@@ -25,7 +25,6 @@ latter can be reached.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import sys
 import threading
@@ -348,6 +347,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``kvswap bench --devices``."""
+    from kvswap.cli import file_to_write, link_directions, write_json
     from kvswap.types import Direction
 
     if getattr(args, "device", None) is not None:
@@ -357,11 +357,8 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigurationError(f"--{name} is not used with --devices (--passes: windows per point)")
     if args.window is not None and not 0 < args.window <= 60:
         raise ConfigurationError(f"--window {args.window!r} must be in (0, 60] seconds")
-    dirs = [str(Direction.parse(d)) for d in dict.fromkeys(args.directions)]
-    if not dirs:
-        raise ConfigurationError("--directions must name at least one of h2d, d2h")
-    if args.json is not None and args.json.is_dir():
-        raise ConfigurationError(f"--json {str(args.json)!r} is a directory; name the file to write")
+    dirs = [str(d) for d in link_directions(Direction.parse(d) for d in args.directions)]
+    file_to_write(args.json, "--json")
     host_only = all(s == "cpu" for s in args.devices)
     settings = multi_settings(host_only, args.block_bytes, args.batches, args.passes, args.window)
     steps = schedule(settings, dirs, len(args.devices))
@@ -372,7 +369,5 @@ def run(args: argparse.Namespace) -> int:
     for f in result["failures"]:
         print(f"failed: {f}")
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1, default=str) + "\n")
-        print(f"results written to {args.json}")
+        write_json(args.json, result)
     return 1 if not result["rows"] else 0

@@ -11,11 +11,13 @@ from .decisions import Decision, Fitted
 from .records import SIZE, Failure, Measurement
 
 
-def _gb(v: Optional[float]) -> str:
+def gbps_text(v: Optional[float]) -> str:
+    """GB/s to one decimal, or "-" where nothing was measured."""
     return "-" if v is None else f"{v:.1f}"
 
 
-def _grid(header: list[str], rows: list[list[str]]) -> list[str]:
+def text_grid(header: list[str], rows: list[list[str]]) -> list[str]:
+    """Aligned plain-text columns: the first left-aligned, the rest right, a rule under the header."""
     widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
     fmt = lambda r: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
     return [fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
@@ -76,15 +78,15 @@ def size_table(fitted: Fitted, d: str, dec: Decision, measurements: Sequence[Mea
     rows = []
     for b in sorted({b for pts in at.values() for b in pts}):
         row = [human_bytes(b)] + ([str(batches.get(b, "-"))] if batches else [])
-        row += [_gb(at.get((i, None), {}).get(b)) for i in batch_impls]
-        row += [_gb(at.get((k, knee), {}).get(b)) for k in kernel_impls if knee]
+        row += [gbps_text(at.get((i, None), {}).get(b)) for i in batch_impls]
+        row += [gbps_text(at.get((k, knee), {}).get(b)) for k in kernel_impls if knee]
         for k in kernel_impls:
             best = max(((pts[b], sms) for (impl, sms), pts in at.items() if impl == k and sms and b in pts), default=None)
             row.append(f"{best[0]:.1f} ({best[1]})" if best else "-")
         r = chosen.get(b)
         row.append(r.impl + (f"@{r.num_sms}" if r.num_sms else "") if r else "-")
         rows.append(row)
-    return _grid(header, rows)
+    return text_grid(header, rows)
 
 
 def calibration_report(fitted: Fitted, measurements: Sequence[Measurement] = (),
@@ -95,7 +97,7 @@ def calibration_report(fitted: Fitted, measurements: Sequence[Measurement] = (),
     for d, dec in fitted.decisions.items():
         if dec.carried_from is not None or not fitted.curves_of(d):
             continue
-        out.append(f"{d}: GB/s by block size (contiguous ceiling {_gb(fitted.ceiling_gbps.get(d))} GB/s)")
+        out.append(f"{d}: GB/s by block size (contiguous ceiling {gbps_text(fitted.ceiling_gbps.get(d))} GB/s)")
         out += ["  " + line for line in size_table(fitted, d, dec, measurements)]
         out.append("")
     out.append("decisions:")
@@ -134,13 +136,13 @@ def bench_report(result: BenchResult) -> str:
         table = []
         for r in rows:
             line = [human_bytes(r.block_bytes), str(r.batch)]
-            line += [_gb(r.candidates[n].gbps if n in r.candidates else None) for n in names]
+            line += [gbps_text(r.candidates[n].gbps if n in r.candidates else None) for n in names]
             res, peer = r.resolved, r.peer
-            line += [_gb(res.gbps), res.route, _gb(peer.gbps) if peer else "n/a", _ratio(r.over_best, "-"),
+            line += [gbps_text(res.gbps), res.route, gbps_text(peer.gbps) if peer else "n/a", _ratio(r.over_best, "-"),
                      _ratio(r.over_peer, "n/a") + (" =" if peer and peer.same_route else "")]
             table.append(line)
-        out.append(f"{d}: GB/s (contiguous ceiling {_gb(result.ceiling_gbps.get(d))} GB/s)")
-        out += ["  " + line for line in _grid(header, table)]
+        out.append(f"{d}: GB/s (contiguous ceiling {gbps_text(result.ceiling_gbps.get(d))} GB/s)")
+        out += ["  " + line for line in text_grid(header, table)]
         s = result.summary.get(d)
         if s is None:
             out.append("")

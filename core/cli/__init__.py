@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 import warnings
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from .. import __version__
 from ..errors import ConfigurationError, KvSwapError, ResolutionError
@@ -81,6 +81,35 @@ def directions(text: str) -> list[Direction]:
         return [Direction.parse(t.strip()) for t in text.split(",") if t.strip()]
     except ConfigurationError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def link_directions(dirs: Iterable[Direction]) -> list[Direction]:
+    """``--directions`` of a command that measures the host link: each once, at least one,
+    none that stays on the device."""
+    dirs = list(dict.fromkeys(dirs))
+    if not dirs:
+        raise ConfigurationError("--directions must name at least one of h2d, d2h")
+    within = [str(d) for d in dirs if not d.crosses_host]
+    if within:
+        raise ConfigurationError(f"--directions {','.join(within)}: only copies across the host link (h2d, d2h) "
+                                 "are measured here")
+    return dirs
+
+
+def file_to_write(path: Any, option: str, what: str = "the file to write") -> None:
+    """Refuse an output option naming a directory, before any measurement runs."""
+    if path is not None and os.path.isdir(path):
+        raise ConfigurationError(f"{option} {str(path)!r} is a directory; name {what}")
+
+
+def write_json(path: Any, doc: Any) -> None:
+    """A command's results as JSON at ``path`` (its folder made), and a line saying where."""
+    from pathlib import Path
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    print(f"results written to {path}")
 
 
 def add_device(p: argparse.ArgumentParser) -> None:

@@ -166,7 +166,8 @@ def multi_report(result: dict[str, Any]) -> str:
     lines.append("")
     head = ["ceiling"] + [f"{n} tog/alone" for n in names] + ["aggregate", "sum alone", "agg/sum", "overlap"]
     body = [[d] + [f"{gbps_text(c['together'].get(n))}/{gbps_text(c['alone'].get(n))}" for n in names]
-            + [gbps_text(c["aggregate_gbps"]), gbps_text(c["sum_alone_gbps"]), _x(c["aggregate_over_sum"]), _x(c["overlap"])]
+            + [gbps_text(c["aggregate_gbps"]), gbps_text(c["sum_alone_gbps"]), _x(c["aggregate_over_sum"]),
+               _x(c["overlap"])]
             for d, c in result["ceiling"].items()]
     lines += text_grid(head, body) + [""]
     head = ["dir", "block", "batch", "route"] + [f"{n} tog/alone" for n in names] + [
@@ -182,9 +183,9 @@ def multi_report(result: dict[str, Any]) -> str:
     if result["numa"]:
         lines += ["", "host memory on the wrong NUMA node (resolved route, each device alone):"]
         lines += text_grid(["device", "dir", "block", "batch", "nodes right/wrong", "right", "wrong", "wrong/right"],
-                       [[r["device"], r["direction"], human_bytes(r["block_bytes"]), str(r["batch"]),
-                         f"{r['right_node']}/{r['wrong_node']}", gbps_text(r["right_gbps"]), gbps_text(r["wrong_gbps"]),
-                         _x(r["wrong_over_right"])] for r in result["numa"]])
+                           [[r["device"], r["direction"], human_bytes(r["block_bytes"]), str(r["batch"]),
+                             f"{r['right_node']}/{r['wrong_node']}", gbps_text(r["right_gbps"]),
+                             gbps_text(r["wrong_gbps"]), _x(r["wrong_over_right"])] for r in result["numa"]])
     else:
         lines += ["", "wrong NUMA node: not measured (one node with memory and CPUs, or the devices' nodes unknown)"]
     lines.append("")

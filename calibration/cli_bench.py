@@ -5,7 +5,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvswap.cli import add_device, block_list, directions, file_to_write, link_directions, non_negative, positive, write_json
+from kvswap.cli import (add_device, block_list, directions, file_to_write, link_directions, non_negative, positive,
+                        write_json)
 from kvswap.types import Direction
 
 HELP = "compare the resolved route with every candidate and a peer policy over a grid"

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from kvswap import hookimpl
+
 
 # A plugin module that really copies (one memmove per descriptor) under ``<name>.copy``.
 COPYING_PLUGIN = """
@@ -132,6 +134,25 @@ class DeferredStream:
 
     def recycle(self, *markers: int) -> None:
         pass
+
+
+class Offer:
+    """A plugin offering the given impls (on the platforms each serves) and, optionally, one
+    calibration."""
+
+    def __init__(self, impls: Any, calibration: Any = None) -> None:
+        self.impls, self.calibration = impls, calibration
+
+    @hookimpl
+    def kvswap_register_copy_impls(self, platform: str, register: Any) -> None:
+        for impl in self.impls:
+            if platform in impl.platforms:
+                register(impl)
+
+    @hookimpl
+    def kvswap_register_calibrations(self, device: Any, register: Any) -> None:
+        if self.calibration is not None:
+            register(self.calibration)
 
 
 def install_staged_on_cpu() -> None:

@@ -26,28 +26,10 @@ from kvswap.addressing.descriptors import GRID_FROM, GRID_SLOTS, SMALL_BATCH, _g
 from kvswap.registry.plugins import create_plugin_host
 from kvswap.registry.reference import host_copy
 
-from fakes import address
+from fakes import Offer, address
 
 POISON = 0x5A
 KiB = 1024
-
-
-class Offer:
-    """A plugin offering given impls and, optionally, one calibration for the cpu platform."""
-
-    def __init__(self, impls, calibration=None):
-        self.impls, self.calibration = impls, calibration
-
-    @hookimpl
-    def kvswap_register_copy_impls(self, platform, register):
-        for impl in self.impls:
-            if platform in impl.platforms:
-                register(impl)
-
-    @hookimpl
-    def kvswap_register_calibrations(self, device, register):
-        if self.calibration is not None:
-            register(self.calibration)
 
 
 class Pools:

@@ -2,21 +2,19 @@
 forcing and routing decided through throwaway plugins."""
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 import pytest
 
 import kvswap
 from kvswap import (
     Calibration, ConfigurationError, CopyImpl, Curve, InvalidTransferError, Policy,
-    ResolutionError, hookimpl,
+    ResolutionError,
 )
 from kvswap.registry.plugins import create_plugin_host
 from kvswap.resolution.routing import KERNEL_MARGIN
 from kvswap.registry.reference import host_copy
 
-from fakes import address, scattered
+from fakes import Offer, address, scattered
 
 POISON = 0xA5
 
@@ -122,24 +120,6 @@ def recording_impl(name, kind="batch", alignment=1, max_block_bytes=None, mixed_
 
     return CopyImpl(name, kind, (platform,), ("h2d", "d2h"), factory, alignment=alignment,
                     max_block_bytes=max_block_bytes, mixed_sizes=mixed_sizes)
-
-
-class Offer:
-    """A plugin offering given impls and one calibration for the cpu platform."""
-
-    def __init__(self, impls, calibration=None):
-        self.impls, self.calibration = impls, calibration
-
-    @hookimpl
-    def kvswap_register_copy_impls(self, platform, register):
-        for impl in self.impls:
-            if platform in impl.platforms:
-                register(impl)
-
-    @hookimpl
-    def kvswap_register_calibrations(self, device, register):
-        if self.calibration is not None:
-            register(self.calibration)
 
 
 def cpu_cal(points, **kw):

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvswap.cli import block_list, file_to_write, positive, write_json
+from kvswap.cli import block_list, file_to_write, link_directions, positive, write_json
 from kvswap.errors import ConfigurationError, KvSwapError
 from kvswap.cli.models import DEFAULT_BLOCK_TOKENS, add_shape_arguments, shapes_from_args
 
@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     from .timing import on_host
 
     file_to_write(args.json, "--json")
-    dirs = list(dict.fromkeys(args.directions))
+    dirs = link_directions(args.directions)
     caches, notes = caches_from_args(args)
     if not caches:
         raise ConfigurationError("no model x TP left to run: " + "; ".join(notes))

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 from bisect import bisect_right
-import json
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -259,7 +258,7 @@ def describe(field: dict[str, dict[str, list[float]]], at: Sequence[int] = (2048
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from kvswap.cli import directions as parse_directions
+    from kvswap.cli import directions as parse_directions, write_json
     from kvswap.registry.platform import detect
     from kvswap.registry.plugins import plugin_host
 
@@ -291,9 +290,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for f in failures.records:
         print(f"failed: {f.describe()}")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"kind": "kvswap host cost", "device": dev.name, "settings": settings.to_dict(),
-                                         "records": records, "host_cost": field}, indent=1) + "\n")
+        write_json(args.json, {"kind": "kvswap host cost", "device": dev.name, "settings": settings.to_dict(),
+                               "records": records, "host_cost": field})
     return 0 if records else 1
 
 

@@ -17,7 +17,6 @@ ranks by). Run it alone with ``python -m kvswap.calibration.step_interference``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -246,7 +245,7 @@ def profile_rows(records: Sequence[dict[str, Any]]) -> dict[str, list[list[Any]]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from kvswap.cli import directions as parse_directions
+    from kvswap.cli import directions as parse_directions, write_json
     from kvswap.registry.platform import detect
     from kvswap.registry.plugins import plugin_host
 
@@ -281,8 +280,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
            "slowdown_by_sms": profile_rows(records)}
     print(interference_markdown(doc))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=1) + "\n")
+        write_json(args.json, doc)
     return 0
 
 

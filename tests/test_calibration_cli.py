@@ -143,6 +143,7 @@ def test_bench_writes_json_with_ratios(tmp_path, capsys):
     (["bench", "--devices", "cpu,cpu", "--directions", "d2d"], "only copies across the host link"),
     (["bench", "--devices", "cpu,cpu", "--json", "{tmp}"], "is a directory"),
     (["bench", "--model", "llama-3.1-8b", "--json", "{tmp}"], "is a directory"),
+    (["bench", "--model", "llama-3.1-8b", "--directions", "d2d"], "only copies across the host link"),
 ])
 def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, argv, says):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]

@@ -7,7 +7,7 @@ the link on the copy engines. A device-to-device ``cuMemcpyBatchAsync`` (one des
 chunk) would take no SMs from the compute beside it, if it kept up with the link. Per chunk
 size (per-layer KV of ``--layers`` layers, ``--blocks`` random blocks of a larger cache),
 paired in one run, every route's bytes checked first: the device side alone, in GB/s of job
-bytes, on the Triton kernel (32 SMs), the batch on one stream and the batch spread over four
+bytes, on the Triton kernel (``DEVICE_SMS`` SMs), the batch on one stream and the batch spread over four
 streams, against a contiguous device copy of the same bytes and a contiguous link copy (the
 pace the device side must keep).
 
@@ -38,12 +38,14 @@ def main(argv: list | None = None) -> int:
     from kvswap.backends.cuda import batch, driver
     from kvswap.backends.triton_generic.by_ids import KernelCopyByIds
     from kvswap.backends.triton_generic.launch import DEFAULT_PLANS, TilePlan
+    from kvswap.backends.triton_generic.staged import DEVICE_SMS
     from kvswap.types import Direction
 
     dev = torch.device("cuda:0")
     torch.cuda.set_device(dev)
     ce = batch.bind(driver.get(), Direction.D2D, 0)
-    sm = KernelCopyByIds(num_sms=32, device_index=0, tiles=TilePlan.from_params({}, DEFAULT_PLANS["d2d"]))
+    sm = KernelCopyByIds(num_sms=DEVICE_SMS, device_index=0, tiles=TilePlan.from_params({}, DEFAULT_PLANS["d2d"]))
+    SMS = f"sm@{DEVICE_SMS}"
     streams = [torch.cuda.Stream(dev) for _ in range(4)]
     main_s = torch.cuda.Stream(dev)
     gen = np.random.default_rng(0)
@@ -58,8 +60,9 @@ def main(argv: list | None = None) -> int:
         torch.cuda.synchronize()
         return e0.elapsed_time(e1)
 
-    records = []
-    for kib in [int(x) for x in args.chunks.split(",")]:
+    def one_chunk(kib: int) -> list:
+        """Both directions' rows at chunks of ``kib`` KiB."""
+        records = []
         chunk = kib << 10
         kv = [torch.randint(0, 255, (2, args.cache_blocks, chunk), dtype=torch.uint8, device=dev)
               for _ in range(args.layers)]
@@ -81,7 +84,7 @@ def main(argv: list | None = None) -> int:
             src, dst = (scattered, packed) if to_host else (packed, scattered)
 
             def op(s) -> None:
-                if kind == "sm@32":
+                if kind == SMS:
                     sm(src, dst, sizes, s)
                 elif kind == "ce x1":
                     ce(src, dst, sizes, s)
@@ -100,7 +103,7 @@ def main(argv: list | None = None) -> int:
             """Every route moves the right bytes before anything is timed."""
             ref = torch.cat([kv[l][kv_i][torch.as_tensor(ids, device=dev)].reshape(args.blocks, 1, chunk)
                              for l in range(args.layers) for kv_i in range(2)], dim=1).reshape(-1)
-            for kind in ("sm@32", "ce x1", "ce x4"):
+            for kind in (SMS, "ce x1", "ce x4"):
                 if to_host:
                     staging.fill_(0x5A)
                     timed(device_side(kind, True), main_s)
@@ -117,7 +120,7 @@ def main(argv: list | None = None) -> int:
         for d in ("d2h", "h2d"):
             to_host = d == "d2h"
             check(to_host)
-            kinds = ("sm@32", "ce x1", "ce x4")
+            kinds = (SMS, "ce x1", "ce x4")
             ref_ms, alone = [], {k: [] for k in kinds}
             for _ in range(args.reps):
                 ref_ms.append(timed(lambda s: contig.copy_(staging, non_blocking=True), main_s))
@@ -134,8 +137,12 @@ def main(argv: list | None = None) -> int:
             print(f"{d} {kib:2d} KiB x{n}: contiguous {row['contiguous_gbps']:.0f} GB/s, link "
                   f"{row['link_gbps']:.1f} GB/s; device side alone "
                   + ", ".join(f"{k} {g:.1f}" for k, g in row["alone_gbps"].items()), flush=True)
-        del kv, staging, contig, host
-        torch.cuda.empty_cache()
+        return records
+
+    records = []
+    for kib in [int(x) for x in args.chunks.split(",")]:
+        records += one_chunk(kib)
+        torch.cuda.empty_cache()  # this size's tensors are gone with one_chunk's frame
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(0), "records": records}, f, indent=1)

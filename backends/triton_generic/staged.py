@@ -28,7 +28,7 @@ import numpy as np
 
 from kvswap.registry import deferred
 from kvswap.memory.allocation import allocating
-from kvswap.addressing.descriptors import coalesce
+from kvswap.addressing.descriptors import merge_runs
 from kvswap.registry.impl import BindContext, CopyImpl, TransferFn
 from kvswap.registry.streams import own_stream
 from kvswap.addressing.runs import SLOT_ALIGN, Runs, host_runs
@@ -212,7 +212,7 @@ class StagedCopy:
         """Copy the runs over the link, spread over up to ``len(streams)`` streams in parts
         of equal bytes, each stream used waiting for ``gate`` (an event; None: nothing)
         first; returns how many streams were used."""
-        a, b, z = coalesce(staged, host, sizes) if self.to_host else coalesce(host, staged, sizes)
+        a, b, z = merge_runs(staged, host, sizes) if self.to_host else merge_runs(host, staged, sizes)
         return self._issue(a, b, z, streams, gate)
 
     def _issue(self, a: np.ndarray, b: np.ndarray, z: np.ndarray, streams: tuple, gate: Any) -> int:
@@ -289,7 +289,7 @@ class StagedByIds:
         host = (r.base[None, :] + host_ids[:, None] * r.stride[None, :]).ravel()
         rel, sizes = self.slot_rel[:m], self.slot_sizes[:m]
         # Merged relative to the half's base, which moves every run of the half alike.
-        a, b, z = coalesce(rel, host, sizes) if st.to_host else coalesce(host, rel, sizes)
+        a, b, z = merge_runs(rel, host, sizes) if st.to_host else merge_runs(host, rel, sizes)
 
         def device_op(h: int, s: Any) -> None:
             if st.to_host:

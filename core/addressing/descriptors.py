@@ -18,13 +18,19 @@ def as_int64(values: Any, what: str) -> np.ndarray:
 
     Accepts numpy integer arrays, CPU torch integer tensors, and sequences of ints.
     """
-    if type(values).__module__.startswith("torch"):
-        if getattr(values, "device", None) is not None and values.device.type != "cpu":
+    if type(values).__module__.startswith("torch") and hasattr(values, "layout"):  # a tensor, not a torch.Size
+        if values.device.type != "cpu":
             raise InvalidTransferError(f"{what} must be a CPU tensor, got one on {values.device}")
+        if values.is_nested or str(values.layout) != "torch.strided":
+            kind = "nested" if values.is_nested else str(values.layout).removeprefix("torch.")
+            raise InvalidTransferError(f"{what} must be a dense tensor, got a {kind} one")
         if values.is_floating_point() or values.is_complex() or values.dtype.__str__() == "torch.bool":
             raise InvalidTransferError(f"{what} must hold integers, got dtype {values.dtype}")
         values = values.detach().contiguous().numpy()
-    arr = np.asarray(values)
+    try:
+        arr = np.asarray(values)
+    except (TypeError, ValueError, OverflowError) as e:  # ragged nesting, or an __array__ that fails
+        raise InvalidTransferError(f"{what} must be a 1-D sequence of integers; numpy cannot read it: {e}") from None
     if arr.dtype == object or arr.dtype.kind not in "iu":
         if arr.size == 0 and arr.dtype.kind == "f":
             arr = arr.astype(np.int64)
@@ -93,11 +99,8 @@ def validate(src: Any, dst: Any, sizes: Any) -> Batch:
     each other. Arrays already int64 are returned as they are, without a copy.
     """
     s, d, n = _addresses(src, "src_ptrs"), _addresses(dst, "dst_ptrs"), _int64(sizes, "sizes")
+    _equal_lengths(s, d, n)
     count = len(n)
-    if not (len(s) == len(d) == count):
-        raise InvalidTransferError(
-            f"src_ptrs, dst_ptrs and sizes must have equal length, got {len(s)}, {len(d)}, {count}"
-        )
     if not count:
         return Batch(s, d, n, 0, 0)
     if count <= SMALL_BATCH:
@@ -233,6 +236,13 @@ def _name_src_clash(s: np.ndarray, d: np.ndarray, n: np.ndarray) -> None:
     _src_clash(int(order[int(pos[j])]), j)
 
 
+def _equal_lengths(s: np.ndarray, d: np.ndarray, n: np.ndarray) -> None:
+    if not len(s) == len(d) == len(n):
+        raise InvalidTransferError(
+            f"src_ptrs, dst_ptrs and sizes must have equal length, got {len(s)}, {len(d)}, {len(n)}"
+        )
+
+
 def _bad_size(n: np.ndarray) -> None:
     i = int(np.argmin(n))
     raise InvalidTransferError(f"sizes[{i}]={int(n[i])}: every size must be >= 1 byte")
@@ -283,13 +293,23 @@ def first_overlap(addrs: np.ndarray, sizes: np.ndarray) -> Optional[tuple[int, i
     return int(order[k]), int(order[k + 1])
 
 
-def coalesce(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def coalesce(src: Any, dst: Any, sizes: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Merge neighbours that are contiguous on both sides into one descriptor.
 
     A batch copy API copies each descriptor as its own transfer (``cuMemcpyBatchAsync``
     does not merge neighbours), and a small transfer costs the copy engine far more per
     byte than a large one, so merging runs of blocks is the caller's job.
+
+    Takes what :func:`validate` takes (int64 arrays as they are, without a copy) and refuses
+    arrays of unequal length; it does not check the descriptors themselves.
     """
+    src, dst, sizes = _addresses(src, "src_ptrs"), _addresses(dst, "dst_ptrs"), _int64(sizes, "sizes")
+    _equal_lengths(src, dst, sizes)
+    return merge_runs(src, dst, sizes)
+
+
+def merge_runs(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`coalesce` for int64 arrays of equal length (kvswap's own, already checked)."""
     if len(sizes) < 2:
         return src, dst, sizes
     idx = run_starts(src, dst, sizes)
@@ -299,7 +319,7 @@ def coalesce(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> tuple[np.nd
 
 
 def run_starts(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """Indices of the descriptors that begin a run :func:`coalesce` merges: merged
+    """Indices of the descriptors that begin a run :func:`merge_runs` merges: merged
     descriptor ``k`` starts at the caller's descriptor ``run_starts(...)[k]``."""
     starts = np.ones(len(sizes), dtype=bool)
     starts[1:] = (src[:-1] + sizes[:-1] != src[1:]) | (dst[:-1] + sizes[:-1] != dst[1:])

@@ -15,7 +15,8 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 
 from ..errors import BlockLayoutError
-from .descriptors import coalesce, first_overlap
+from .descriptors import merge_runs
+from .overlap import Pieces, meeting, side_pieces, spans_meet
 
 PairDim = Union[int, tuple[int, int]]
 BlockDim = Union[PairDim, Sequence[PairDim]]
@@ -446,14 +447,29 @@ def _probe(t: DescriptorTemplate, src_ids: np.ndarray, dst_ids: np.ndarray) -> t
 def _check_aliasing(t: DescriptorTemplate) -> None:
     """Refuse destination tensors that share memory (the same tensor passed twice, views
     of one buffer that overlap): the result would depend on the order of the copies.
-    Checked on the first, second and last destination block, where such mistakes show."""
-    dst_ids = np.unique(np.array([0, 1, t.dst_blocks - 1], dtype=np.int64).clip(0, t.dst_blocks - 1))
-    _, dst, sizes = _probe(t, np.zeros_like(dst_ids), dst_ids)
-    clash = first_overlap(dst, sizes)
-    if clash is not None:
-        i, j = (int(t.pair[c // len(dst_ids)]) for c in clash)  # piece-major: built before ordering
+    Exact for pieces of one block stride; pieces that only may meet (views cut with two
+    strides) are left to each job's check (:func:`jobs_overlap`)."""
+    dst = side_pieces(t, dst=True)
+    certain, _ = meeting(dst, dst, same=True)
+    if certain.any():
+        a, b = np.argwhere(certain)[0]
+        i, j = sorted((int(dst.tensor[a]), int(dst.tensor[b])))
         which = f"dst_tensors[{i}] and dst_tensors[{j}]" if i != j else f"chunks of dst_tensors[{i}]"
         raise BlockLayoutError(f"{which} share memory; each destination byte must be written once")
+
+
+def jobs_overlap(templates: Sequence[DescriptorTemplate]) -> bool:
+    """Whether a job's blocks may overlap in memory though the layout was accepted: a
+    destination block with a source block (the two sides share memory, as a
+    device-to-device mover within one cache does), or with another destination block of
+    its group (views of one buffer cut with different strides). Such a mover checks every
+    job's descriptors before it enqueues anything."""
+    src = [side_pieces(t, dst=False) for t in templates]
+    dst = [side_pieces(t, dst=True) for t in templates]
+    joined = [Pieces(*(np.concatenate(parts) for parts in zip(*side))) for side in (src, dst)]
+    if spans_meet(*joined) and any(m.any() for m in meeting(*joined, same=False)):
+        return True
+    return any(meeting(d, d, same=True)[1].any() for d in dst)
 
 
 def _best_order(t: DescriptorTemplate) -> DescriptorTemplate:
@@ -463,5 +479,5 @@ def _best_order(t: DescriptorTemplate) -> DescriptorTemplate:
     if t.count < 2 or min(t.src_blocks, t.dst_blocks) < 2:
         return t
     ids = np.arange(2, dtype=np.int64)
-    merged = {major: len(coalesce(*_probe(t.with_order(major), ids, ids))[2]) for major in (False, True)}
+    merged = {major: len(merge_runs(*_probe(t.with_order(major), ids, ids))[2]) for major in (False, True)}
     return t.with_order(merged[True] < merged[False])

@@ -69,6 +69,9 @@ def _tensor_list(device_tensors: Any) -> list:
     for k, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             raise BlockLayoutError(f"device_tensors[{k}] is a {type(t).__name__}, not a torch.Tensor")
+        if t.is_nested or t.layout != torch.strided:
+            kind = "nested" if t.is_nested else str(t.layout)
+            raise BlockLayoutError(f"device_tensors[{k}] is a {kind} tensor; a host cache mirrors dense (strided) ones")
     return tensors
 
 

@@ -26,11 +26,12 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import sys
 import threading
 import warnings
 from typing import Any, Optional, Sequence, Union
 
-from ..errors import ConfigurationError, DriverError
+from ..errors import AllocationError, ConfigurationError, DriverError
 from ..types import DeviceInfo
 from .numa import PAGE, NumaWarning, PagePlacement, page_nodes, topology
 
@@ -56,11 +57,11 @@ class _Mapping:
     last view of the tensor is gone, unpins them, then the mapping unmaps."""
 
     def __init__(self, nbytes: int) -> None:
+        self.registered: Optional[Any] = None  # the cudart module that pinned it (first: __del__ reads it)
         self.size = -(-nbytes // PAGE) * PAGE
         self.mm = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.array = (ctypes.c_ubyte * self.size).from_buffer(self.mm)
         self.addr = ctypes.addressof(self.array)
-        self.registered: Optional[Any] = None  # the cudart module that pinned it
         self.array._kvswap_owner = self  # the tensor holds the array, the array holds this
 
     def __del__(self) -> None:
@@ -135,7 +136,9 @@ def host_empty(shape: Union[int, Sequence[int]], dtype: Any = None, *, device: A
     :param pin: page-lock (and map) it, as every device route needs.
     :param node: place it on this NUMA node instead of the device's (measuring the cost
         of the wrong node, for one).
-    :raises ConfigurationError: a bad shape, dtype, device or node.
+    :raises ConfigurationError: a bad shape (one of more bytes than a process can address
+        included), dtype, device or node.
+    :raises AllocationError: the memory could not be mapped.
     :raises DriverError: the pages could not be pinned.
 
     Placement is skipped, with a :class:`~kvswap.memory.numa.NumaWarning` once per reason, where the
@@ -152,6 +155,8 @@ def host_empty(shape: Union[int, Sequence[int]], dtype: Any = None, *, device: A
     for d in dims:
         numel *= d
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes > sys.maxsize:
+        raise ConfigurationError(f"shape={dims!r} of {dtype} is {nbytes:,} bytes, more than a process can address")
 
     info, why = _device_info(device)
     topo = topology()
@@ -169,7 +174,10 @@ def host_empty(shape: Union[int, Sequence[int]], dtype: Any = None, *, device: A
     if nbytes == 0:
         return torch.empty(dims, dtype=dtype, pin_memory=pin and accelerator)
 
-    owner = _Mapping(nbytes)
+    try:
+        owner = _Mapping(nbytes)
+    except OSError as e:  # ENOMEM: more than the address space or the overcommit policy allows
+        raise AllocationError(f"a host tensor of shape {dims!r}", nbytes, "host", f"mmap: {e.strerror}") from e
     if node is not None:
         cpus = frozenset(topo.node_cpus(node)) & frozenset(os.sched_getaffinity(0))
         if cpus:

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..addressing.regions import DescriptorTemplate
+from ..addressing.regions import DescriptorTemplate, jobs_overlap
 from ..errors import ConfigurationError, ForkedProcessError
 from ..memory import numa
 from ..memory.allocation import allocating
@@ -92,11 +92,14 @@ class Setup:
         self.pool = DescriptorPool(pinned=on_device)
         self.pool.release(self.pool.acquire(1))  # its first buffer now: running out is an error here, not in a step
         self._check_across = grouped and groups_share_destinations(sides)
+        # Tensors that share memory across the two sides (or views cut two ways): each job's
+        # descriptors are checked whole before anything is enqueued.
+        self._check_jobs = jobs_overlap(templates)
         # With device_descriptors, where the kernel route derives addresses itself (ByIdsFn), a
         # job sends only ids. Its templates are base + id * stride: sub-blocks (a block-size
         # factor) take the descriptor path.
         by_ids_ok = (self._device_descriptors and len(templates) == 1 and self._stager is None
-                     and templates[0].factor == 1)
+                     and templates[0].factor == 1 and not self._check_jobs)
         # On a device, a host side in long runs (block-major) takes a staged route where one serves.
         steps, self._staged_note = None, ""
         if by_ids_ok and on_device:
@@ -109,16 +112,17 @@ class Setup:
                 self._within = _keep_route  # taken by rule: nothing predicts it to rank it by
         if steps is None and by_ids_ok:
             steps = by_ids_steps(self._fn, templates[0])
-        self._desc = JobDescriptors(templates, self.pool, self._check_across, steps)
-        # The check across groups must raise before anything is enqueued, and staging reads
-        # or writes the host blocks around the copy: those movers issue in submit.
+        self._desc = JobDescriptors(templates, self.pool, self._check_across, steps, self._check_jobs)
+        # The checks of a job's descriptors must raise before anything is enqueued, and staging
+        # reads or writes the host blocks around the copy: those movers issue in submit.
         threaded = on_device if issuing_thread is None else issuing_thread
-        if threaded and (self._check_across or self._stager is not None):
+        if threaded and (self._check_across or self._check_jobs or self._stager is not None):
             if issuing_thread:
                 raise ConfigurationError(
                     "issuing_thread=True: this mover "
                     + ("stages pageable host memory" if self._stager is not None
-                       else "has KV groups that share destination tensors")
+                       else "has KV groups that share destination tensors" if self._check_across
+                       else "has source and destination tensors that share memory")
                     + ", so it issues on the caller's thread; leave issuing_thread out"
                 )
             threaded = False

@@ -11,9 +11,9 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..addressing.descriptors import coalesce, first_overlap
+from ..addressing.descriptors import first_overlap, merge_runs, validate
 from ..addressing.regions import DescriptorTemplate
-from ..errors import AllocationError, BlockIdError
+from ..errors import AllocationError, BlockIdError, InvalidTransferError
 from ..memory.pinned_pool import DescriptorBuffer, DescriptorPool
 from ..resolution.swapfn import SwapFn
 
@@ -26,11 +26,14 @@ class JobDescriptors:
     :param check_across: destinations of different groups may share tensors: check them
         against each other (raises :class:`BlockIdError` on a clash).
     :param ids_steps: :func:`by_ids_steps` of the route, or None (descriptors only).
+    :param check_all: the two sides may share memory (:func:`~kvswap.addressing.regions.jobs_overlap`):
+        check every job's descriptors as a SwapFn checks a batch (raises :class:`BlockIdError`).
     """
 
     def __init__(self, templates: list[DescriptorTemplate], pool: DescriptorPool, check_across: bool,
-                 ids_steps: Optional[tuple]) -> None:
+                 ids_steps: Optional[tuple], check_all: bool = False) -> None:
         self.templates, self.pool, self.check_across, self.ids_steps = templates, pool, check_across, ids_steps
+        self.check_all = check_all
 
     def build(self, ids: Ids) -> tuple[DescriptorBuffer, int]:
         """``(buffer, m)``: the coalesced descriptors in ``buffer.array[:, :m]``."""
@@ -50,7 +53,16 @@ class JobDescriptors:
                     "two KV groups write the same destination bytes in this job (groups that share tensors "
                     "must use distinct blocks)"
                 )
-        cs, cd, cz = coalesce(s, d, z)
+        if self.check_all and m:
+            try:
+                validate(s, d, z)
+            except InvalidTransferError as e:
+                self.pool.release(buf)
+                raise BlockIdError(
+                    f"this job's blocks overlap in memory ({e}); the mover's tensors share memory, so a job "
+                    f"must not write a block it reads, nor write one byte twice"
+                ) from None
+        cs, cd, cz = merge_runs(s, d, z)
         if cz is not z:  # merged: the shorter arrays go back into the pinned buffer
             m = len(cz)
             arr[0, :m], arr[1, :m], arr[2, :m] = cs, cd, cz

@@ -23,12 +23,22 @@ from .types import KVGroup, Tensors
 def tensor_list(tensors: Tensors, what: str, where: str = "") -> list:
     import torch
 
-    items = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    try:
+        items = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    except TypeError:
+        raise BlockLayoutError(
+            f"{where}{what} is a {type(tensors).__name__}; pass a tensor or a sequence of them"
+        ) from None
     if not items:
         raise BlockLayoutError(f"{where}{what} is empty; pass at least one tensor")
     for i, t in enumerate(items):
         if not isinstance(t, torch.Tensor):
             raise BlockLayoutError(f"{where}{what}[{i}] is a {type(t).__name__}, not a torch.Tensor")
+        if t.is_nested or t.layout != torch.strided:
+            kind = "nested" if t.is_nested else str(t.layout)
+            raise BlockLayoutError(
+                f"{where}{what}[{i}] is a {kind} tensor; blocks are cut from dense (strided) tensors"
+            )
     return items
 
 
@@ -246,8 +256,8 @@ def block_ids(ids: Any, what: str, at: str = "") -> np.ndarray:
     # What engines pass (and the cheapest case to check): a 1-D C-contiguous int64 array.
     if type(ids) is np.ndarray and ids.ndim == 1:
         kind = ids.dtype.kind
-        if kind == "i":  # int64 as it is; vLLM's int32 (and any narrower) widened in one copy
-            return ids if ids.dtype.itemsize == 8 and ids.flags.c_contiguous else ids.astype(np.int64)
+        if kind == "i":  # int64 as it is; vLLM's int32 (and any narrower, or big-endian) converted in one copy
+            return ids if ids.dtype == np.int64 and ids.flags.c_contiguous else ids.astype(np.int64)
         if kind == "u" and ids.dtype.itemsize < 8:
             return ids.astype(np.int64)
     try:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
 from ..errors import InvalidImplError
-from ..types import Direction
+from ..types import Direction, as_int
 
 SCOPES = ("device", "family", "platform")  # most specific first
 
@@ -51,13 +51,20 @@ class Curve:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "direction", Direction.parse(self.direction))
-        pts = tuple(sorted((int(b), float(g)) for b, g in self.points))
+        where = f"Curve {self.impl!r} {self.direction}"
+        try:
+            pts = tuple(sorted((int(b), float(g)) for b, g in self.points))
+        except (TypeError, ValueError):
+            pts = ()
         if not pts or any(b <= 0 or not (g >= 0) or math.isinf(g) for b, g in pts):
-            raise InvalidImplError(
-                f"Curve {self.impl!r} {self.direction}: points must be (bytes > 0, finite GB/s >= 0)"
-            )
+            raise InvalidImplError(f"{where}: points must be (bytes > 0, finite GB/s >= 0)")
+        if self.num_sms is not None:
+            sms = as_int(self.num_sms)
+            if sms is None or sms < 0:
+                raise InvalidImplError(f"{where}: num_sms={self.num_sms!r} must be None or an int >= 0")
+            object.__setattr__(self, "num_sms", sms)
         if len({b for b, _ in pts}) != len(pts):
-            raise InvalidImplError(f"Curve {self.impl!r} {self.direction}: repeated block size")
+            raise InvalidImplError(f"{where}: repeated block size")
         object.__setattr__(self, "points", pts)
 
     def gbps(self, block_bytes: int) -> float:
@@ -162,7 +169,10 @@ class Calibration:
             raise bad("source must say where the numbers come from")
         if self.scope not in SCOPES:
             raise bad(f"scope={self.scope!r} is not valid; choose one of {SCOPES}")
-        object.__setattr__(self, "curves", tuple(self.curves))
+        try:
+            object.__setattr__(self, "curves", tuple(self.curves))
+        except TypeError:
+            raise bad(f"curves={self.curves!r} must be a sequence of Curve objects") from None
         if not all(isinstance(c, Curve) for c in self.curves):
             raise bad("curves must be Curve objects")
         for name in ("kernel_sms", "kernel_min_batch", "ceiling_gbps"):

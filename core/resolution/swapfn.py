@@ -6,7 +6,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ..addressing.descriptors import coalesce, run_starts, validate
+from ..addressing.descriptors import merge_runs, run_starts, validate
 from ..errors import DriverError, InvalidTransferError
 from ..registry.impl import CopyImpl, TransferFn
 from ..registry.thresholds import Calibration
@@ -176,7 +176,7 @@ class SwapFn:
             return None
         if np.count_nonzero(follows & (dst[:-1] + n[:-1] == dst[1:])) < quarter:
             return None
-        merged = coalesce(src, dst, n)
+        merged = merge_runs(src, dst, n)
         if self._merge_cap is not None and int(merged[2].max()) > self._merge_cap:
             return None
         return merged

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from kvswap.cli import (add_device, block_list, directions, file_to_write, link_directions, non_negative, positive,
                         write_json)
+from kvswap.errors import ConfigurationError
 from kvswap.types import Direction
 
 HELP = "compare the resolved route with every candidate and a peer policy over a grid"
@@ -27,13 +28,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--directions", type=directions, default=[Direction.H2D, Direction.D2H], metavar="h2d,d2h",
                    help="directions to measure (default both)")
     p.add_argument("--block-bytes", type=block_list, metavar="N[,N...]",
-                   help="block sizes of the grid (default: 1 KiB-512 KiB on a GPU)")
+                   help="block sizes of the grid, in bytes (default: 1 KiB-512 KiB on a GPU; 4, 16 and "
+                   "64 KiB on the host)")
     p.add_argument("--batches", type=block_list, metavar="N[,N...]",
-                   help="batch sizes of the grid (default: 1-10000 on a GPU)")
+                   help="batch sizes of the grid, in blocks per call (default: 1-10000 on a GPU; 1, 16 and 256 "
+                   "on the host)")
     p.add_argument("--repeats", type=positive, metavar="N",
                    help="timed calls of each contender per point (GB/s: their median; ratios: the median "
                    "of the contenders' round-by-round ratios); default on a GPU: 41, and more for short calls, "
-                   "up to 801, so that each point times about 0.2 s")
+                   "up to 801, so that each point times about 0.2 s; on the host: 3")
     p.add_argument("--passes", type=positive, metavar="N",
                    help="time the grid N times over, each point on a fresh random draw of slots every "
                    "time, the rounds above shared among the passes (default on a GPU: 3; on the host: 1)")
@@ -55,6 +58,10 @@ def run(args: argparse.Namespace) -> int:
 
     if cli_step.wanted(args):  # --model, a custom shape or --render: the step benchmark
         return cli_step.run(args)
+    cli_step.refuse(args, {**cli_step.STEP_ONLY, "plot": None, "render_command": ""},
+                    "without --model or a custom shape (--layers, --kv-heads, --head-dim)")
+    if args.window is not None and args.devices is None:
+        raise ConfigurationError("--window: not used without --devices")
     from kvswap.registry.platform import detect
     from kvswap.registry.plugins import plugin_host
 

@@ -87,6 +87,9 @@ def _check(args: argparse.Namespace) -> list[Direction]:
         raise ConfigurationError("--update rewrites its profile in place and draws no plot: leave out --out, "
                                  "--plot and --interference (name the parts with --only)")
     file_to_write(args.out, "--out", "the profile file to write")
+    if args.out is not None and args.out.exists() and not args.out.is_file():
+        # the profile is written beside and renamed over: a device or pipe would be replaced
+        raise ConfigurationError(f"--out {str(args.out)!r} is not a regular file; name the profile file to write")
     if args.plot is not None and args.plot.suffix.lower() != ".png":
         raise ConfigurationError(f"--plot {str(args.plot)!r} must name a .png file")
     file_to_write(args.plot, "--plot")
@@ -102,11 +105,17 @@ def duration(seconds: float) -> str:
     return f"{int(seconds // 60)} min {int(seconds % 60):02d} s"
 
 
-def strip(paths: list[Path]) -> int:
+def strip(args: argparse.Namespace) -> int:
     from kvswap.resolution.profiles import ProfileError
 
     from . import store
 
+    paths: list[Path] = args.strip
+    unused = [f"--{name.replace('_', '-')}" for name in ("device", "max_sms", "only", "update", "out", "plot")
+              if getattr(args, name) is not None] + [f"--{name}" for name in ("quick", "interference")
+                                                      if getattr(args, name)]
+    if unused:
+        raise ConfigurationError(f"--strip measures nothing: leave out {', '.join(unused)}")
     for path in paths:
         before = path.stat().st_size if path.is_file() else 0
         try:
@@ -143,7 +152,10 @@ def run_update(args: argparse.Namespace) -> int:
     for f in got.failures.records:
         print(f"skipped {f.describe()}")
     if raw_path is None:
-        print(f"kvswap calibrate: error: nothing could be measured; {args.update} is as it was", file=sys.stderr)
+        why = "" if got.failures.records else (
+            f": no route here serves {', '.join(args.only)} (kvswap info lists each implementation and why it is "
+            f"unusable)")
+        print(f"kvswap calibrate: error: nothing could be measured{why}; {args.update} is as it was", file=sys.stderr)
         return 1
     fitted = Fitted.from_dict(profile)
     lines = (host_cost_lines(fitted) if {update.HOST_COST, update.STAGED} & set(args.only) else []) + (
@@ -157,7 +169,7 @@ def run_update(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     if args.strip:
-        return strip(args.strip)
+        return strip(args)
     if args.update is not None:
         return run_update(args)
     from kvswap.resolution import profiles
@@ -176,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_for(dev, quick=args.quick, max_sms=args.max_sms, knee_tolerance=args.knee_tolerance)
     prior = find_calibration(host, dev)  # what is in force now: carried over for what this run skips
     path = Path(args.out) if args.out is not None else profiles.default_path(dev)
+    file_to_write(path, "--out (default)" if args.out is None else "--out")
     raw_path = store.measurements_path(path)
     plot_path: Optional[Path] = Path(args.plot) if args.plot is not None else path.with_suffix(".png")
     written: list[Path] = []

@@ -16,6 +16,43 @@ def _names(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+def model_names(text: str) -> list[str]:
+    """``--model``'s value: one or more names, comma-separated."""
+    names = _names(text)
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r} names no model; e.g. llama-3.1-8b, or all")
+    return names
+
+
+def milliseconds(text: str) -> float:
+    """A positive, finite number of milliseconds."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of milliseconds")
+    return v
+
+
+# Options of one benchmark that the other ignores, at their defaults when not given.
+STEP_ONLY = {"tp": [1], "block_tokens": DEFAULT_BLOCK_TOKENS, "blocks": [32, 512], "host_layouts": None,
+             "step_ms": 20.0, "reps": 7, "variants": False, "dtype": None}
+GRID_ONLY = {"block_bytes": None, "batches": None, "repeats": None, "passes": None, "confirm": None,
+             "devices": None, "window": None}
+MEASURE = {"model": None, "layers": None, "kv_heads": None, "head_dim": None, "layout": None, "json": None,
+           "device": None}
+
+
+def refuse(args: argparse.Namespace, options: dict[str, Any], why: str) -> None:
+    """A usage error naming every option of ``options`` given away from its default."""
+    flag = {"render_command": "--command"}
+    given = [flag.get(n, "--" + n.replace("_", "-")) for n, default in options.items()
+             if getattr(args, n, default) != default]
+    if given:
+        raise ConfigurationError(f"{', '.join(given)}: not used {why}")
+
+
 def host_layouts(text: str) -> list[str]:
     """``per-layer,block-major`` -> the host layouts, each once, in the order given."""
     from .step_workload import HOST_LAYOUTS
@@ -35,22 +72,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "vllm): submit host time, transfer alone and beside compute, compute slowdown, step makespan (also over "
         "the compute alone of its repetition and over the step's bound, max(compute alone, bytes / contiguous "
         "ceiling)), bytes checked")
-    g.add_argument("--model", type=_names, metavar="NAME[,NAME...]",
+    g.add_argument("--model", type=model_names, metavar="NAME[,NAME...]",
                    help="built-in model shape(s) (kvswap models), or all")
-    g.add_argument("--tp", type=block_list, default=[1], metavar="N[,N...]",
+    g.add_argument("--tp", type=block_list, default=STEP_ONLY["tp"], metavar="N[,N...]",
                    help="tensor-parallel degrees (default 1); a degree that does not split a model's KV heads "
                    "evenly is skipped for it")
     g.add_argument("--block-tokens", type=positive, default=DEFAULT_BLOCK_TOKENS, metavar="N",
                    help="tokens per KV block (default 16)")
-    g.add_argument("--blocks", type=block_list, default=[32, 512], metavar="B[,B...]",
+    g.add_argument("--blocks", type=block_list, default=STEP_ONLY["blocks"], metavar="B[,B...]",
                    help="blocks per job (default 32,512)")
     g.add_argument("--host-layouts", type=host_layouts, default=None, metavar="LAYOUT[,LAYOUT...]",
                    help="host KV layouts: per-layer (one pinned tensor per layer, the device's layout) and "
                    "block-major (kvswap.host_cache: host block i holds device block i of every layer) "
                    "(default both)")
-    g.add_argument("--step-ms", type=float, default=20.0, metavar="MS",
+    g.add_argument("--step-ms", type=milliseconds, default=STEP_ONLY["step_ms"], metavar="MS",
                    help="compute per step: bf16 GEMMs for about this long (default 20)")
-    g.add_argument("--reps", type=positive, default=7, metavar="N",
+    g.add_argument("--reps", type=positive, default=STEP_ONLY["reps"], metavar="N",
                    help="repetitions per case, contenders interleaved; numbers are medians (default 7)")
     g.add_argument("--variants", action="store_true",
                    help="also run the default with one older mechanism taken away each: without `within`, "
@@ -59,7 +96,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--plot", type=Path, metavar="FILE.png", help="also draw the results (needs matplotlib)")
     g.add_argument("--render", type=Path, nargs="+", metavar="FILE.json",
                    help="measure nothing: print as markdown the JSON file(s) of one device that kvswap bench "
-                   "wrote: the step benchmark's table and bars (and draw --plot), or the grid's tables")
+                   "wrote: the step benchmark's table and bars (and draw --plot), or the grid's tables (not "
+                   "the JSON of --devices)")
     g.add_argument("--command", dest="render_command", default="", metavar="TEXT",
                    help="with --render: the command that produced the JSON, quoted in the markdown")
     add_shape_arguments(p)
@@ -89,6 +127,7 @@ def render(args: argparse.Namespace) -> int:
     from .report import bench_markdown
     from .step_report import interference_markdown, merge, plot, render_markdown
 
+    refuse(args, {**STEP_ONLY, **GRID_ONLY, **MEASURE}, "with --render, which measures nothing")
     steps, slowdowns, grids = [], [], []
     for f in args.render:
         try:
@@ -132,7 +171,9 @@ def run(args: argparse.Namespace) -> int:
     from .step_report import bars, bars_table, header, plot, text_table, variants_table
     from .timing import on_host
 
+    refuse(args, {**GRID_ONLY, "render_command": ""}, "by the step benchmark (--model or a custom shape)")
     file_to_write(args.json, "--json")
+    file_to_write(args.plot, "--plot")
     dirs = link_directions(args.directions)
     caches, notes = caches_from_args(args)
     if not caches:

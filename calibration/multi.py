@@ -365,9 +365,19 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvswap bench --devices {','.join(args.devices)}: {len(steps)} windows of {settings.window_s} s "
           f"(about {len(steps) * settings.window_s / 60:.1f} min after setup)", file=sys.stderr)
     result = run_multi(args.devices, settings, dirs)
-    print(multi_report(result))
+    if result["rows"]:
+        print(multi_report(result))
     for f in result["failures"]:
-        print(f"failed: {f}")
+        print(failure_line(f), file=sys.stderr)
     if args.json is not None:
         write_json(args.json, result)
-    return 1 if not result["rows"] else 0
+    if not result["rows"]:
+        print("kvswap: error: no device measured anything (the failures above say why)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def failure_line(f: dict[str, Any]) -> str:
+    """One failure of a device's process, in one line: the device, where, and the error."""
+    where = ", ".join(f"{k} {v}" for k, v in f.items() if k not in ("device", "error", "rank"))
+    return f"kvswap: {f.get('device', '?')} failed{f' ({where})' if where else ''}: {f.get('error', 'no error recorded')}"

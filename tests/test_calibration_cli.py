@@ -144,15 +144,85 @@ def test_bench_writes_json_with_ratios(tmp_path, capsys):
     (["bench", "--devices", "cpu,cpu", "--json", "{tmp}"], "is a directory"),
     (["bench", "--model", "llama-3.1-8b", "--json", "{tmp}"], "is a directory"),
     (["bench", "--model", "llama-3.1-8b", "--directions", "d2d"], "only copies across the host link"),
+    # an output that cannot be written is refused before anything is measured
+    (["calibrate", "--quick", "--out", "{file}/p.json"], "cannot be written"),
+    (["calibrate", "--quick", "--plot", "{file}/p.png"], "cannot be written"),
+    (["bench", "--repeats", "1", "--json", "{file}/b.json"], "cannot be written"),
+    (["bench", "--model", "llama-3.1-8b", "--plot", "{file}/s.png"], "cannot be written"),
+    # an option the command would ignore is a mistake, not a no-op
+    (["calibrate", "--strip", "{file}", "--quick", "--out", "{tmp}/p.json"], "--strip measures nothing"),
+    (["bench", "--tp", "2", "--repeats", "1"], "--tp: not used without --model"),
+    (["bench", "--dtype", "fp16", "--repeats", "1"], "--dtype: not used without --model"),
+    (["bench", "--window", "0.1", "--repeats", "1"], "--window: not used without --devices"),
+    (["bench", "--model", "llama-3.1-8b", "--batches", "4"], "--batches: not used by the step benchmark"),
+    (["bench", "--render", "{file}", "--model", "llama-3.1-8b"], "--model: not used with --render"),
+    (["bench", "--model", ",", "--repeats", "1"], "names no model"),
+    (["bench", "--model", "llama-3.1-8b", "--step-ms", "nan"], "positive number of milliseconds"),
+    (["bench", "--model", "llama-3.1-8b", "--step-ms", "-5"], "positive number of milliseconds"),
 ])
 def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, argv, says):
-    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    (tmp_path / "file").write_text("")
+    argv = [a.replace("{tmp}", str(tmp_path)).replace("{file}", str(tmp_path / "file")) for a in argv]
     before = sorted(tmp_path.rglob("*"))
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and says in err[0], err
     assert sorted(tmp_path.rglob("*")) == before
     assert not profiles.default_path(cpu_device()).exists()
+
+
+def test_a_count_that_is_not_bytes_is_not_called_a_byte_count(capsys):
+    assert main(["bench", "--batches", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--batches" in err and "must be positive" in err and "byte" not in err
+
+
+def test_calibrate_refuses_a_default_location_it_cannot_write_before_measuring(tmp_path, capsys, monkeypatch):
+    (tmp_path / "data").write_text("")  # a user data "directory" that is a file
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    assert main(["calibrate", "--quick"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--out (default)" in err[0] and "cannot be written" in err[0], err
+
+
+def test_calibrate_out_naming_a_pipe_is_refused_and_left_a_pipe(tmp_path, capsys):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert main(["calibrate", "--quick", "--out", str(fifo)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not a regular file" in err[0], err
+    assert fifo.is_fifo() and sorted(p.name for p in tmp_path.iterdir()) == ["fifo"]
+
+
+def test_a_profile_that_cannot_be_saved_is_one_line_and_status_1(tmp_path, capsys, monkeypatch):
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device", str(tmp_path / "cpu.json"))
+
+    monkeypatch.setattr(store, "save", disk_full)
+    assert main(["calibrate", "--quick", "--out", str(tmp_path / "cpu.json")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("kvswap: error: ") and "No space left on device" in err[-1], err
+    assert "Traceback" not in "\n".join(err)
+
+
+def test_bench_json_that_cannot_be_written_whole_leaves_the_old_file(tmp_path):
+    """A write cut short (here by a file size limit, as a full disk or a quota would)
+    leaves the file that was there, not a truncated JSON."""
+    import resource
+
+    out = tmp_path / "bench.json"
+    out.write_text('{"old": true}\n')
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048))  # Python ignores SIGXFSZ: writes fail
+
+    run = subprocess.run([sys.executable, "-m", "kvswap", "bench", "--json", str(out), "--block-bytes", "4096,65536",
+                          "--batches", "1,16", "--repeats", "2"], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ), preexec_fn=small_files)
+    assert run.returncode == 1, run.stderr
+    assert run.stderr.strip().splitlines()[-1].startswith("kvswap: error: ") and "Traceback" not in run.stderr
+    assert out.read_text() == '{"old": true}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]
 
 
 def interrupt_at(monkeypatch, where):

@@ -122,6 +122,15 @@ def test_help_explains_each_command():
     assert "--block-bytes" in out.stdout and "--max-sms" in out.stdout
 
 
+def test_help_names_the_environment_switches_and_exit_statuses():
+    out = kvswap("--help")
+    assert out.returncode == 0
+    text = " ".join(out.stdout.split())
+    for switch in ("KVSWAP_FORCE_IMPL", "KVSWAP_PROFILE", "KVSWAP_PLUGINS", "KVSWAP_DISABLE_PLUGINS"):
+        assert switch in text, switch
+    assert "Exit status: 0 done; 1 the work failed; 2 a usage error" in text
+
+
 def test_console_script_is_installed():
     exe = os.path.join(os.path.dirname(sys.executable), "kvswap")
     out = subprocess.run([exe, "info", "--json"], capture_output=True, text=True, timeout=120)

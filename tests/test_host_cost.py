@@ -225,3 +225,17 @@ def test_when_the_parts_cannot_run_calibrate_keeps_its_sweep_and_update_leaves_t
     assert main(["calibrate", "--only", "host-cost", "--update", str(out), "--directions", "d2h"]) == 1
     assert "nothing could be measured" in capsys.readouterr().err
     assert out.read_text() == text
+
+
+def test_update_of_a_part_no_route_here_serves_says_so(tmp_path, capsys, monkeypatch):
+    from kvswap.calibration import staged
+
+    out = tmp_path / "cpu.json"
+    assert main(["calibrate", "--quick", "--directions", "d2h", "--out", str(out)]) == 0
+    capsys.readouterr()
+    text = out.read_text()
+    monkeypatch.setattr(staged, "staged_impl", lambda *args: None)  # no staged route on this device
+    assert main(["calibrate", "--only", "staged", "--update", str(out), "--directions", "d2h"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("kvswap calibrate: error: nothing could be measured: no route here serves staged")
+    assert out.read_text() == text

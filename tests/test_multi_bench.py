@@ -215,3 +215,13 @@ def test_a_device_that_cannot_be_set_up_lets_the_others_run(tmp_path, capsys):
     assert len(setup) == 1 and setup[0]["device"] == "cuda:7"
     row = result["rows"][0]
     assert row["alone"]["cpu"] > 0 and row["alone"]["cuda:7"] is None and row["aggregate_gbps"] is None
+
+
+def test_the_command_says_on_stderr_why_no_device_measured(capsys):
+    rc = main(["bench", "--devices", "cuda:7", "--block-bytes", "4096", "--batches", "4", "--passes", "1",
+               "--window", "0.01", "--directions", "h2d"])
+    captured = capsys.readouterr()
+    assert rc == 1 and captured.out == ""
+    err = captured.err.strip().splitlines()
+    assert any(line.startswith("kvswap: cuda:7 failed (stage setup): ") for line in err), err
+    assert err[-1] == "kvswap: error: no device measured anything (the failures above say why)"

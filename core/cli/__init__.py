@@ -41,12 +41,13 @@ class Parser(argparse.ArgumentParser):
 
 
 def block_list(text: str) -> list[int]:
+    """An argparse type: comma-separated positive integers (byte counts, batches, degrees)."""
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of byte counts") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
     if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: byte counts must be positive")
+        raise argparse.ArgumentTypeError(f"{text!r}: name one or more integers; each must be positive")
     return values
 
 
@@ -97,18 +98,41 @@ def link_directions(dirs: Iterable[Direction]) -> list[Direction]:
 
 
 def file_to_write(path: Any, option: str, what: str = "the file to write") -> None:
-    """Refuse an output option naming a directory, before any measurement runs."""
-    if path is not None and os.path.isdir(path):
+    """Refuse an output option naming a directory, or a file in a folder that cannot be
+    made or written, before any measurement runs."""
+    if path is None:
+        return
+    if os.path.isdir(path):
         raise ConfigurationError(f"{option} {str(path)!r} is a directory; name {what}")
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.lexists(folder):  # the first folder that exists: the rest are made under it
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigurationError(f"{option} {str(path)!r} cannot be written: {folder!r} is not a writable folder")
 
 
 def write_json(path: Any, doc: Any) -> None:
-    """A command's results as JSON at ``path`` (its folder made), and a line saying where."""
+    """A command's results as JSON at ``path`` (its folder made), and a line saying where.
+    A file is written beside and renamed over it, so a failed write leaves no truncated
+    file; a device or pipe (``/dev/stdout``) is written to, never replaced."""
+    import tempfile
     from pathlib import Path
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    text = json.dumps(doc, indent=1, default=str) + "\n"
+    target = Path(os.path.realpath(path))
+    if target.exists() and not target.is_file():
+        target.write_text(text)
+    else:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+        try:
+            os.fchmod(fd, 0o644)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, target)
+        except BaseException:
+            os.unlink(tmp)
+            raise
     print(f"results written to {path}")
 
 
@@ -141,6 +165,11 @@ def build_parser() -> Parser:
         "Inspect the backends (info), see how a transfer would be routed (explain), "
         "list the KV shapes of known models (models), "
         "measure this device (calibrate) and compare routes (bench).",
+        epilog="Environment: KVSWAP_FORCE_IMPL=IMPL uses one implementation for everything (as explain "
+        "--force); KVSWAP_PROFILE=FILE is the calibration profile tried first; KVSWAP_PLUGINS=a,b loads only these "
+        "plugins, KVSWAP_DISABLE_PLUGINS=a,b none of these. Exit status: 0 done; 1 the work failed; 2 a usage "
+        "error (bad arguments, a forced implementation that cannot be honoured); 130 interrupted; 141 stdout "
+        "closed by its reader.",
     )
     parser.add_argument("--version", action="version", version=f"kvswap {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
@@ -238,6 +267,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
         return EXIT_SIGPIPE
+    except OSError as e:  # a result that could not be written (disk full, no permission)
+        print(f"kvswap: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("kvswap: interrupted", file=sys.stderr)
         return 130

@@ -11,7 +11,7 @@ copy of the same bytes are printed with it, so the gap between them can be read 
 ``python3 tests/bench/diag_staged_timeline.py --layers 32 --heads 1 --blocks 512 --out DIR``
 (llama-3.1-8b at TP 8: 4 KiB chunks, 256 KiB blocks). Writes ``DIR/timeline-<dir>-<way>.txt``
 and the Chrome traces beside them with ``--traces``. ``--gap-ms`` leaves the machine idle before each
-timed job (a cold issuing thread and GPU), ``--pool`` spreads the blocks over larger pools.
+timed and traced job (a cold issuing thread and GPU), ``--pool`` spreads the blocks over larger pools.
 """
 from __future__ import annotations
 
@@ -114,6 +114,8 @@ def main() -> int:
             print(head, flush=True)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                     torch.profiler.ProfilerActivity.CUDA]) as prof:
+                torch.cuda.synchronize()
+                time.sleep(args.gap_ms / 1e3)
                 with torch.profiler.record_function("kvswap.submit"):
                     job = mover.submit(sid, did)
                 mover.wait(job)

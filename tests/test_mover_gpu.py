@@ -178,3 +178,26 @@ def test_movers_and_staged_links_never_share_a_stream_with_torchs_pool():
             m.close()
         del live, m, fn
         gc.collect()  # their streams go back to kvswap's free list for the next round
+
+
+@pytest.mark.parametrize("route", ROUTES, ids=lambda r: r or "default")
+def test_a_d2d_mover_within_one_cache_refuses_a_job_that_writes_what_it_reads(route):
+    """The same tensors on both sides: a swap is refused before any byte moves; blocks the
+    job does not both read and write move, every byte checked, the rest untouched."""
+    gen = torch.Generator().manual_seed(11)
+    cache = [torch.randint(-9, 9, (2, 64, 16, 2, 64), dtype=torch.int16, generator=gen).view(torch.bfloat16)
+             .to("cuda") for _ in range(3)]
+    before = [t.clone() for t in cache]
+    policy = None if route is None else Policy(force=route)
+    with BlockMover(cache, cache, "d2d", block_dim=1, policy=policy) as mover:
+        with pytest.raises(kvswap.BlockIdError, match="overlap in memory"):
+            mover.submit([1, 2, 3], [3, 7, 1])
+        torch.cuda.synchronize()
+        assert all(torch.equal(t, b) for t, b in zip(cache, before))
+        sid, did = [4, 9, 30, 31], [40, 12, 5, 63]
+        mover.wait(mover.submit(sid, did))
+        assert mover.poll()[-1].ok
+    for t, b in zip(cache, before):
+        want = b.clone()
+        want[:, did] = b[:, sid]
+        assert torch.equal(t, want)

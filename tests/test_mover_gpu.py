@@ -193,11 +193,11 @@ def test_a_d2d_mover_within_one_cache_refuses_a_job_that_writes_what_it_reads(ro
         with pytest.raises(kvswap.BlockIdError, match="overlap in memory"):
             mover.submit([1, 2, 3], [3, 7, 1])
         torch.cuda.synchronize()
-        assert all(torch.equal(t, b) for t, b in zip(cache, before))
+        assert all(torch.equal(t.view(torch.int16), b.view(torch.int16)) for t, b in zip(cache, before))
         sid, did = [4, 9, 30, 31], [40, 12, 5, 63]
         mover.wait(mover.submit(sid, did))
         assert mover.poll()[-1].ok
     for t, b in zip(cache, before):
         want = b.clone()
         want[:, did] = b[:, sid]
-        assert torch.equal(t, want)
+        assert torch.equal(t.view(torch.int16), want.view(torch.int16))  # bits: random bf16 holds NaNs

@@ -325,3 +325,17 @@ def test_a_job_that_writes_one_byte_twice_through_two_destination_tensors_is_ref
     want = before.view(30, block).clone()
     want[0], want[6], want[1], want[10] = src[0][0], src[0][1], src[1][0], src[1][1]
     assert torch.equal(pool.view(30, block), want)
+
+
+def test_switches_of_a_mover_and_resolve_are_true_or_false():
+    src, dst = flash_sides(10)
+    cases = [
+        (lambda: BlockMover(src, dst, "h2d", block_dim=1, device_descriptors="no"), "device_descriptors='no'"),
+        (lambda: BlockMover(src, dst, "h2d", block_dim=1, profiles="no"), "profiles='no'"),
+        (lambda: BlockMover(src, dst, "h2d", block_dim=1, issuing_thread=1), "issuing_thread=1"),
+        (lambda: BlockMover.groups([KVGroup(src, dst, 1)], "h2d", device_descriptors=0), "device_descriptors=0"),
+        (lambda: kvswap.resolve("h2d", device="cpu", profiles=None), "profiles=None"),
+    ]
+    for make, message in cases:
+        with pytest.raises(ConfigurationError, match=message):
+            make()

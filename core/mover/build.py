@@ -49,8 +49,10 @@ class Setup:
         self._pid, self._lock = process.pid, threading.RLock()
         self._issuer: Optional[IssuingThread] = None
         self._last_handed: Optional[Job] = None  # the last job given to the issuing thread
-        if issuing_thread not in (None, True, False):
+        if issuing_thread is not None and not isinstance(issuing_thread, bool):
             raise ConfigurationError(f"issuing_thread={issuing_thread!r} must be None, True or False")
+        if not isinstance(self._device_descriptors, bool):
+            raise ConfigurationError(f"device_descriptors={self._device_descriptors!r} must be True or False")
         self._inflight: deque[Job] = deque()
         self.direction = Direction.parse(direction)
         self._grouped = grouped

@@ -145,7 +145,7 @@ class BlockMover(Setup, Submit, Results):
         device_descriptors: bool = True,
         issuing_thread: Optional[bool] = None,
     ) -> None:
-        self._device_descriptors = bool(device_descriptors)
+        self._device_descriptors = device_descriptors  # checked in _setup
         self._setup([KVGroup(src_tensors, dst_tensors, block_dim)], False, direction, policy, stream,
                     dict(calibration=calibration, profiles=profiles), issuing_thread)
 
@@ -184,7 +184,7 @@ class BlockMover(Setup, Submit, Results):
             job = mover.submit([gpu_ids_full, gpu_ids_sliding], [cpu_ids_full, cpu_ids_sliding])
         """
         mover = cls.__new__(cls)
-        mover._device_descriptors = bool(device_descriptors)
+        mover._device_descriptors = device_descriptors  # checked in _setup
         mover._setup(group_specs(groups), True, direction, policy, stream, dict(calibration=calibration, profiles=profiles),
                      issuing_thread)
         return mover

@@ -149,6 +149,8 @@ def resolve(
     policy = Policy() if policy is None else policy
     if not isinstance(policy, Policy):
         raise ConfigurationError(f"policy={policy!r} must be a kvswap.Policy")
+    if not isinstance(profiles, bool):
+        raise ConfigurationError(f"profiles={profiles!r} must be True or False")
     sizes = _block_sizes(block_bytes)
     host = plugin_host() if host is None else host
     dev = detect(host, device)

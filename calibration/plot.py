@@ -76,12 +76,11 @@ def plot_profile(fitted: Fitted, path: Path, title: str = "") -> Path:
     return path
 
 
-PNG_COLOURS = 32  # a few bar and line colours, text, and their anti-aliased edges
-
-
-def save_png(fig: Any, path: Any) -> Path:
-    """Write ``fig`` to ``path`` as a PNG of 32 colours: a plot of flat colours looks the
-    same in a fraction of the bytes (Pillow comes with matplotlib)."""
+def save_png(fig: Any, path: Any, colours: int = 64) -> Path:
+    """Write ``fig`` to ``path`` as a PNG of ``colours`` colours: a plot of flat colours
+    looks the same in a fraction of the bytes (Pillow comes with matplotlib). The
+    calibration plot's shades of one colour per SM count want the default; bars of a few
+    colours take far fewer."""
     import io
 
     from PIL import Image
@@ -92,5 +91,5 @@ def save_png(fig: Any, path: Any) -> Path:
     fig.savefig(raw, format="png", dpi=110)
     raw.seek(0)
     with Image.open(raw) as im:
-        im.convert("RGB").quantize(colors=PNG_COLOURS, method=Image.Quantize.MEDIANCUT).save(path, optimize=True)
+        im.convert("RGB").quantize(colors=colours, method=Image.Quantize.MEDIANCUT).save(path, optimize=True)
     return path

@@ -285,6 +285,8 @@ def bars_table(results: Sequence[dict[str, Any]]) -> str:
 
 # -- the plot ----------------------------------------------------------------------------------
 
+ROW_INCHES = 6.0  # a row of panels, with room for the case labels under them
+
 def plot(doc: dict[str, Any], path: Path) -> Path:
     """Per direction and host layout: each contender's (not the default's variants) transfer
     time beside compute and the step's makespan over the compute alone and over its bound,
@@ -302,11 +304,11 @@ def plot(doc: dict[str, Any], path: Path) -> Path:
     metrics = (("transfer beside compute (ms, log)", lambda case, c: c["transfer_beside_ms"], True),
                ("step makespan / compute alone", makespan_over_compute, False),
                ("step makespan / bound", makespan_over_bound, False))
-    fig, axes = plt.subplots(len(panels), len(metrics), figsize=(22, 4.5 * len(panels)), squeeze=False)
+    fig, axes = plt.subplots(len(panels), len(metrics), figsize=(22, ROW_INCHES * len(panels)), squeeze=False)
     width = 0.8 / max(len(names), 1)
     for row, (d, layout) in enumerate(panels):
         cases = [c for c in doc["cases"] if (c["direction"], host_layout(c)) == (d, layout)]
-        labels = [f"{c['model']}\ntp{c['tp']} x{c['blocks']}\n{_size(c['chunk_bytes'])}" for c in cases]
+        labels = [f"{c['model']} tp{c['tp']} x{c['blocks']} {_size(c['chunk_bytes'])}" for c in cases]
         for col, (title, value, log) in enumerate(metrics):
             ax = axes[row][col]
             for i, name in enumerate(names):
@@ -322,14 +324,14 @@ def plot(doc: dict[str, Any], path: Path) -> Path:
             else:
                 ax.axhline(1.0, color="black", linewidth=0.8)
             ax.set_xticks(range(len(cases)))
-            ax.set_xticklabels(labels, fontsize=7)
+            ax.set_xticklabels(labels, fontsize=7, rotation=90)  # side by side, they would overlap
             ax.set_title(f"{d}, {layout} host: {title}")
             ax.grid(axis="y", alpha=0.3)
         axes[row][0].legend(fontsize=8)
     dev = doc["device"]
     fig.suptitle(f"kvswap bench --model on {dev['name']} (step {doc['settings']['step_ms']} ms of bf16 GEMMs)")
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / (4.5 * len(panels))))  # room for the title
-    path = save_png(fig, path)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / (ROW_INCHES * len(panels))))  # room for the title
+    path = save_png(fig, path, colours=16)  # six contenders' bars, text, the grid
     plt.close(fig)
     return path
 

@@ -22,6 +22,10 @@ def test_plot_is_a_png_of_every_route(tmp_path):
     path = plot_profile(fitted, tmp_path / "sub" / "curves.png", title="synthetic")
     data = path.read_bytes()
     assert data[:8] == PNG_MAGIC and len(data) > 20_000
+    from PIL import Image
+
+    with Image.open(path) as im:  # more than the step plot's 16: a shade per SM count
+        assert im.mode == "P" and 16 < len(im.getcolors()) <= 64
 
 
 def test_plot_of_one_direction_and_no_kernel(tmp_path):

@@ -214,6 +214,10 @@ def test_tables_bars_and_plot_from_the_json(tmp_path):
     assert "| staged route's compute slowdown (block-major host, step_interference) <= 5% | 1 | 0 | 0.070 | " \
            "h2d triton.staged 16 KiB x900 | FAIL |" in out.stdout
     assert (tmp_path / "p.png").stat().st_size > 10_000
+    from PIL import Image
+
+    with Image.open(tmp_path / "p.png") as im:  # bars of a few colours: a palette of 16 keeps the file small
+        assert im.mode == "P" and 6 <= len(im.getcolors()) <= 16
 
 
 def case(direction="h2d", chunk=4 * KiB, descriptors=5120, **contenders):

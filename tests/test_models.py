@@ -124,3 +124,16 @@ def test_shapes_from_args_all_and_default():
     assert [s.name for s in models.shapes_from_args(None, ns)] == models.names()
     with pytest.raises(ConfigurationError, match="name a model"):
         models.shapes_from_args(None, ns, default_all=False)
+
+
+def test_every_preset_at_a_tp_that_splits_only_some_lists_those_and_says_which_are_left_out():
+    out = kvswap_cli("models", "--json", "--tp", "3")
+    assert out.returncode == 0, out.stderr
+    shown = set(by_name(json.loads(out.stdout)))
+    left = {n for n, s in models.PRESETS.items() if s.layout == "flash" and s.kv_heads > 3 and s.kv_heads % 3}
+    assert left and shown == set(models.PRESETS) - left
+    assert out.stderr.startswith("kvswap models: left out: ") and all(n in out.stderr for n in left)
+    named = kvswap_cli("models", "llama-3.1-8b", "--tp", "3")  # a model named is shown or refused
+    assert named.returncode == 2 and "do not shard evenly over tp=3" in named.stderr
+    custom = kvswap_cli("models", "--layers", "2", "--kv-heads", "8", "--head-dim", "64", "--tp", "3")
+    assert custom.returncode == 2 and "custom: 8 KV heads do not shard evenly" in custom.stderr

@@ -293,7 +293,25 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    rows = [s.at(args.tp, args.block_tokens).to_dict() for s in shapes_from_args(args.models, args)]
+    import sys
+
+    shapes = shapes_from_args(args.models, args)
+    # Every preset (no name, or all): those whose heads --tp does not split are left out, as
+    # kvswap bench --model does; a model named is shown or refused.
+    listed = not [n for n in args.models if n.lower() != "all"] and not any(
+        getattr(args, a, None) is not None for a in CUSTOM_FIELDS)
+    rows, skipped = [], []
+    for s in shapes:
+        try:
+            rows.append(s.at(args.tp, args.block_tokens).to_dict())
+        except ConfigurationError as e:
+            if not listed:
+                raise
+            skipped.append(str(e))
+    if skipped:
+        print(f"kvswap models: left out: {'; '.join(skipped)}", file=sys.stderr)
+    if not rows:
+        raise ConfigurationError(f"no built-in model's KV heads shard evenly over tp={args.tp}")
     if args.json:
         print(json.dumps(rows, indent=1))
     else:

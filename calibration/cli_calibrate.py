@@ -54,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="directions to measure (default both); others are carried over from the "
                    "calibration in force")
     p.add_argument("--max-sms", type=non_negative, metavar="N",
-                   help="measure kernels on at most N SMs (0: measure no kernel route)")
+                   help="measure kernels on at most N SMs (0: measure no kernel route; default: up to all "
+                   "of the device's)")
     p.add_argument("--knee-tolerance", type=fraction, default=TOLERANCE, metavar="F",
                    help=f"the SM knee is the fewest SMs within this fraction of the kernel's best, on the "
                    f"geometric mean over the block sizes where the kernel wins (default {TOLERANCE})")

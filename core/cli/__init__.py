@@ -189,9 +189,11 @@ def build_parser() -> Parser:
     p.add_argument("--direction", required=True, type=direction, metavar="h2d|d2h|d2d",
                    help="h2d (host to device), d2h (device to host) or d2d (within one device)")
     p.add_argument("--block-bytes", type=block_list, metavar="N[,N...]",
-                   help="block sizes the engine will copy, e.g. 8192,16384")
+                   help="block sizes the engine will copy, e.g. 8192,16384 (default: a route per block-size "
+                   "class, as resolve() decides without them)")
     add_device(p)
-    p.add_argument("--max-sms", type=non_negative, metavar="N", help="most SMs a kernel route may take (0: none)")
+    p.add_argument("--max-sms", type=non_negative, metavar="N", help="most SMs a kernel route may take (0: none; default: as the "
+                   "calibration decides)")
     p.add_argument("--prefer", choices=["throughput", "low_interference"], default="throughput",
                    help="rank by bandwidth alone, or discount routes that slow compute down")
     p.add_argument("--force", metavar="IMPL", help="use this implementation for everything")

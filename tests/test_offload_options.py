@@ -1,14 +1,22 @@
 """kvswap's options as an engine's configuration carries them: Policy fields pass through,
 worker options are checked, anything else is refused naming the key and the valid ones;
-host memory becomes a number of chunks."""
+host memory becomes a number of chunks. kvswap's vLLM spec, over a fake vLLM: its checks of
+vLLM's configuration, and what it says of a vLLM other than the one it was tested with."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import logging
+import re
+import sys
+import types
+from types import SimpleNamespace
+from typing import Any, Optional
 
 import pytest
 
 from kvswap import ConfigurationError, Policy
-from kvswap.integrations.offload import OffloadOptions, chunks_for
+from kvswap.integrations.offload import OffloadOptions, chunks_for, host_bytes
 
 WHERE = 'kv_connector_extra_config["kvswap"]'
 
@@ -70,3 +78,103 @@ def test_chunks_for_refuses_what_is_not_bytes(host_bytes):
 def test_chunks_for_refuses_memory_that_holds_no_chunk():
     with pytest.raises(ConfigurationError, match="holds no chunk: one takes 400 bytes"):
         chunks_for(399, bytes_per_block=100, blocks_per_chunk=4)
+
+
+def test_unknown_keys_of_any_type_are_named():
+    with pytest.raises(ConfigurationError, match=r"unknown option\(s\) 'maxsms', 0; valid: max_sms"):
+        OffloadOptions.parse({"max_sms": 1, 0: 1, "maxsms": 2}, where=WHERE)
+
+
+def test_host_memory_is_refused_by_the_name_the_engine_gives_it():
+    key = 'kv_connector_extra_config["cpu_bytes_to_use"]'
+    with pytest.raises(ConfigurationError, match=re.escape(f"{key}='8GB': give a positive whole number of bytes")):
+        chunks_for("8GB", 50, 1, where=key)
+    with pytest.raises(ConfigurationError, match=re.escape(f"{key}=10 bytes holds no chunk")):
+        chunks_for(10, 50, 1, where=key)
+    assert host_bytes("4096", key) == 4096
+
+
+# kvswap's vLLM spec, against just enough of vLLM's modules to import it: its own checks, and
+# what it says when the vLLM it meets is not the one it was tested with.
+
+class FakeCPUSpec:
+    """vLLM 0.32's CPUOffloadingSpec, as far as it reads its configuration."""
+
+    def __init__(self, config: Any) -> None:
+        self.config, self.extra_config = config, config.extra_config
+        self.blocks_per_chunk = config.cache.blocks_per_chunk
+        if not self.extra_config.get("cpu_bytes_to_use"):
+            raise Exception("cpu_bytes_to_use must be specified in kv_connector_extra_config")
+        self.num_chunks = int(self.extra_config["cpu_bytes_to_use"]) // max(config.worker_kv_bytes_per_block, 1)
+        self._worker = None
+
+
+@pytest.fixture
+def fake_vllm():
+    """``load(version, base)``: kvswap.integrations.vllm imported over a fake vLLM of that
+    version whose ``vllm.v1.kv_offload.base`` holds ``base``; everything restored after."""
+    import kvswap.integrations
+
+    def ours(name: str) -> bool:
+        return name == "vllm" or name.startswith("vllm.") or name == "kvswap.integrations.vllm"
+
+    saved = {k: v for k, v in sys.modules.items() if ours(k)}
+    had = kvswap.integrations.__dict__.get("vllm")
+
+    def load(version: str = "0.32.0", base: Optional[dict] = None) -> Any:
+        for k in [k for k in sys.modules if ours(k)]:
+            del sys.modules[k]
+        base = {"CanonicalKVCaches": object, "OffloadingWorker": object, "TransferResult": tuple} if base is None else base
+        for name, attrs in {"vllm": {"__version__": version}, "vllm.logger": {"init_logger": logging.getLogger},
+                            "vllm.v1": {}, "vllm.v1.kv_offload": {}, "vllm.v1.kv_offload.base": base,
+                            "vllm.v1.kv_offload.config": {"OffloadingConfig": object}, "vllm.v1.kv_offload.cpu": {},
+                            "vllm.v1.kv_offload.cpu.spec": {"CPUOffloadingSpec": FakeCPUSpec}}.items():
+            module = types.ModuleType(name)
+            module.__dict__.update(attrs)
+            sys.modules[name] = module
+        return importlib.import_module("kvswap.integrations.vllm")
+
+    yield load
+    for k in [k for k in sys.modules if ours(k)]:
+        del sys.modules[k]
+    sys.modules.update(saved)
+    if had is None:
+        kvswap.integrations.__dict__.pop("vllm", None)
+    else:
+        kvswap.integrations.vllm = had
+
+
+def offloading_config(cpu_bytes: Any = 4000, **kw: Any) -> Any:
+    fields = dict(extra_config={"cpu_bytes_to_use": cpu_bytes, "kvswap": {"max_sms": 2}}, canonical_layout=False,
+                  worker_kv_bytes_per_block=100, cache=SimpleNamespace(blocks_per_chunk=2),
+                  parallel=SimpleNamespace(world_size=2, rank=0))
+    return SimpleNamespace(**{**fields, **kw})
+
+
+def test_the_spec_reads_its_options_and_host_memory(fake_vllm):
+    spec = fake_vllm().KvswapOffloadingSpec(offloading_config())
+    assert spec.num_chunks == 10 and spec.kvswap_options.policy.max_sms == 2 and spec.replicated_layout is False
+
+
+@pytest.mark.parametrize("cpu_bytes", ["8GB", 0, None, -5, 1.5])
+def test_host_memory_that_is_not_bytes_is_kvswaps_error_naming_the_key(fake_vllm, cpu_bytes):
+    """Before vLLM's own int() of it, whose error names neither the key nor kvswap."""
+    spec = fake_vllm().KvswapOffloadingSpec
+    with pytest.raises(ConfigurationError, match=re.escape(f'kv_connector_extra_config["cpu_bytes_to_use"]={cpu_bytes!r}')):
+        spec(offloading_config(cpu_bytes))
+
+
+def test_another_vllm_is_named_before_its_api_can_fail(fake_vllm, caplog):
+    """A vLLM whose config lacks a field the spec reads: the warning that names both versions
+    is in the log before the error."""
+    spec = fake_vllm("0.40.1").KvswapOffloadingSpec
+    config = offloading_config()
+    del config.canonical_layout
+    with caplog.at_level(logging.WARNING), pytest.raises(AttributeError):
+        spec(config)
+    assert "tested with vLLM 0.32.0; this is vLLM 0.40.1" in caplog.text
+
+
+def test_another_vllm_without_the_offloading_api_fails_to_import_naming_both_versions(fake_vllm):
+    with pytest.raises(ImportError, match=r"tested with vLLM 0\.32\.0; this is vLLM 0\.40\.1.*CanonicalKVCaches"):
+        fake_vllm("0.40.1", base={"OffloadingWorker": object, "TransferResult": tuple})

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import numpy as np
 import pytest
@@ -267,3 +268,104 @@ def test_one_groups_ids_map_as_the_checked_path_maps_them(k):
         with pytest.raises(BlockIdError, match="negative"):
             worker._ids(DeviceSpec(np.arange(2), [2], [-1]), HostSpec(np.arange(2)))
     worker.shutdown()
+
+
+@pytest.mark.parametrize("shape, page", [
+    ((2, NUM_BLOCKS, 64), 128),  # K and V first, blocks second
+    ((NUM_BLOCKS, 128), 64),  # a page size that is half the tensor's
+    ((NUM_BLOCKS, 128), 256),  # a page size that is two of the tensor's blocks
+    ((), 1),  # no block dimension
+])
+def test_a_tensor_whose_blocks_are_not_pages_of_its_first_dimension_is_refused(shape, page):
+    """Cut into pages that are not its blocks, such a tensor would move the wrong bytes."""
+    from kvswap import BlockLayoutError
+
+    t = torch.randint(-128, 128, shape, dtype=torch.int8)
+    with pytest.raises(BlockLayoutError, match=rf"tensor 0 \(torch.int8, shape {re.escape(str(tuple(shape)))}\) "
+                                               rf"must hold one {page}-byte page per block"):
+        canonical_layout(CanonicalCaches([CanonicalTensor(t, page)], [[Ref(0, page)]]))
+
+
+def test_a_route_that_raises_at_launch_is_a_failed_job_not_a_refused_one(caplog, monkeypatch):
+    c = caches()
+    worker = OffloadWorker.from_canonical(c, num_chunks=4, blocks_per_chunk=1)
+    worker.host.buffer.copy_(torch.randint(0, 256, worker.host.buffer.shape, dtype=torch.uint8))  # poison
+    host_before = worker.host.buffer.clone()
+
+    def broken(*a, **k):
+        raise RuntimeError("the copy route failed at launch")
+
+    monkeypatch.setattr(worker.store.swap_fn, "call_built", broken)
+    with caplog.at_level(logging.ERROR):
+        assert worker.submit_store(1, DeviceSpec(np.array([3]), [1, 0], [0, 0]), HostSpec(np.array([1]))) is False
+    counters = worker.counters["store"]
+    assert (counters.failed, counters.refused, counters.jobs) == (1, 0, 0)
+    message = caplog.records[-1].getMessage()
+    assert "failed to launch store job 1" in message and "RuntimeError: the copy route failed at launch" in message
+    assert torch.equal(worker.host.buffer, host_before)
+    assert worker.get_finished() == []  # reported once, at submit
+    monkeypatch.undo()  # the route works again: so does the worker
+    assert worker.submit_store(2, DeviceSpec(np.array([3]), [1, 0], [0, 0]), HostSpec(np.array([1])))
+    assert [(r.job_id, r.ok) for r in worker.get_finished()] == [(2, True)]
+    worker.shutdown()
+
+
+def test_jobs_of_a_mover_that_cannot_be_polled_are_reported_failed_not_left_in_flight(caplog, monkeypatch):
+    """The engine waits for every job it submitted: one never reported would hang its request."""
+    worker = OffloadWorker.from_canonical(caches(), num_chunks=4, blocks_per_chunk=1)
+    assert worker.submit_load(7, HostSpec(np.array([1])), DeviceSpec(np.array([3]), [1, 0], [0, 0]))
+    assert worker.submit_load(8, HostSpec(np.array([2])), DeviceSpec(np.array([4]), [1, 0], [0, 0]))
+
+    def broken():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(worker.load, "poll", broken)
+    with caplog.at_level(logging.ERROR):
+        results = worker.get_finished()
+    assert [(r.job_id, r.ok, r.bytes) for r in results] == [(7, False, 0), (8, False, 0)]
+    assert all("could not poll" in r.error and "illegal memory access" in r.error for r in results)
+    assert "load job(s) [7, 8] failed" in caplog.records[-1].getMessage()
+    assert worker.counters["load"].failed == 2 and worker.get_finished() == []
+    monkeypatch.undo()  # the mover's own results of those jobs come later: each job is reported once
+    assert worker.get_finished() == []
+    assert worker.submit_load(7, HostSpec(np.array([1])), DeviceSpec(np.array([3]), [1, 0], [0, 0]))
+    assert [(r.job_id, r.ok) for r in worker.get_finished()] == [(7, True)]
+    worker.shutdown()
+
+
+def test_a_job_that_cannot_be_waited_for_is_reported_failed_not_done(caplog, monkeypatch):
+    """vLLM waits for stores before it reuses their blocks: a wait that did not hold must not
+    end in a job reported done, whose host copy may hold the blocks' next contents."""
+    worker = OffloadWorker.from_canonical(caches(), num_chunks=4, blocks_per_chunk=1)
+    assert worker.submit_store(3, DeviceSpec(np.array([5]), [1, 0], [0, 0]), HostSpec(np.array([0])))
+    assert worker.submit_store(4, DeviceSpec(np.array([6]), [1, 0], [0, 0]), HostSpec(np.array([1])))
+
+    def broken(job_id=None):
+        raise RuntimeError("CUDA error: unspecified launch failure")
+
+    monkeypatch.setattr(worker.store, "wait", broken)
+    with caplog.at_level(logging.ERROR):
+        worker.wait({3})
+    assert "store job(s) [3] failed: could not wait for it" in caplog.records[-1].getMessage()
+    monkeypatch.undo()
+    results = worker.get_finished()
+    assert [(r.job_id, r.ok) for r in results] == [(3, False), (4, True)]
+    assert "unspecified launch failure" in results[0].error
+    assert worker.counters["store"].failed == 1 and worker.counters["store"].jobs == 1
+    worker.shutdown()
+
+
+@pytest.mark.parametrize("where", ["missing/kvswap.json", "."])
+def test_a_counters_file_that_cannot_be_written_is_refused_at_start(tmp_path, where):
+    options = OffloadOptions.parse({"stats_file": str(tmp_path / where)})
+    with pytest.raises(ConfigurationError, match=r"stats_file=.*(cannot write|is a directory)"):
+        OffloadWorker.from_canonical(caches(), 4, 1, options)
+    assert list(tmp_path.iterdir()) == []  # nothing left behind
+
+
+def test_a_host_cache_larger_than_memory_is_kvswaps_allocation_error():
+    """A few zeros too many in the engine's host memory setting: kvswap's error, not numpy's."""
+    from kvswap import AllocationError
+
+    with pytest.raises(AllocationError, match="could not allocate .* bytes of host memory"):
+        OffloadWorker.from_canonical(caches(), num_chunks=10**15, blocks_per_chunk=1)

@@ -22,18 +22,24 @@ from __future__ import annotations
 from typing import Any
 
 import vllm
-from vllm.logger import init_logger
-from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingWorker, TransferResult
-from vllm.v1.kv_offload.config import OffloadingConfig
-from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from .. import ConfigurationError, __version__
-from .offload import OffloadOptions, OffloadWorker, chunks_for
+from .offload import OffloadOptions, OffloadWorker, chunks_for, host_bytes
 
 __all__ = ["KvswapOffloadingSpec", "KvswapOffloadingWorker", "TESTED_VLLM", "OPTIONS_KEY"]
 
 TESTED_VLLM = "0.32.0"
 OPTIONS_KEY = "kvswap"  # kv_connector_extra_config[OPTIONS_KEY]: kvswap's options
+CPU_BYTES = 'kv_connector_extra_config["cpu_bytes_to_use"]'
+
+try:
+    from vllm.logger import init_logger
+    from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingWorker, TransferResult
+    from vllm.v1.kv_offload.config import OffloadingConfig
+    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+except ImportError as e:  # another vLLM, whose experimental offloading API moved: say which one
+    raise ImportError(f"kvswap's offloading spec is tested with vLLM {TESTED_VLLM}; this is vLLM "
+                      f"{getattr(vllm, '__version__', 'of no version')}, whose offloading API differs: {e}") from e
 # Under vLLM's logger, so that its handler and format (and VLLM_LOGGING_LEVEL) apply.
 logger = init_logger("vllm.kvswap")
 
@@ -78,27 +84,30 @@ class KvswapOffloadingSpec(CPUOffloadingSpec):
     ``cpu_bytes_to_use`` is host memory for all of the engine's workers together; each
     keeps its own cache of ``cpu_bytes_to_use / world_size`` at most.
 
-    :raises ConfigurationError: a bad kvswap option, or ``canonical_layout`` (kvswap keeps
-        its own host layout), when vLLM builds the spec: at engine start.
+    :raises ConfigurationError: a bad kvswap option, a ``cpu_bytes_to_use`` that is not a
+        number of bytes or holds no chunk, or ``canonical_layout`` (kvswap keeps its own host
+        layout), when vLLM builds the spec: at engine start.
     """
 
     def __init__(self, config: OffloadingConfig) -> None:
+        # First: should another vLLM's config or spec break what follows, the log says why.
+        if vllm.__version__.split(".")[:2] != TESTED_VLLM.split(".")[:2]:
+            logger.warning("kvswap's offloading spec is tested with vLLM %s; this is vLLM %s, whose experimental "
+                           "offloading API may differ", TESTED_VLLM, vllm.__version__)
         extra = config.extra_config
         self.kvswap_options = OffloadOptions.parse(extra.get(OPTIONS_KEY),
                                                    where=f'kv_connector_extra_config["{OPTIONS_KEY}"]')
         if config.canonical_layout:
             raise ConfigurationError('kv_connector_extra_config["canonical_layout"]: kvswap lays out its host '
                                      "cache itself (block-major); leave canonical_layout out")
+        host_bytes(extra.get("cpu_bytes_to_use"), CPU_BYTES)  # before vLLM's own int() of it, named
         super().__init__(config)
         # Each worker rank holds its own host cache, so each stores its own blocks; vLLM's
         # replicated layout (one copy shared through a /dev/shm region) does not apply.
         self.replicated_layout = False
         if config.worker_kv_bytes_per_block > 0:
             self.num_chunks = chunks_for(extra.get("cpu_bytes_to_use"), config.worker_kv_bytes_per_block,
-                                         self.blocks_per_chunk, config.parallel.world_size)
-        if vllm.__version__.split(".")[:2] != TESTED_VLLM.split(".")[:2]:
-            logger.warning("kvswap's offloading spec is tested with vLLM %s; this is vLLM %s, whose experimental "
-                           "offloading API may differ", TESTED_VLLM, vllm.__version__)
+                                         self.blocks_per_chunk, config.parallel.world_size, CPU_BYTES)
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:

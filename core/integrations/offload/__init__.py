@@ -4,13 +4,14 @@
   and the engine's jobs (stores, loads, results, counters);
 * :func:`canonical_layout`: the tensors and KV groups to move, from vLLM's description;
 * :func:`job_block_ids`: one job's block lists as the ids a mover takes;
-* :class:`OffloadOptions`: kvswap's options as an engine's configuration carries them.
+* :class:`OffloadOptions`: kvswap's options as an engine's configuration carries them
+  (:func:`chunks_for`, :func:`host_bytes`: its host memory).
 """
 from __future__ import annotations
 
 from .ids import device_block_ids, host_block_ids, job_block_ids
 from .layout import CacheLayout, canonical_layout
-from .options import OffloadOptions, chunks_for
+from .options import OffloadOptions, chunks_for, host_bytes
 from .worker import Counters, JobResult, OffloadWorker, route_summary
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "chunks_for",
     "device_block_ids",
     "host_block_ids",
+    "host_bytes",
     "job_block_ids",
     "route_summary",
 ]

@@ -38,7 +38,8 @@ def canonical_layout(kv_caches: Any) -> CacheLayout:
     ``group_data_refs`` (per group, references with ``.tensor_idx`` and ``.page_size_bytes``).
 
     :raises BlockLayoutError: a reference to a missing tensor, a page larger than its
-        tensor's, a tensor whose blocks are not pages of that size, or a group with no layer.
+        tensor's, a tensor whose blocks (its first dimension) are not pages of that size,
+        or a group with no layer.
     """
     import torch
 
@@ -72,6 +73,12 @@ def canonical_layout(kv_caches: Any) -> CacheLayout:
         except RuntimeError as e:
             raise BlockLayoutError(f"tensor {i} of shape {tuple(t.shape)} and strides {t.stride()} cannot be read "
                                    f"as blocks of {padded}-byte pages: {e}") from e
+        # Blocks on the first dimension, a page each: anything else (K and V first, a page
+        # size that is not the tensor's) would cut it into pages that are not its blocks.
+        blocks = t.shape[0] if t.dim() else 0
+        if pages.shape[0] != blocks:
+            raise BlockLayoutError(f"tensor {i} ({t.dtype}, shape {tuple(t.shape)}) must hold one {padded}-byte page "
+                                   f"per block of its first dimension ({blocks}); it holds {pages.shape[0]} such pages")
         views.append(pages[:, :used[i]])
     position = {i: k for k, i in enumerate(order)}
     groups = tuple(tuple(dict.fromkeys(position[int(r.tensor_idx)] for r in refs)) for refs in groups_refs)

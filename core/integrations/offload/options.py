@@ -56,7 +56,7 @@ class OffloadOptions:
         if not isinstance(options, Mapping):
             raise ConfigurationError(f"{where}={options!r} must be a mapping (a JSON object) of kvswap options")
         policy_keys = tuple(f.name for f in dataclasses.fields(Policy))
-        unknown = sorted(set(options) - set(policy_keys) - set(WORKER_KEYS))
+        unknown = sorted(set(options) - set(policy_keys) - set(WORKER_KEYS), key=repr)  # keys of any type
         if unknown:
             raise ConfigurationError(f"{where}: unknown option(s) {', '.join(map(repr, unknown))}; "
                                      f"valid: {', '.join(policy_keys + WORKER_KEYS)}")
@@ -80,23 +80,34 @@ def _whole(value: Any) -> Optional[int]:
     return None
 
 
-def chunks_for(host_bytes: Any, bytes_per_block: int, blocks_per_chunk: int, workers: int = 1) -> int:
-    """How many chunks of ``blocks_per_chunk`` blocks fit ``host_bytes`` of host memory
+def host_bytes(value: Any, where: str = "host memory") -> int:
+    """``value`` (an engine's setting, named ``where`` in messages) as a number of bytes.
+
+    :raises ConfigurationError: not a positive whole number of bytes (``"8GB"``, 0, -5, 1.5).
+    """
+    total = _whole(value)
+    if total is None or total <= 0:
+        raise ConfigurationError(f"{where}={value!r}: give a positive whole number of bytes")
+    return total
+
+
+def chunks_for(memory: Any, bytes_per_block: int, blocks_per_chunk: int, workers: int = 1,
+               where: str = "host memory") -> int:
+    """How many chunks of ``blocks_per_chunk`` blocks fit ``memory`` bytes of host memory
     shared by ``workers`` engine workers, each with its own cache of ``bytes_per_block``
     per block.
 
-    :raises ConfigurationError: ``host_bytes`` is not a positive number of bytes, or too
+    :param where: how the engine's user names the host memory, for messages.
+    :raises ConfigurationError: ``memory`` is not a positive number of bytes, or too
         small for one chunk.
     """
-    total = _whole(host_bytes)
-    if total is None or total <= 0:
-        raise ConfigurationError(f"host memory of {host_bytes!r} bytes: give a positive whole number of bytes")
+    total = host_bytes(memory, where)
     per_chunk = bytes_per_block * blocks_per_chunk * workers
     if per_chunk <= 0:
         raise ConfigurationError(f"a chunk of {blocks_per_chunk} blocks of {bytes_per_block} bytes for "
                                  f"{workers} worker(s) must hold at least one byte")
     n = total // per_chunk
     if n < 1:
-        raise ConfigurationError(f"host memory of {total} bytes holds no chunk: one takes {per_chunk} bytes "
+        raise ConfigurationError(f"{where}={total} bytes holds no chunk: one takes {per_chunk} bytes "
                                  f"({blocks_per_chunk} block(s) of {bytes_per_block} bytes for {workers} worker(s))")
     return n

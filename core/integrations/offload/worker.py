@@ -6,7 +6,9 @@ KV group; host chunks of ``blocks_per_chunk`` blocks). The worker owns the host 
 one contiguous run, so chunk ``c``, host blocks ``c * k .. c * k + k - 1``, is one run of
 ``k`` blocks), builds one :class:`~kvswap.BlockMover` per direction over all KV groups
 once, and per job only maps ids and submits. It never raises into the engine: a refused
-job is logged and reported refused, a failed one logged and reported failed.
+job is logged and reported refused, a failed one logged and reported failed, and so is a
+job whose end it cannot see (its mover cannot be polled or waited for): never left unreported,
+nor reported done after a wait that did not hold.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from typing import Any, Iterable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from ... import BlockMover, ConfigurationError, KVGroup, NumaWarning, host_cache
+from ... import BlockMover, ConfigurationError, InvalidTransferError, KVGroup, NumaWarning, host_cache
 from .ids import job_block_ids
 from .layout import canonical_layout
 from .options import OffloadOptions
@@ -49,8 +51,8 @@ class Counters:
     """What one direction has done since the worker was built."""
 
     jobs: int = 0  # finished and ok
-    failed: int = 0  # finished, not ok
-    refused: int = 0  # refused at submit, before any byte moved
+    failed: int = 0  # finished not ok, failed at launch, or whose end could not be seen
+    refused: int = 0  # refused at submit, before any byte moved (bad ids, a job id in use)
     blocks: int = 0  # device blocks moved by the ok jobs
     bytes: int = 0
     seconds: float = 0.0
@@ -101,7 +103,9 @@ class OffloadWorker:
     :param options: kvswap's options (policy, NUMA node, counters file, test controls).
     :param rank: the engine worker's rank, for ``{rank}`` in ``options.stats_file``.
     :param log: where refusals, failures and the counters file's errors are logged.
-    :raises ConfigurationError: bad counts or groups (before anything is allocated).
+    :raises ConfigurationError: bad counts or groups, or a counters file that cannot be
+        written (before anything is allocated).
+    :raises AllocationError: the host cache does not fit in host memory.
     :raises BlockLayoutError, TensorPlacementError: tensors a mover cannot move.
     """
 
@@ -122,8 +126,10 @@ class OffloadWorker:
                                   for i in members):
                 raise ConfigurationError(f"KV group {g} = {list(members)} must name tensors 0..{len(self.tensors) - 1}")
         self.num_chunks, self.blocks_per_chunk = num_chunks, blocks_per_chunk
-        # Host blocks of each chunk, row c = c * k .. c * k + k - 1: one indexing maps a job's chunks.
-        self._chunk_blocks = np.arange(num_chunks * blocks_per_chunk, dtype=np.int64).reshape(num_chunks, -1)
+        stats = self.options.stats_file
+        self.stats_path = stats.replace("{rank}", str(rank)) if stats else None
+        if self.stats_path:
+            _check_writable(self.stats_path, stats)
         device = self.tensors[0].device
         on_host = device.type == "cpu"
         with warnings.catch_warnings():
@@ -131,6 +137,9 @@ class OffloadWorker:
                 warnings.simplefilter("ignore", NumaWarning)
             self.host = host_cache(self.tensors, num_chunks * blocks_per_chunk, block_dim=0,
                                    pin=not on_host, node=self.options.numa_node)
+        # Host blocks of each chunk, row c = c * k .. c * k + k - 1: one indexing maps a job's chunks.
+        # After the cache: a cache too large for memory is refused by name, not by numpy here.
+        self._chunk_blocks = np.arange(num_chunks * blocks_per_chunk, dtype=np.int64).reshape(num_chunks, -1)
         views = self.host.views
         policy = self.options.policy
         dev = [[self.tensors[i] for i in g] for g in self.groups]
@@ -147,8 +156,7 @@ class OffloadWorker:
         self._loads = _Side(LOAD, self.load, Counters(), corrupt=bool(self.options.corrupt_loads))
         self._sides = (self._stores, self._loads)
         self._where: dict[int, tuple[_Side, int]] = {}  # engine job id -> (its side, mover job id)
-        stats = self.options.stats_file
-        self.stats_path = stats.replace("{rank}", str(rank)) if stats else None
+        self._lost: list[JobResult] = []  # jobs failed outside get_finished, reported by its next call
         self._closed = False
         self._write_stats()
 
@@ -172,8 +180,8 @@ class OffloadWorker:
         Specs are read by their fields: ``block_ids``, ``group_sizes`` and ``block_indices``
         on the device side, ``block_ids`` (chunk ids) on the host side.
 
-        :return: True once the job is on its way; False when it was refused (logged; no
-            byte moved, or, where the copy route failed at launch, its mover reports it).
+        :return: True once the job is on its way; False when it was refused (no byte moved)
+            or its copy failed at launch (logged as failed; counted so).
         """
         return self._submit(self._stores, job_id, device_spec, host_spec)
 
@@ -195,8 +203,15 @@ class OffloadWorker:
                 src, dst = (device, host) if side.store else (host, device)
             mid = side.mover.submit(src, dst)
         except Exception as e:
-            side.counters.refused += 1
-            self.log.error("kvswap refused %s job %s (device blocks %s, chunks %s): %s: %s", side.name, job_id,
+            # Bad ids or a job id in use are refused before any byte moves; anything else is
+            # the copy route failing at launch, some bytes perhaps moved.
+            refused = isinstance(e, (InvalidTransferError, ConfigurationError))
+            if refused:
+                side.counters.refused += 1
+            else:
+                side.counters.failed += 1
+            self.log.error("kvswap %s %s job %s (device blocks %s, chunks %s): %s: %s",
+                           "refused" if refused else "failed to launch", side.name, job_id,
                            _few(getattr(device_spec, "block_ids", None)), _few(getattr(host_spec, "block_ids", None)),
                            type(e).__name__, e)
             return False
@@ -232,8 +247,11 @@ class OffloadWorker:
         return job_block_ids(device_spec, host_spec, self.blocks_per_chunk, len(self.groups))
 
     def get_finished(self) -> list[JobResult]:
-        """Jobs finished since the last call, stores first, each direction in submission order."""
+        """Jobs finished since the last call, stores first, each direction in submission order
+        (jobs failed by :meth:`wait` first of all)."""
         out: list[JobResult] = []
+        if self._lost:
+            out, self._lost = self._lost, out
         where = self._where
         for side in self._sides:
             jobs = side.jobs
@@ -241,8 +259,8 @@ class OffloadWorker:
                 continue  # nothing of this direction in flight: no poll
             try:
                 results = side.mover.poll()
-            except Exception as e:  # a mover that cannot say is logged, never raised into the engine
-                self.log.error("kvswap could not poll its %s jobs: %s: %s", side.name, type(e).__name__, e)
+            except Exception as e:  # never raised into the engine, nor left for it to wait for forever
+                out += self._fail(side, list(jobs), f"could not poll its {side.name} jobs: {type(e).__name__}: {e}")
                 continue
             done = side.done
             for r in results:
@@ -283,7 +301,8 @@ class OffloadWorker:
 
     def wait(self, job_ids: Iterable[int]) -> None:
         """Block until each of ``job_ids`` that is in flight has finished (its result still
-        comes from :meth:`get_finished`); ids of refused or finished jobs are skipped."""
+        comes from :meth:`get_finished`); ids of refused or finished jobs are skipped. A job
+        that cannot be waited for is reported failed: the engine may reuse its blocks next."""
         for job_id in job_ids:
             where = self._where.get(job_id)
             if where is None:
@@ -292,7 +311,18 @@ class OffloadWorker:
             try:
                 side.mover.wait(mid)
             except Exception as e:
-                self.log.error("kvswap could not wait for %s job %s: %s: %s", side.name, job_id, type(e).__name__, e)
+                self._lost += self._fail(side, [mid], f"could not wait for it: {type(e).__name__}: {e}")
+
+    def _fail(self, side: _Side, mids: list[int], why: str) -> list[JobResult]:
+        """Jobs in flight (by mover job id) whose end cannot be seen, as failed results; logged."""
+        out = []
+        for mid in mids:
+            job_id, _ = side.jobs.pop(mid)
+            del self._where[job_id]
+            out.append(JobResult(job_id, False, 0, 0.0, why))
+        side.counters.failed += len(out)
+        self.log.error("kvswap %s job(s) %s failed: %s", side.name, _few([r.job_id for r in out]), why)
+        return out
 
     def shutdown(self) -> None:
         """Wait for every job, close both movers, write the counters a last time. Idempotent."""
@@ -344,6 +374,19 @@ class OffloadWorker:
             os.replace(tmp, path)  # a reader never sees half a file
         except OSError as e:
             self.log.error("kvswap could not write its counters to %s: %s", path, e)
+
+
+def _check_writable(path: str, option: str) -> None:
+    """Refuse a counters file that cannot be written, at start rather than at every job."""
+    if os.path.isdir(path):
+        raise ConfigurationError(f"stats_file={option!r}: {path} is a directory; name a file")
+    tmp = f"{path}.tmp{os.getpid()}"  # as _write_stats writes it
+    try:
+        with open(tmp, "w"):
+            pass
+        os.remove(tmp)
+    except OSError as e:
+        raise ConfigurationError(f"stats_file={option!r}: cannot write {path}: {e.strerror or e}") from e
 
 
 def route_summary(mover: BlockMover) -> str:

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
 from kvswap import Curve, DeviceInfo
+from kvswap.cli import write_text
 from kvswap.resolution import profiles
 
 from .decisions import Fitted, curve_to_dict
@@ -115,19 +114,8 @@ def dumps(doc: dict[str, Any]) -> str:
 
 
 def write(text: str, path: Path) -> Path:
-    """Write ``text`` to ``path`` atomically (a temporary file in the same folder, then a rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o644)  # a profile is meant to be read and shared, unlike mkstemp's 0600
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    return path
+    """Write ``text`` to ``path`` whole or not at all (:func:`kvswap.cli.write_text`)."""
+    return Path(write_text(text, path))
 
 
 def save(doc: dict[str, Any], path: Path) -> Path:

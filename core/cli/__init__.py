@@ -112,28 +112,33 @@ def file_to_write(path: Any, option: str, what: str = "the file to write") -> No
 
 
 def write_json(path: Any, doc: Any) -> None:
-    """A command's results as JSON at ``path`` (its folder made), and a line saying where.
-    A file is written beside and renamed over it, so a failed write leaves no truncated
-    file; a device or pipe (``/dev/stdout``) is written to, never replaced."""
+    """A command's results as JSON at ``path`` (:func:`write_text`), and a line saying where."""
+    write_text(json.dumps(doc, indent=1, default=str) + "\n", path)
+    print(f"results written to {path}")
+
+
+def write_text(text: str, path: Any) -> Any:
+    """Write ``text`` to the file ``path`` whole or not at all (its folder made): beside it,
+    then renamed over it, readable by all (mkstemp's 0600 would hide a shared profile). A
+    device or pipe (``/dev/stdout``) is written to, never replaced. Returns ``path``."""
     import tempfile
     from pathlib import Path
 
-    text = json.dumps(doc, indent=1, default=str) + "\n"
     target = Path(os.path.realpath(path))
     if target.exists() and not target.is_file():
         target.write_text(text)
-    else:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-        try:
-            os.fchmod(fd, 0o644)
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            os.replace(tmp, target)
-        except BaseException:
-            os.unlink(tmp)
-            raise
-    print(f"results written to {path}")
+        return path
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        os.fchmod(fd, 0o644)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return path
 
 
 def add_device(p: argparse.ArgumentParser) -> None:

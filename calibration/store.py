@@ -119,9 +119,14 @@ def write(text: str, path: Path) -> Path:
 
 
 def save(doc: dict[str, Any], path: Path) -> Path:
-    """Write the profile ``doc`` to ``path`` atomically, refusing what could not be read back."""
+    """Write the profile ``doc`` to ``path`` atomically, refusing what could not be read back
+    (:class:`~kvswap.resolution.profiles.ProfileError`, the file left as it was)."""
     profiles.to_calibration(doc, str(path))
-    return write(dumps(doc), path)
+    try:
+        text = dumps(doc)
+    except ValueError as e:  # NaN or an infinity in a field the resolver does not check
+        raise profiles.ProfileError(f"{path} cannot be written as JSON: {e}") from None
+    return write(text, path)
 
 
 def save_measurements(raw: dict[str, Any], path: Path) -> Path:
@@ -134,12 +139,9 @@ def strip(path: Path) -> tuple[Path, Optional[Path]]:
     :func:`measurements_path` beside it (None where it held none): how the shipped
     profiles are made from a calibration's output. What the resolver reads is unchanged."""
     path = Path(path)
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise profiles.ProfileError(f"{path} cannot be read as JSON: {e}") from e
-    profile, raw = split(doc)
-    profiles.to_calibration(profile, str(path))
+    # Read as the resolver reads it: a file it would skip (NaN, nested too deeply, not an
+    # object) is refused here too, before anything is written.
+    profile, raw = split(profiles.read(path))
     out = None
     if any(raw[k] for k in RAW_FIELDS):
         out = save_measurements(raw, measurements_path(path))

@@ -156,7 +156,7 @@ def update(path: Path, which: Sequence[str], dev: DeviceInfo, spec: Any, host: A
     :raises ConfigurationError: the file is no usable profile, or is another device's.
     """
     try:
-        doc = json.loads(Path(path).read_text())
+        doc = profiles.read(Path(path))  # as the resolver reads it: NaN, too deep, not an object refused
         profiles.to_calibration(doc, str(path))
     except (OSError, ValueError, profiles.ProfileError) as e:
         raise ConfigurationError(f"--update {str(path)!r} is not a profile kvswap can read: {e}") from None

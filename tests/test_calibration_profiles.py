@@ -134,3 +134,79 @@ def test_strip_refuses_what_is_not_a_profile_and_leaves_it(tmp_path, capsys):
     assert main(["calibrate", "--strip", str(bad)]) == 2
     assert "--strip" in capsys.readouterr().err and bad.read_text() == '{"schema": "something else"}'
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json"]
+
+
+def cpu_profile() -> dict[str, Any]:
+    """A small valid profile of this machine's CPU, as ``kvswap calibrate`` writes one."""
+    from kvswap.registry.platform import cpu_device
+
+    curves = [{"impl": "host.reference", "direction": d, "num_sms": None, "points": [[4096, 3.0], [65536, 30.0]]}
+              for d in ("h2d", "d2h")]
+    return store.make_document(cpu_device(), measured="test", curves=curves,
+                               decisions={d: {"kernel_sms": 6, "routes": []} for d in ("h2d", "d2h")})
+
+
+# Files the resolver skips that a plain json.loads takes (or dies on): what --strip and
+# --update must refuse as the resolver does, with an error naming the file, not a traceback.
+UNREADABLE = {
+    "not-an-object": lambda: json.dumps([cpu_profile()]),
+    "nan-in-raw-rows": lambda: json.dumps(dict(cpu_profile(), measurements=[{"seconds": float("nan")}])),
+    "nan-in-settings": lambda: json.dumps(dict(cpu_profile(), settings={"rounds": float("nan")})),
+    "too-deep": lambda: json.dumps(cpu_profile())[:-1] + ', "x": ' + "[" * 200_000 + "]" * 200_000 + "}",
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNREADABLE))
+def test_strip_refuses_a_file_the_resolver_would_skip_and_leaves_it(case, tmp_path, capsys):
+    path = tmp_path / "p.json"
+    text = UNREADABLE[case]()
+    path.write_text(text)
+    assert main(["calibrate", "--strip", str(path)]) == 2
+    assert f"--strip {str(path)!r}: " in capsys.readouterr().err
+    assert path.read_text() == text and sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]
+
+
+def test_save_refuses_a_number_json_cannot_hold_with_a_profile_error_and_keeps_the_old_file(tmp_path):
+    path = store.save(cpu_profile(), tmp_path / "p.json")
+    before = path.read_text()
+    with pytest.raises(profiles.ProfileError, match="cannot be written as JSON"):
+        store.save(dict(cpu_profile(), settings={"rounds": float("inf")}), path)
+    assert path.read_text() == before and sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]
+
+
+@pytest.mark.parametrize("case", ["nan-in-settings", "too-deep"])
+def test_update_refuses_a_file_the_resolver_would_skip_before_measuring(case, tmp_path, monkeypatch, capsys):
+    from kvswap.calibration import update
+
+    def measured(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("measured for a profile it cannot write")
+
+    monkeypatch.setattr(update, "measure", measured)
+    path = tmp_path / "p.json"
+    text = UNREADABLE[case]()
+    path.write_text(text)
+    assert main(["calibrate", "--device", "cpu", "--quick", "--only", "host-cost", "--update", str(path)]) == 2
+    assert f"--update {str(path)!r}" in capsys.readouterr().err and path.read_text() == text
+
+
+def test_a_profile_of_a_kernel_no_longer_installed_sends_no_batch_to_an_unmeasured_kernel(monkeypatch):
+    """The shipped profile measured triton.kernel; here another plugin's kernel is installed
+    instead. Nothing predicts it, so it must rank below the measured batch route at every
+    block size and batch (resolver._unmeasured_notes: "only where none of them can copy"),
+    not take the batch tiers fitted for the kernel the profile measured."""
+    path = next(p for p in SHIPPED if "h100" in p.name)
+    doc = json.loads(path.read_text())
+
+    class Replaced(StandIn):
+        def __init__(self, doc: dict[str, Any]) -> None:
+            super().__init__(doc)
+            self.routes = [("cuda.batch", "batch"), ("acme.kernel", "kernel")]
+
+    host = create_plugin_host(entry_points=[], extra=[("standin", Replaced(doc))])
+    monkeypatch.setenv(profiles.PROFILE_ENV, str(path))
+    for d in ("h2d", "d2h"):
+        fn = kvswap.resolve(d, device="standin:0", host=host)
+        assert fn.plan.calibration["source"] == f"profile {path}"
+        taken = [(r.min_bytes, n) for r in fn.plan.routes for n in (1, 8, 64, 512, 4096)
+                 if r.runs(n)[0] == "acme.kernel"]
+        assert not taken, f"{d}: unmeasured acme.kernel takes (block bytes, batch) {taken}"

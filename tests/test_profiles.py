@@ -117,3 +117,70 @@ def test_every_shipped_profile_reads_through_core():
             warnings.simplefilter("error")
             cal = profiles.load(path)
         assert profiles.is_shipped(cal.source) and cal.calibrated
+
+
+def test_a_user_profile_folder_that_cannot_be_searched_is_skipped_with_a_warning(tmp_path, monkeypatch, capsys):
+    """A user data dir without search permission (``Path.exists`` raises PermissionError
+    for what lies in it) is a profile kvswap cannot read, not a crash of resolve()."""
+    from pathlib import Path
+
+    from kvswap.cli import main
+    from kvswap.resolution import profiles
+
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    monkeypatch.setattr(profiles, "shipped_dir", lambda: shipped)
+    ship = shipped / profiles.profile_name(CPU.identity)
+    ship.write_text(json.dumps(document(sms=7)))
+    locked = profiles.user_dir()
+    user = profiles.default_path(CPU)
+    locked.mkdir(parents=True)
+    user.write_text(json.dumps(document(sms=5)))
+    stat = Path.stat
+
+    def denied(self, *args, **kwargs):  # as the OS answers where root's capabilities are not held
+        if self.is_relative_to(locked):
+            raise PermissionError(13, "Permission denied", str(self))
+        return stat(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "stat", denied)
+    with pytest.warns(ProfileWarning, match=f"skipped calibration profile {user}: .*Permission denied"):
+        fn = kvswap.resolve("h2d", device="cpu")
+    assert fn.plan.calibration["source"] == f"profile {ship}"  # the next place in the lookup order
+    assert main(["info"]) == 0  # the CLI prints warnings on stderr, one line each
+    assert f"kvswap skipped calibration profile {user}: " in capsys.readouterr().err
+
+
+def test_a_profile_switch_naming_a_pipe_is_skipped_not_waited_on(tmp_path, monkeypatch, user_profile):
+    """Reading a pipe (or a device) would hold an engine's start for as long as it gives
+    bytes: only a regular file is read."""
+    import os
+    import threading
+
+    fifo = tmp_path / "profile.fifo"
+    os.mkfifo(fifo)
+
+    def feed() -> None:  # a good profile down the pipe, so that a reader of it returns
+        with open(fifo, "w") as f:
+            f.write(json.dumps(document(sms=3)))
+
+    writer = threading.Thread(target=feed, daemon=True)
+    writer.start()
+    monkeypatch.setenv("KVSWAP_PROFILE", str(fifo))
+    try:
+        with pytest.warns(ProfileWarning, match=f"skipped calibration profile {fifo}: is not a regular file"):
+            fn = kvswap.resolve("h2d", device="cpu")
+    finally:
+        reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # lets the writer finish if nothing read it
+        writer.join()
+        os.close(reader)
+    assert fn.plan.calibration["source"] == f"profile {user_profile}"
+
+
+def test_a_profile_error_is_a_kvswap_error():
+    """What ``profiles.read``/``load`` and ``kvswap.calibration.store`` raise for a file they
+    cannot use is one of kvswap's errors (core/errors.py), a ValueError as before."""
+    from kvswap.resolution import profiles
+
+    assert issubclass(profiles.ProfileError, kvswap.ConfigurationError)
+    assert issubclass(profiles.ProfileError, ValueError)

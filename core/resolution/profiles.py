@@ -4,8 +4,9 @@ A profile is a versioned JSON document keyed by device identity. The lookup orde
 device (first usable file wins): the file named by ``KVSWAP_PROFILE``; the user's data
 directory (``<user data dir>/kvswap/profiles/<identity>.json``); the profiles shipped with
 kvswap (``kvswap/calibration/profiles/``). A file that is missing (when named by
-``KVSWAP_PROFILE``), malformed, too deeply nested, holding a non-finite number, of another
-schema or for another device is skipped with a :class:`kvswap.ProfileWarning` naming it.
+``KVSWAP_PROFILE``), unreadable (its folder included), not a regular file, malformed, too
+deeply nested, holding a non-finite number, of another schema or for another device is
+skipped with a :class:`kvswap.ProfileWarning` naming it.
 
 A profile document (schema ``kvswap.profile/1``) holds ``schema``, ``kvswap_version``,
 ``identity``, ``device`` (the full DeviceInfo), ``created``, ``measured``, ``settings``,
@@ -28,11 +29,12 @@ import importlib.util
 import json
 import math
 import os
+import stat
 import warnings
 from pathlib import Path
 from typing import Any, Optional
 
-from ..errors import ProfileWarning
+from ..errors import ConfigurationError, ProfileWarning
 from ..registry.thresholds import Calibration, Curve, host_cost_row
 from ..types import DeviceInfo
 
@@ -62,8 +64,9 @@ PROFILE_ENV = "KVSWAP_PROFILE"
 SOURCE_PREFIX = "profile "
 
 
-class ProfileError(ValueError):
-    """Why a profile file cannot be used (turned into a warning by :func:`find`)."""
+class ProfileError(ConfigurationError):
+    """Why a profile file cannot be used (turned into a warning by :func:`find`; the CLI
+    reports it as an error of its own, a :class:`~kvswap.ConfigurationError`)."""
 
 
 def shipped_dir() -> Path:
@@ -195,13 +198,18 @@ def _finite(text: str) -> float:
 def read(path: Path, device: Optional[DeviceInfo] = None) -> dict[str, Any]:
     """The checked document of one profile (what :func:`load` turns into a Calibration).
 
-    :raises ProfileError: unreadable, not JSON, too deeply nested, holding NaN or an
-        infinity, not a profile, or (given ``device``) for another device.
+    :raises ProfileError: unreadable, not a regular file, not JSON, too deeply nested,
+        holding NaN or an infinity, not a profile, or (given ``device``) for another device.
     """
     try:
-        text = Path(path).read_text()
+        # A pipe or a device would hold the caller (an engine starting) for as long as it
+        # gives bytes: only a regular file is read.
+        regular = stat.S_ISREG(Path(path).stat().st_mode)
+        text = Path(path).read_text() if regular else ""
     except (OSError, ValueError) as e:
         raise ProfileError(f"cannot be read as JSON: {e}") from e
+    if not regular:
+        raise ProfileError("is not a regular file (a folder, a pipe or a device)")
     try:
         doc = json.loads(text, parse_constant=_no_constant, parse_float=_finite)
     except RecursionError:
@@ -234,13 +242,22 @@ def candidates(device: DeviceInfo) -> list[Path]:
     return out
 
 
+def _absent(path: Path) -> bool:
+    """Whether nothing is at ``path``. A folder on the way that cannot be searched is not
+    absence (``Path.exists`` raises for it): reading the file then says why it is skipped."""
+    try:
+        return not path.exists()
+    except OSError:
+        return False
+
+
 def find(device: DeviceInfo) -> Optional[Calibration]:
     """The measured calibration for ``device``, or None; bad files are skipped with a
     warning, and so is a ``KVSWAP_PROFILE`` that names no file."""
     env = os.environ.get(PROFILE_ENV)
     for i, path in enumerate(candidates(device)):
         named = bool(env) and i == 0  # KVSWAP_PROFILE, shown as it was given
-        if not named and not path.exists():
+        if not named and _absent(path):
             continue
         try:
             return load(path, device)

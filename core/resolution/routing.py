@@ -238,8 +238,9 @@ def routes(
                 tiers = _no_zero_from(tiers, HOST_COST_AT, num_sms)
         else:
             # Ranked at a large batch, a route without SMs can still lose the small batches
-            # of this size to a kernel: a tier of 0 SMs says the calibration measured where.
-            kernel = next((impl for impl, _ in others if impl.uses_sms), None)
+            # of this size to a kernel: a tier of 0 SMs says the calibration measured where,
+            # for a kernel it predicts (tiers fitted for another kernel say nothing of this one).
+            kernel = next((impl for impl, g in others if impl.uses_sms and g is not None), None)
             if kernel is not None and any(k == 0 for _, k in tiers) and any(k for _, k in tiers):
                 best, small, min_batch = kernel, best, 0
             else:

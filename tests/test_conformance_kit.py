@@ -17,6 +17,8 @@ import textwrap
 
 import pytest
 
+from kvswap import PluginWarning
+
 from fakes import forget_modules, make_distribution
 
 pytest_plugins = ["pytester"]
@@ -103,6 +105,9 @@ IMPLS = [
     impl("undeclared_max", truncate_64k),
     impl("odd_thousand", odd_thousand),
     impl("bad_availability", good, availability=lambda device: True),
+    impl("raising_availability", good, availability=lambda device: {}["driver"]),
+    CopyImpl("kit.unavailable_h2d_only", "batch", ("cpu",), ("h2d",), lambda ctx: good,
+             availability=lambda device: "needs an Acme card"),
 ]
 WRONG_PLATFORM = impl("wrong_platform", good)
 
@@ -176,6 +181,8 @@ BROKEN = [
     ("kit.odd_thousand", ["test_copies_many_odd_sizes_at_odd_addresses", "test_swapfn_copies_many_odd_sizes"],
      "1 byte(s) of the destination differ"),
     ("kit.bad_availability", ["test_availability_answers_none_or_a_reason"], "must return None or a reason"),
+    ("kit.raising_availability", ["test_availability_answers_none_or_a_reason"],
+     "availability check raised KeyError: 'driver'; it must return None or a reason, never raise"),
     ("kit.wrong_platform", ["test_registered_only_for_platforms_it_serves"], "registered when kvswap asks for ['cuda']"),
 ]
 
@@ -241,3 +248,72 @@ def test_a_failure_replays_with_the_seed_it_printed(kit_backends, pytester):
     again = run_kit(pytester, "kit.corrupt_byte", "--kvswap-seed", seed, *args)
     where = r"the first is (.*?) \["
     assert re.findall(where, again.stdout.str()) == re.findall(where, first.stdout.str()) != []
+
+
+def test_an_unavailable_impl_has_its_checks_skipped_not_failed(kit_backends, pytester):
+    """Unavailable for a reason of its own, it is refused for that reason before its
+    direction is looked at: the direction check skips, as the copy checks do."""
+    result = run_kit(pytester, "kit.unavailable_h2d_only", "-v", "-rs")
+    assert result.ret == 0, result.stdout.str()
+    result.stdout.fnmatch_lines(["*test_resolve_refuses_directions_not_advertised SKIPPED*"])
+    assert "failed" not in result.parseoutcomes() and "needs an Acme card" in result.stdout.str()
+
+
+@pytest.fixture
+def vendor_plugin(tmp_path, monkeypatch):
+    """Install one throwaway plugin ``kvswap-vendor`` (entry point ``vendor``) from source."""
+    module = "kvswap_kit_vendor"
+
+    def install(source: str) -> None:
+        forget_modules(module)
+        root = make_distribution(tmp_path / "vendor", "kvswap-vendor", {"vendor": module}, {module: source})
+        monkeypatch.syspath_prepend(str(root))
+
+    yield install
+    forget_modules(module)
+
+
+VENDOR = BACKENDS.split("@hookimpl")[0] + '''
+@hookimpl
+def kvswap_register_copy_impls(platform, register):
+    if platform == "cpu":
+        register(impl("vendor", good))
+
+
+@hookimpl
+def kvswap_register_calibrations(device, register):
+    raise RuntimeError("calibration table missing")
+'''
+
+
+def test_a_plugin_dropped_by_another_of_its_hooks_fails_the_kit_naming_the_hook(vendor_plugin, pytester):
+    """Its copy impl registers fine, but its calibration hook raises: the first resolve drops
+    the whole plugin, so an engine would lose the impl. The kit says so, naming the hook,
+    and the checks after it say why the impl is gone instead of 'not registered'."""
+    vendor_plugin(VENDOR)
+    result = run_kit(pytester, "kit.vendor", "-rfE", "--tb=line")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["FAILED kvswap/testing/conformance.py::test_plugin_stays_loaded_through_a_resolve*"])
+    out = result.stdout.str()
+    assert "plugin 'vendor' was dropped, so kvswap no longer offers kit.vendor: kvswap_register_calibrations " \
+           "raised RuntimeError: calibration table missing" in out
+    assert "is not registered" not in out
+
+
+@pytest.mark.parametrize("source, why, device", [
+    ("raise SystemExit('acme SDK: no device found')\n",
+     "failed to import kvswap_kit_vendor: SystemExit: acme SDK: no device found", "acme"),
+    ("raise SystemExit('acme SDK: no device found')\n",
+     "failed to import kvswap_kit_vendor: SystemExit: acme SDK: no device found", None),
+    (BACKENDS.split("@hookimpl")[0] + "\n@hookimpl\ndef kvswap_register_copy_impls(platform, register):\n"
+     "    register(impl('vendor', good, alignment=8, min_block_bytes=9, max_block_bytes=15))\n",
+     "CopyImpl 'kit.vendor': accepts no block size", None),
+], ids=["exits-at-import-device-unknown", "exits-at-import-impl-unknown", "accepts-no-size"])
+def test_a_plugin_that_cannot_load_is_a_usage_error_naming_it(vendor_plugin, pytester, source, why, device):
+    """Whether the device or the impl is what cannot be found, the message says which
+    plugin failed to load and why (a plugin calling sys.exit() is no INTERNALERROR)."""
+    vendor_plugin(source)
+    with pytest.warns(PluginWarning, match="'vendor' .*dropped"):
+        result = run_kit(pytester, "kit.vendor", *(["--kvswap-device", device] if device else []))
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str() + result.stderr.str()
+    result.stderr.fnmatch_lines([f"*plugins not loaded: vendor (failed: *{why}*"])

@@ -161,12 +161,13 @@ def test_hook_kvswap_create_stream():
     assert own_handle(902, Owner(), host, platform="acme") not in (ha, hb)  # another device: a stream of its own
 
 
-@pytest.mark.parametrize("index, answer", enumerate([RuntimeError("no context"), -5, "0x10", True], start=910))
+@pytest.mark.parametrize("index, answer", list(enumerate([RuntimeError("no context"), -5, "0x10", True,
+                                                           SystemExit("acme: no device")], start=910)))
 def test_a_plugin_that_cannot_create_a_stream_is_dropped_and_torchs_pool_serves(index, answer):
     from kvswap.registry.streams import own_handle
 
     def create(platform, device_index):
-        if isinstance(answer, Exception):
+        if isinstance(answer, BaseException):
             raise answer
         return answer
 

@@ -239,7 +239,7 @@ def _one_line_warning(message: Any, category: Any, filename: str, lineno: int, f
 
 def forced(args: Optional[argparse.Namespace]) -> Optional[str]:
     """The implementation this command was told to use (``--force``, else the switch)."""
-    return getattr(args, "force", None) or os.environ.get(FORCE_ENV) or None
+    return getattr(args, "force", None) or os.environ.get(FORCE_ENV, "").strip() or None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

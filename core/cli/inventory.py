@@ -23,10 +23,7 @@ def impl_rows(host: PluginHost, device: DeviceInfo) -> list[dict[str, Any]]:
                 continue
             reason = impl.unavailable_reason(device)
             if reason and device.platform not in impl.platforms:
-                try:
-                    own = impl.availability(device)
-                except Exception as e:
-                    own = f"availability check raised {type(e).__name__}: {e}"
+                own = impl.own_reason(device)
                 if own:
                     reason = f"{reason}; {own}"
             rows[impl.name] = {

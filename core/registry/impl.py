@@ -10,6 +10,7 @@ import numpy as np
 from ..addressing.descriptors import misaligned
 from ..errors import InvalidImplError
 from ..types import DeviceInfo, Direction, as_int
+from .failures import describe
 
 KINDS = ("batch", "kernel", "staged")
 _NAME = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z0-9_]+)+$")
@@ -150,33 +151,45 @@ class CopyImpl:
             value = getattr(self, name)
             if value is not None and as_int(value) is not None:
                 object.__setattr__(self, name, as_int(value))
-        a = self.alignment
-        if not isinstance(a, int) or a < 1 or a & (a - 1):
+        a, lo, hi = self.alignment, self.min_block_bytes, self.max_block_bytes
+        if as_int(a) is None or a < 1 or a & (a - 1):
             raise bad(f"alignment={a!r} must be a power of two >= 1")
-        if not isinstance(self.min_block_bytes, int) or self.min_block_bytes < 1:
-            raise bad(f"min_block_bytes={self.min_block_bytes!r} must be an int >= 1")
-        if self.max_block_bytes is not None and (
-            not isinstance(self.max_block_bytes, int) or self.max_block_bytes < self.min_block_bytes
-        ):
-            raise bad(
-                f"max_block_bytes={self.max_block_bytes!r} must be None or an int >= "
-                f"min_block_bytes ({self.min_block_bytes})"
-            )
+        if as_int(lo) is None or lo < 1:
+            raise bad(f"min_block_bytes={lo!r} must be an int >= 1")
+        if hi is not None and (as_int(hi) is None or hi < lo):
+            raise bad(f"max_block_bytes={hi!r} must be None or an int >= min_block_bytes ({lo})")
+        if hi is not None and -(-lo // a) * a > hi:
+            raise bad(f"accepts no block size: no multiple of alignment={a} lies between "
+                      f"min_block_bytes={lo} and max_block_bytes={hi}")
+        for name in ("requires_pinned", "mixed_sizes"):
+            value = getattr(self, name)
+            if not isinstance(value, (bool, np.bool_)):
+                raise bad(f"{name}={value!r} must be True or False")
+            object.__setattr__(self, name, bool(value))
+        if not isinstance(self.description, str):
+            raise bad(f"description={self.description!r} must be a str (one line for `kvswap info`)")
 
     @property
     def uses_sms(self) -> bool:
         return self.kind == "kernel"
 
     def unavailable_reason(self, device: DeviceInfo) -> Optional[str]:
-        """None when usable on ``device``, else the reason; an availability check that
-        raises counts as unavailable, with the exception as the reason."""
+        """None when usable on ``device``, else the reason (:meth:`own_reason` where the
+        device is of a platform it serves)."""
         if device.platform not in self.platforms:
             return f"serves platforms {', '.join(self.platforms)}, not {device.platform}"
+        return self.own_reason(device)
+
+    def own_reason(self, device: DeviceInfo) -> Optional[str]:
+        """What the availability check says of ``device``: None, or a non-empty reason; a
+        check that raises, or answers anything else, counts as unavailable, saying so."""
         try:
             reason = self.availability(device)
-        except Exception as e:  # a broken check must not break resolution
-            return f"availability check raised {type(e).__name__}: {e}"
-        if reason is not None and not isinstance(reason, str):
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # a broken check must not break resolution
+            return f"availability check raised {describe(e)}"
+        if reason is not None and (not isinstance(reason, str) or not reason.strip()):
             return f"availability check returned {reason!r} instead of None or a reason"
         return reason
 

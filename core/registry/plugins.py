@@ -7,11 +7,12 @@ raises is dropped with one warning naming it while the others keep working.
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
 import os
 import threading
 import types
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Iterator, Mapping, Optional
 
 import pluggy
@@ -19,12 +20,14 @@ import pluggy
 from .. import PROJECT
 from ..errors import PluginWarning
 from . import hookspecs, reference
+from .failures import describe
 from .impl import CopyImpl
 
 ENTRY_POINT_GROUP = "kvswap.backends"
 ALLOW_ENV = "KVSWAP_PLUGINS"
 BLOCK_ENV = "KVSWAP_DISABLE_PLUGINS"
 BUILTIN_NAME = "host"
+HOOKS = tuple(n for n, f in vars(hookspecs).items() if n.startswith("kvswap_") and inspect.isfunction(f))
 
 
 @dataclass(frozen=True)
@@ -43,9 +46,9 @@ class PluginRecord:
 
 
 def _names(value: Optional[str]) -> Optional[set[str]]:
-    if value is None or not value.strip():
-        return None
-    return {n.strip() for n in value.split(",") if n.strip()}
+    """The plugin names a switch lists; None where it names none (unset, empty, ``","``)."""
+    names = {n.strip() for n in (value or "").split(",") if n.strip()}
+    return names or None
 
 
 def in_tree(obj: object) -> bool:
@@ -73,15 +76,48 @@ class PluginHost:
     # -- loading -------------------------------------------------------------------
     def add(self, obj: object, record: PluginRecord) -> bool:
         with self._lock:
+            if self.pm.has_plugin(record.name):  # keep the record of the plugin that has the name
+                self.warn(record.name, f"is the name of a second plugin ({record.module}); it was ignored")
+                return False
+            if obj is None:
+                self.fail(record, "is None, not a module or object holding hooks")
+                return False
             try:
                 self.pm.register(obj, name=record.name)
-            except Exception as e:
-                self.fail(record, f"cannot be registered: {type(e).__name__}: {e}")
+            except KeyboardInterrupt:
+                raise
+            except BaseException as e:
+                self.fail(record, f"cannot be registered: {describe(e)}")
                 return False
+            refused = self._uncallable(obj)
+            if refused:
+                self.pm.unregister(obj)
+                self.fail(record, refused)
+                return False
+            if not self.pm.get_hookcallers(obj):
+                record = replace(record, reason=_no_hooks(obj))
             self.records[record.name] = record
+            if record.reason:
+                self.warn(record.name, record.reason)
             if in_tree(obj):
                 self.builtin.add(record.name)
             return True
+
+    def _uncallable(self, obj: object) -> Optional[str]:
+        """Why kvswap cannot call a hook pluggy accepted: one marked as a wrapper (kvswap
+        calls each plugin's hook on its own), or written as a generator (its body would
+        never run)."""
+        for caller in self.pm.get_hookcallers(obj) or ():
+            for impl in caller.get_hookimpls():
+                if impl.plugin is not obj:
+                    continue
+                if impl.hookwrapper or impl.wrapper:
+                    return (f"marks {caller.name} as a hook wrapper; kvswap calls each plugin's "
+                            "hooks on their own, so none wraps another's")
+                if inspect.isgeneratorfunction(impl.function):
+                    return (f"writes {caller.name} as a generator, so its body would never run; "
+                            "a hook calls register(...) or returns its answer")
+        return None
 
     def is_builtin(self, name: str) -> bool:
         """Whether the plugin ``name`` is one of kvswap's own (in-tree) backends."""
@@ -137,25 +173,33 @@ class PluginHost:
         for impl in self._impls_of(hook):
             try:
                 result = impl.function(**{a: kwargs[a] for a in impl.argnames})
-            except Exception as e:
-                self.drop(impl.plugin_name, f"{hook} raised {type(e).__name__}: {e}")
+            except KeyboardInterrupt:
+                raise
+            except BaseException as e:
+                self.drop(impl.plugin_name, f"{hook} raised {describe(e)}")
                 continue
             yield impl.plugin_name, result
 
     def collect(self, hook: str, kind: type, **kwargs: Any) -> list[tuple[str, Any]]:
         """Call a ``register``-style hook; return ``(plugin, item)`` for every valid item.
 
-        A plugin that registers anything but a ``kind`` is dropped whole for this call.
+        A plugin that registers anything but a ``kind`` is dropped whole for this call; one
+        that returns something instead of registering it is warned about.
         """
         out: list[tuple[str, Any]] = []
         for impl in self._impls_of(hook):
             items: list[Any] = []
             args = dict(kwargs, register=items.append)
             try:
-                impl.function(**{a: args[a] for a in impl.argnames})
-            except Exception as e:
-                self.drop(impl.plugin_name, f"{hook} raised {type(e).__name__}: {e}")
+                returned = impl.function(**{a: args[a] for a in impl.argnames})
+            except KeyboardInterrupt:
+                raise
+            except BaseException as e:
+                self.drop(impl.plugin_name, f"{hook} raised {describe(e)}")
                 continue
+            if returned is not None:
+                self.warn(impl.plugin_name, f"returned a {type(returned).__name__} from {hook}, which kvswap "
+                          f"ignores; offer each {kind.__name__} by calling register(...)")
             wrong = [i for i in items if not isinstance(i, kind)]
             if wrong:
                 self.drop(
@@ -174,6 +218,18 @@ class PluginHost:
     @property
     def loaded(self) -> list[PluginRecord]:
         return [r for r in self.records.values() if r.status == "loaded"]
+
+
+def _no_hooks(obj: object) -> str:
+    """What to say of a plugin that implements no hook: usually functions without the marker."""
+    try:
+        unmarked = [n for n in HOOKS if callable(getattr(obj, n, None))]
+    except Exception:
+        unmarked = []
+    if unmarked:
+        return f"implements no kvswap hook; these functions need the @kvswap.hookimpl marker: {', '.join(unmarked)}"
+    return (f"implements no kvswap hook (functions named after the hooks, {HOOKS[0]} and the others, "
+            "marked @kvswap.hookimpl)")
 
 
 def _dist(ep: importlib.metadata.EntryPoint) -> tuple[str, str]:
@@ -206,12 +262,13 @@ def create_plugin_host(
     if entry_points is None:
         entry_points = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
     seen: set[str] = set()
-    for ep in sorted(entry_points, key=lambda e: e.name):
+    # kvswap's own entry point keeps its name wherever another distribution also uses it.
+    for ep in sorted(entry_points, key=lambda e: (e.name, _dist(e)[0] != PROJECT)):
         dist, version = _dist(ep)
         record = PluginRecord(ep.name, dist, version, ep.value)
         seen.add(ep.name)
         if ep.name in host.records:
-            host.warn(ep.name, f"has a second entry point ({ep.value}); it was ignored")
+            host.warn(ep.name, f"has a second entry point, {ep.value} from {dist} {version}; it was ignored")
             continue
         if allow is not None and ep.name not in allow:
             host.records[ep.name] = PluginRecord(ep.name, dist, version, ep.value, "disabled", f"not in {ALLOW_ENV}")
@@ -222,8 +279,10 @@ def create_plugin_host(
             continue
         try:
             obj = ep.load()
-        except Exception as e:
-            host.fail(record, f"failed to import {ep.value}: {type(e).__name__}: {e}")
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # SystemExit too: a plugin must not end the process
+            host.fail(record, f"failed to import {ep.value}: {describe(e)}")
             continue
         host.add(obj, record)
     for name, obj in extra:
@@ -271,7 +330,8 @@ def collect_impls(host: PluginHost, platform: str) -> list[tuple[str, CopyImpl]]
 
     The names kvswap's own backends register are theirs: another plugin registering one is
     ignored, with a warning naming that plugin. Between other plugins, the first by plugin
-    name keeps a name, and the others are warned about (never load order).
+    name keeps a name, and the others are warned about (never load order). A plugin that
+    registers one name twice keeps the first, with a warning.
     """
     offered = host.collect("kvswap_register_copy_impls", CopyImpl, platform=platform)
     owner: dict[str, str] = {}
@@ -286,7 +346,9 @@ def collect_impls(host: PluginHost, platform: str) -> list[tuple[str, CopyImpl]]
         if mine != plugin:
             whose = "kvswap's own plugin " if host.is_builtin(mine) else ""
             host.warn(plugin, f"registers {impl.name!r}, already registered by {whose}{mine!r}; ignored")
-        elif impl.name not in taken:
+        elif impl.name in taken:
+            host.warn(plugin, f"registers {impl.name!r} twice for platform {platform!r}; the second was ignored")
+        else:
             taken.add(impl.name)
             out.append((plugin, impl))
     return out

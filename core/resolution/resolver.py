@@ -6,6 +6,7 @@ from dataclasses import replace
 from typing import Any, Iterable, Optional, Union
 
 from ..errors import ConfigurationError, ResolutionError, UnknownImplError
+from ..registry.failures import describe
 from ..registry.impl import BindContext, CopyImpl, same_addresses
 from .lookup import find_calibration
 from .plan import Candidate, Plan, Route
@@ -51,10 +52,12 @@ def _bind_tiers(
             if not callable(fn):
                 raise TypeError(f"factory returned {fn!r}, not a callable")
             tiered[(name, k)] = fn
-        except Exception as e:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # a backend's sys.exit() too: a broken binding, not the end of the process
             failed.add((name, k))
             notes.append(f"{name}: could not be bound at {k} SMs for its batch tiers "
-                         f"({type(e).__name__}: {e}); those batches use its knee")
+                         f"({describe(e)}); those batches use its knee")
     if failed:
         def knee(r: Route) -> Route:
             at = params.get(r.impl, {}).get("num_sms")
@@ -188,8 +191,10 @@ def resolve(
                 fn = impl.factory(BindContext(direction, dev, p, translate, link))
                 if not callable(fn):
                     raise TypeError(f"factory returned {fn!r}, not a callable")
-            except Exception as e:
-                reason = f"factory raised {type(e).__name__}: {e}"
+            except KeyboardInterrupt:
+                raise
+            except BaseException as e:  # a backend's sys.exit() too: that route is unavailable
+                reason = f"factory raised {describe(e)}"
             else:
                 bound[impl.name], usable = fn, usable + [impl]
                 if impl.kind == "staged" and isinstance(getattr(fn, "num_sms", None), int):
@@ -203,13 +208,15 @@ def resolve(
     candidates.sort(key=lambda c: (not c.available, c.name))
     names = ", ".join(sorted(i.name for i in usable)) or "none"
 
-    forced = policy.force or os.environ.get(FORCE_ENV) or None
+    forced = policy.force or os.environ.get(FORCE_ENV, "").strip() or None  # read as the plugin switches are
     if forced:
         where = "Policy.force" if policy.force else FORCE_ENV
         cand = next((c for c in candidates if c.name == forced), None)
         if cand is None:
+            broken = [f"{r.name} {r.status}: {r.reason}" for r in host.records.values() if r.status == "failed"]
             raise UnknownImplError(
                 f"{where}={forced!r} is not registered for platform {dev.platform!r}; usable here: {names}"
+                + (f"; plugins that did not load: {'; '.join(broken)}" if broken else "")
             )
         if not cand.available:
             raise ResolutionError(f"{where}={forced!r} cannot be honoured: {cand.reason}; usable here: {names}")

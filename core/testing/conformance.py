@@ -58,7 +58,17 @@ def rng(seed: int) -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
+def _alive(kit: Target) -> None:
+    """Fail, with the reason, once kvswap has dropped the plugin (every later resolve
+    would only say the impl is not registered)."""
+    record = kit.host.records[kit.plugin]
+    if record.status != "loaded":
+        pytest.fail(f"plugin {kit.plugin!r} was dropped, so kvswap no longer offers {kit.impl.name}: "
+                    f"{record.reason}; a hook that raises or answers nonsense drops its whole plugin", pytrace=False)
+
+
 def _usable(kit: Target) -> None:
+    _alive(kit)
     if kit.unavailable is not None:
         pytest.skip(f"{kit.impl.name} is unavailable on {kit.device.name}: {kit.unavailable}")
 
@@ -67,7 +77,9 @@ def _usable(kit: Target) -> None:
 def swap(kit: Target, direction: Direction, max_sms: Optional[int]) -> kvswap.SwapFn:
     """The SwapFn an engine gets when it forces this impl."""
     _usable(kit)
-    return kvswap.resolve(direction, device=kit.device_spec, policy=Policy(force=kit.impl.name, max_sms=max_sms))
+    fn = kvswap.resolve(direction, device=kit.device_spec, policy=Policy(force=kit.impl.name, max_sms=max_sms))
+    _alive(kit)
+    return fn
 
 
 @pytest.fixture
@@ -108,6 +120,18 @@ def test_plugin_loaded_and_impl_registered_once(kit: Target) -> None:
         f"plugin {kit.plugin!r} was dropped while registering: {kit.host.records[kit.plugin].reason}")
 
 
+def test_plugin_stays_loaded_through_a_resolve(kit: Target) -> None:
+    """A resolve calls every hook it needs (the device, copy impls, calibrations, the host
+    address translation); one that raises or answers nonsense drops the whole plugin."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            kvswap.resolve(kit.impl.directions[0], device=kit.device_spec)
+        except ResolutionError:
+            pass  # nothing usable for this direction: the hooks were called all the same
+    _alive(kit)
+
+
 def test_registered_only_for_platforms_it_serves(kit: Target) -> None:
     asked = dict.fromkeys((kit.device.platform, *KNOWN_PLATFORMS, *kit.impl.platforms))
     wrong = [p for p in asked
@@ -136,7 +160,13 @@ def test_refusal_is_what_the_declaration_says(kit: Target) -> None:
 
 
 def test_availability_answers_none_or_a_reason(kit: Target) -> None:
-    answer = kit.impl.availability(kit.device)
+    answer, raised = None, None
+    try:
+        answer = kit.impl.availability(kit.device)
+    except Exception as e:
+        raised = f"{type(e).__name__}: {e}"
+    assert raised is None, (f"{kit.impl.name}'s availability check raised {raised}; it must return None or a "
+                            "reason, never raise (kvswap counts a raise as unavailable)")
     assert answer is None or (isinstance(answer, str) and answer.strip()), (
         f"{kit.impl.name}'s availability check must return None or a reason (a non-empty str), "
         f"got {answer!r}")
@@ -147,6 +177,7 @@ def test_resolve_refuses_directions_not_advertised(kit: Target) -> None:
     missing = [d for d in Direction if d not in kit.impl.directions]
     if not missing:
         pytest.skip(f"{kit.impl.name} advertises every direction")
+    _usable(kit)  # an unavailable impl is refused for that reason first
     for d in missing:
         with pytest.raises(ResolutionError, match="copies only"):
             kvswap.resolve(d, device=kit.device_spec, policy=Policy(force=kit.impl.name))

@@ -136,6 +136,12 @@ def _registered_elsewhere(host: PluginHost, name: str, platform: str) -> list[st
     return out
 
 
+def not_loaded(host: PluginHost) -> str:
+    """``; plugins not loaded: ...`` naming each with its reason, or nothing."""
+    idle = [f"{r.name} ({r.status}: {r.reason})" for r in host.records.values() if r.status != "loaded"]
+    return f"; plugins not loaded: {'; '.join(idle)}" if idle else ""
+
+
 def find_target(name: str, device: Optional[str]) -> Target:
     """The impl called ``name`` on ``device`` (None: the current accelerator, else the CPU).
 
@@ -146,7 +152,7 @@ def find_target(name: str, device: Optional[str]) -> Target:
     try:
         dev = detect(host, device)
     except ConfigurationError as e:
-        raise KitUsageError(f"--kvswap-device={device!r}: {e}") from None
+        raise KitUsageError(f"--kvswap-device={device!r}: {e}{not_loaded(host)}") from None
     registered = collect_impls(host, dev.platform)
     found = [(plugin, impl) for plugin, impl in registered if impl.name == name]
     if not found:
@@ -158,9 +164,6 @@ def find_target(name: str, device: Optional[str]) -> Target:
         else:
             msg += "; if it serves another platform, pass --kvswap-device with a device of that platform"
         msg += f"; registered for {dev.platform}: {', '.join(sorted(i.name for _, i in registered)) or 'none'}"
-        idle = [f"{r.name} ({r.status}: {r.reason})" for r in host.records.values() if r.status != "loaded"]
-        if idle:
-            msg += f"; plugins not loaded: {'; '.join(idle)}"
-        raise KitUsageError(msg)
+        raise KitUsageError(msg + not_loaded(host))
     plugin, impl = found[0]
     return Target(impl, plugin, dev, device, host, impl.unavailable_reason(dev))

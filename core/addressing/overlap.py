@@ -50,11 +50,10 @@ def meeting(a: Pieces, b: Pieces, same: bool) -> tuple[np.ndarray, np.ndarray]:
     certain = np.zeros((len(a.base), len(b.base)), dtype=bool)
     possible = np.zeros_like(certain)
     rows = max(1, PAIRS_AT_ONCE // max(1, len(b.base)))
-    lo_b, hi_b = _span(b)
+    (lo_a, hi_a), (lo_b, hi_b) = _span(a), _span(b)
     for r0 in range(0, len(a.base), rows):
         sl = slice(r0, r0 + rows)
-        ab, asz, an = a.base[sl, None], a.size[sl, None], a.blocks[sl, None]
-        s = a.stride[sl, None]
+        ab, asz, an, s = a.base[sl, None], a.size[sl, None], a.blocks[sl, None], a.stride[sl, None]
         one = (s == b.stride[None, :]) & (s > 0)
         # One stride s: block i of a meets block j of b where k = i - j satisfies
         # d - size_a < k * s < d + size_b, d = base_b - base_a; the least k above the lower
@@ -63,8 +62,7 @@ def meeting(a: Pieces, b: Pieces, same: bool) -> tuple[np.ndarray, np.ndarray]:
         step = np.where(one, s, 1)
         k = np.maximum((d - asz) // step + 1, 1 - b.blocks[None, :])
         certain[sl] = one & (k <= an - 1) & (k * step < d + b.size[None, :])
-        lo_a, hi_a = _span(Pieces(ab[:, 0], s[:, 0], asz[:, 0], an[:, 0], a.tensor[sl]))
-        possible[sl] = ~one & (lo_a[:, None] < hi_b[None, :]) & (lo_b[None, :] < hi_a[:, None])
+        possible[sl] = ~one & (lo_a[sl, None] < hi_b[None, :]) & (lo_b[None, :] < hi_a[sl, None])
     if same:
         np.fill_diagonal(certain, False)
         np.fill_diagonal(possible, False)

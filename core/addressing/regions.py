@@ -146,6 +146,9 @@ class DescriptorTemplate:
     dst_sub: Optional[np.ndarray] = None
     src_factor: int = 1
     dst_factor: int = 1
+    # Destination pieces cut with different strides whose spans meet: a job's destinations
+    # may then overlap, which only the job's own descriptors can tell (:func:`jobs_overlap`).
+    dst_may_meet: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_filler", _Filler(self))
@@ -434,7 +437,7 @@ def pair_regions(src_tensors: Sequence[Any], dst_tensors: Sequence[Any], block_d
     cols = [np.ascontiguousarray(c) for c in np.array(rows, dtype=np.int64).T]
     template = DescriptorTemplate(*cols[:6], src_counts.pop(), dst_counts.pop(),
                                   src_sub=cols[6], dst_sub=cols[7], src_factor=sf, dst_factor=df)
-    _check_aliasing(template)
+    template = replace(template, dst_may_meet=_check_aliasing(template))
     return _best_order(template)
 
 
@@ -444,18 +447,19 @@ def _probe(t: DescriptorTemplate, src_ids: np.ndarray, dst_ids: np.ndarray) -> t
     return out[0, :m], out[1, :m], out[2, :m]
 
 
-def _check_aliasing(t: DescriptorTemplate) -> None:
+def _check_aliasing(t: DescriptorTemplate) -> bool:
     """Refuse destination tensors that share memory (the same tensor passed twice, views
     of one buffer that overlap): the result would depend on the order of the copies.
-    Exact for pieces of one block stride; pieces that only may meet (views cut with two
-    strides) are left to each job's check (:func:`jobs_overlap`)."""
+    Exact for pieces of one block stride; returns whether pieces may still meet (views cut
+    with two strides), which is left to each job's check (:func:`jobs_overlap`)."""
     dst = side_pieces(t, dst=True)
-    certain, _ = meeting(dst, dst, same=True)
+    certain, possible = meeting(dst, dst, same=True)
     if certain.any():
         a, b = np.argwhere(certain)[0]
         i, j = sorted((int(dst.tensor[a]), int(dst.tensor[b])))
         which = f"dst_tensors[{i}] and dst_tensors[{j}]" if i != j else f"chunks of dst_tensors[{i}]"
         raise BlockLayoutError(f"{which} share memory; each destination byte must be written once")
+    return bool(possible.any())
 
 
 def jobs_overlap(templates: Sequence[DescriptorTemplate]) -> bool:
@@ -464,12 +468,11 @@ def jobs_overlap(templates: Sequence[DescriptorTemplate]) -> bool:
     device-to-device mover within one cache does), or with another destination block of
     its group (views of one buffer cut with different strides). Such a mover checks every
     job's descriptors before it enqueues anything."""
-    src = [side_pieces(t, dst=False) for t in templates]
-    dst = [side_pieces(t, dst=True) for t in templates]
-    joined = [Pieces(*(np.concatenate(parts) for parts in zip(*side))) for side in (src, dst)]
-    if spans_meet(*joined) and any(m.any() for m in meeting(*joined, same=False)):
+    if any(t.dst_may_meet for t in templates):
         return True
-    return any(meeting(d, d, same=True)[1].any() for d in dst)
+    src, dst = ([side_pieces(t, dst=side) for t in templates] for side in (False, True))
+    joined = [Pieces(*(np.concatenate(parts) for parts in zip(*side))) for side in (src, dst)]
+    return spans_meet(*joined) and any(m.any() for m in meeting(*joined, same=False))
 
 
 def _best_order(t: DescriptorTemplate) -> DescriptorTemplate:

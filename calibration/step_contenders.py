@@ -24,7 +24,7 @@ VLLM_POLICY = (f"vLLM's Triton path: h2d chunks under {PEER_MAX_BLOCK // KiB} Ki
 CONTENDERS = ("default", "low_interference", "batch", f"kernel@{KERNEL_SMS}", "staged", "vllm")
 # The default with one of kvswap's older mechanisms taken away (``kvswap bench --model
 # --variants``): what each still gains shows against the default's step.
-VARIANTS = ("default/no-within", "default/no-thread", "default/descriptors", "default/issuer")
+VARIANTS = ("default/no-within", "default/no-thread", "default/descriptors", "default/issuer", "default/rerun")
 # How BlockMover.explain() names the staged route a mover takes by itself.
 STAGED_NOTE = re.compile(r"note: staged: (\S+) moves")
 
@@ -61,11 +61,13 @@ class Routes(NamedTuple):
 def variants() -> list[Contender]:
     """:data:`VARIANTS`: the default without ``within``, without its issuing thread (every
     job built and launched in ``submit``), sending descriptors instead of ids to the device,
-    and with the CUDA issuer thread on."""
+    and with the CUDA issuer thread on; and the default again on a mover of its own
+    (``default/rerun``), whose spread against the default is the run's noise."""
     return [Contender("default/no-within", Policy(), within=False),
             Contender("default/no-thread", Policy(), options=(("issuing_thread", False),)),
             Contender("default/descriptors", Policy(), options=(("device_descriptors", False),)),
-            Contender("default/issuer", Policy(), env=(("KVSWAP_CUDA_ISSUER", "on"),))]
+            Contender("default/issuer", Policy(), env=(("KVSWAP_CUDA_ISSUER", "on"),)),
+            Contender("default/rerun", Policy())]
 
 
 def contenders_for(direction: Direction, cache: KVCache, blocks: int, batch_impl: Optional[str],

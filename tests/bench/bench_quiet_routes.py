@@ -13,6 +13,7 @@ beside the copy over their time alone, interleaved, median of ``--reps``:
   left out);
 * ``ldst device``: the same kernel between two device buffers (SM traffic that never
   leaves the GPU);
+* ``hold SM``: thread blocks that hold their SMs and touch no memory (the control);
 * ``tma host``: a CUDA C kernel whose single thread keeps a ring of shared-memory stages
   full with bulk copies (``cp.async.bulk`` and mbarriers), the same chunks.
 
@@ -106,6 +107,13 @@ extern "C" __global__ void tma_copy(const long long* __restrict__ srcs, const lo
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
+extern "C" __global__ void hold(long long ns) {
+  // A thread block that holds its SM for ns nanoseconds and touches no memory.
+  unsigned long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do { __nanosleep(1000); asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < (unsigned long long)ns);
+}
+
 extern "C" __global__ void gather(const long long* __restrict__ srcs, const long long* __restrict__ dsts,
                                   long long n, int chunk) {
   // Device side of a staged copy: one warp a chunk, 16-byte vectors, UNROLL in flight per lane.
@@ -149,6 +157,7 @@ def main(argv=None) -> int:
     out = {"device": name, "rows": []}
     mod = cp.RawModule(code=CUDA_SRC, options=("-std=c++17", "-arch=sm_90a"), backend="nvrtc")
     ldst, tma, gat = mod.get_function("ldst_copy"), mod.get_function("tma_copy"), mod.get_function("gather")
+    hold = mod.get_function("hold")
     tma.max_dynamic_shared_size_bytes = 160 * KiB
     comp, side = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
     rng = np.random.default_rng(0)
@@ -319,6 +328,9 @@ def main(argv=None) -> int:
                 for _ in range(r):
                     f(sid_, did_, s)
             contenders.append(("kvswap gather device", "d2d", sms_, tri_side, reps_k * n * chunk))
+        for ctas in (1, 4):  # SMs held, no memory touched: the control for everything above
+            contenders.append(("hold SM, no traffic", "-", ctas,
+                               lambda s, k=ctas: launch(hold, k, 32, (np.int64(int(calone * 1.5e6)),), s), 0))
         for label, d, ctas, fn, nbytes in contenders:
             copy_alone(fn)  # warm-up
             t_alone = [copy_alone(fn) for _ in range(2)]
@@ -328,9 +340,9 @@ def main(argv=None) -> int:
                 cb, tc = beside(fn)
                 slows.append(cb / ca - 1)
                 covered.append(tc >= cb)
+            per_gb = (med(slows) * calone / (nbytes / 1e9 * min(1.0, calone / med(t_alone)))) if nbytes else float("nan")
             row(part="interference", contender=label, direction=d, ctas=ctas, gbps_alone=nbytes / med(t_alone) / 1e6,
-                slowdown=med(slows), covered=all(covered), ms_lost_per_gb=med(slows) * calone / (
-                    nbytes / 1e9 * min(1.0, calone / med(t_alone))))
+                slowdown=med(slows), covered=all(covered), ms_lost_per_gb=per_gb)
 
     if "gather" in parts:
         # Host threads gathering chunks of a pinned pool into a pinned buffer (h2d's host side).

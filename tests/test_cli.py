@@ -69,7 +69,7 @@ def test_plugin_raising_on_import_leaves_info_and_resolve_working(third_party):
     out = kvswap("info", "--json", env=third_party)
     assert out.returncode == 0
     json.loads(out.stdout)
-    assert "kvswap plugin 'fragile' (from kvswap-acme 2.5) dropped" in out.stderr
+    assert "kvswap: warning: plugin 'fragile' (from kvswap-acme 2.5) dropped" in out.stderr
     assert "acme firmware missing" in out.stderr
     code = (
         "import numpy as np, kvswap\n"
@@ -99,8 +99,8 @@ def test_explain_json_and_block_bytes():
         ([], "required"),
         (["explain"], "--direction"),
         (["explain", "--direction", "sideways"], "direction='sideways' is not valid"),
-        (["explain", "--direction", "h2d", "--block-bytes", "8k"], "not a comma-separated list"),
-        (["explain", "--direction", "h2d", "--max-sms", "-1"], "must be >= 0"),
+        (["explain", "--direction", "h2d", "--block-bytes", "8k"], "'8k' must be a whole number >= 1"),
+        (["explain", "--direction", "h2d", "--max-sms", "-1"], "must be a whole number >= 0"),
         (["explain", "--direction", "h2d", "--device", "gpu#1"], "device='gpu#1' is not valid"),
         (["frobnicate"], "invalid choice"),
     ],

@@ -241,8 +241,8 @@ def test_with_the_thread_idle_a_by_id_job_launches_in_submit_and_behind_a_queued
     jobs = [(rng.permutation(40)[:n].astype(np.int64), did[:n]) for n in sizes]
     with BlockMover(src.tensors, dst.tensors, "h2d", block_dim=1, policy=Policy(force="test.kernel"),
                     issuing_thread=True) as mover:
-        _, fns = mover._ids_steps
-        mover._ids_steps = ((0, 7 * mover.chunks_per_block), (None, fns[0]))
+        _, fns, names = mover._ids_steps
+        mover._ids_steps = ((0, 7 * mover.chunks_per_block), (None, fns[0]), (names[0], names[0]))
         first = mover.submit(*jobs[0])  # by id, thread idle: launched here
         assert t.threads == [("ids", me)] and t.id_calls == [8]
         mover.submit(*jobs[1])  # descriptors: to the thread, where it waits for the gate

@@ -71,7 +71,7 @@ def test_chunks_for_divides_host_memory_among_workers(host_bytes, want):
 
 @pytest.mark.parametrize("host_bytes", [0, -5, 1.5, "lots", True, None])
 def test_chunks_for_refuses_what_is_not_bytes(host_bytes):
-    with pytest.raises(ConfigurationError, match="positive whole number of bytes"):
+    with pytest.raises(ConfigurationError, match="must be a whole number >= 1"):
         chunks_for(host_bytes, 50, 1)
 
 
@@ -87,7 +87,7 @@ def test_unknown_keys_of_any_type_are_named():
 
 def test_host_memory_is_refused_by_the_name_the_engine_gives_it():
     key = 'kv_connector_extra_config["cpu_bytes_to_use"]'
-    with pytest.raises(ConfigurationError, match=re.escape(f"{key}='8GB': give a positive whole number of bytes")):
+    with pytest.raises(ConfigurationError, match=re.escape(f"{key}='8GB' must be a whole number >= 1")):
         chunks_for("8GB", 50, 1, where=key)
     with pytest.raises(ConfigurationError, match=re.escape(f"{key}=10 bytes holds no chunk")):
         chunks_for(10, 50, 1, where=key)

@@ -148,7 +148,7 @@ def test_a_user_profile_folder_that_cannot_be_searched_is_skipped_with_a_warning
         fn = kvswap.resolve("h2d", device="cpu")
     assert fn.plan.calibration["source"] == f"profile {ship}"  # the next place in the lookup order
     assert main(["info"]) == 0  # the CLI prints warnings on stderr, one line each
-    assert f"kvswap skipped calibration profile {user}: " in capsys.readouterr().err
+    assert f"kvswap: warning: skipped calibration profile {user}: " in capsys.readouterr().err
 
 
 def test_a_profile_switch_naming_a_pipe_is_skipped_not_waited_on(tmp_path, monkeypatch, user_profile):

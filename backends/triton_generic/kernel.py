@@ -43,6 +43,8 @@ def availability(device: DeviceInfo) -> Optional[str]:
     if interpreting():
         return "TRITON_INTERPRET=1 runs Triton kernels on the CPU, which cannot address device memory; unset it"
     backend = _TRITON_BACKEND.get(device.platform)
+    if backend is None:
+        return f"Triton has no backend for {device.platform} devices"
     try:
         import triton.backends
     except Exception as e:

@@ -356,3 +356,34 @@ def test_ids_are_staged_before_the_start_marker_and_launched_after_it(monkeypatc
     assert all(r.ok for r in results)
     assert dst.matches(expected_after(dst, before, src_before, src, jobs))
     assert src.matches(src_before)
+
+
+class FailingByIds(Recording):
+    """A kernel transfer whose by-id launch raises its runtime's own exception."""
+
+    def by_ids(self, template):
+        def fn(src_ids, dst_ids, stream):
+            raise RuntimeError("launch queue full")
+
+        return fn
+
+
+@pytest.mark.parametrize("threaded", [False, True], ids=["on-submit", "on-the-issuing-thread"])
+def test_a_by_id_launch_that_raises_names_the_implementation(threaded):
+    """The mover's by-id path calls the backend's code directly: what it raises reaches the
+    caller (or the job's result) as a BackendError naming the implementation."""
+    _install(FailingByIds())
+    src, dst = _pools("mla", 4)
+    before = dst.snapshot()
+    with BlockMover(src.tensors, dst.tensors, "h2d", policy=Policy(force="test.kernel"), device_descriptors=True,
+                    issuing_thread=threaded) as mover:
+        assert mover._ids_steps is not None
+        if threaded:
+            mover.wait(mover.submit([1, 2], [3, 4]))
+            (result,) = mover.poll()
+            assert result.error == "BackendError: test.kernel failed: RuntimeError: launch queue full"
+        else:
+            with pytest.raises(kvswap.BackendError, match="test.kernel failed: RuntimeError: launch queue full") as e:
+                mover.submit([1, 2], [3, 4])
+            assert isinstance(e.value.__cause__, RuntimeError)
+    assert dst.matches(before)

@@ -193,6 +193,21 @@ def test_ci_runs_the_readme_test_command():
     assert FIRST_COMMANDS[1] in run
 
 
+def test_the_test_command_reports_skips_as_a_count_per_reason():
+    """The README's test command lists failures and errors one by one, and skips (dozens of
+    GPU tests on a CPU) as one line per reason (tests/conftest.py)."""
+    from types import SimpleNamespace
+
+    from conftest import skip_counts
+
+    addopts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
+    chars = "".join(a[2:] for a in addopts.split() if a.startswith("-r"))
+    assert chars and set(chars) <= set("fE"), f"addopts {addopts!r}: -r lists only failures and errors"
+    gpu = SimpleNamespace(longrepr=("t.py", 3, "Skipped: needs a GPU"))
+    other = SimpleNamespace(longrepr=("t.py", 9, "Skipped: no vLLM"))
+    assert skip_counts([gpu, other, gpu]) == [(2, "needs a GPU"), (1, "no vLLM")]
+
+
 def test_readme_python_runs(tmp_path, monkeypatch):
     from kvswap.registry.plugins import reset_plugin_host
 

@@ -399,7 +399,7 @@ def run(args: argparse.Namespace) -> int:
           f"(about {len(steps) * settings.window_s / 60:.1f} min after setup)", file=sys.stderr)
     bar = Progress.on_stderr("window")
     try:
-        result = run_multi(args.devices, settings, dirs, progress=told(args.devices, steps, bar))
+        result = run_multi(args.devices, settings, dirs, progress=progress_of(args.devices, steps, bar))
     finally:
         bar.close()
     if result["rows"]:
@@ -427,7 +427,7 @@ def part(step: Step, names: Sequence[str]) -> str:
     return f"{step.direction} {what} on {who}"
 
 
-def told(specs: Sequence[str], steps: Sequence[Step], bar: Any) -> Callable[[int, str, Any], None]:
+def progress_of(specs: Sequence[str], steps: Sequence[Step], bar: Any) -> Callable[[int, str, Any], None]:
     """What the parent does with the devices' reports (:func:`run_multi`'s ``progress``):
     a line per device when its setup ends, then the bar, window by window, naming the part."""
     done = [0]

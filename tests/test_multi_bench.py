@@ -227,7 +227,7 @@ def test_each_window_is_reported_once_naming_its_part_and_device():
         def step(self, what):
             seen.append(what)
 
-    hear = multi.told(["cuda:0", "cuda:1"], steps, Bar())
+    hear = multi.progress_of(["cuda:0", "cuda:1"], steps, Bar())
     hear(1, "setup", "DeviceNotFoundError: no such device")
     for done in (2, 2, len(steps)):  # a report may repeat: nothing is counted twice
         hear(0, "step", done)

@@ -152,7 +152,7 @@ def run_bench(device: Any, settings: BenchSettings, directions: Sequence[Any], *
             # Its own functions, as a peer engine would hold: never a candidate's object.
             peer[(PEER_KERNEL, PEER_SMS)] = bound_at(d, dev, device, host, PEER_KERNEL, PEER_SMS)
             peer[(PEER_BATCH, None)] = resolve(d, device=device, host=host, policy=Policy(force=PEER_BATCH))
-        else:
+        elif len(cands) > 1:  # one route alone is held against nothing
             out.notes.append(f"{d}: peer baseline not applicable here: it needs {PEER_KERNEL} and {PEER_BATCH}")
         for b in settings.block_sizes:
             for n in settings.batch_sizes:

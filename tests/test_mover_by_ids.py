@@ -241,8 +241,8 @@ def test_with_the_thread_idle_a_by_id_job_launches_in_submit_and_behind_a_queued
     jobs = [(rng.permutation(40)[:n].astype(np.int64), did[:n]) for n in sizes]
     with BlockMover(src.tensors, dst.tensors, "h2d", block_dim=1, policy=Policy(force="test.kernel"),
                     issuing_thread=True) as mover:
-        _, fns = mover._ids_steps
-        mover._ids_steps = ((0, 7 * mover.chunks_per_block), (None, fns[0]))
+        _, fns, names = mover._ids_steps
+        mover._ids_steps = ((0, 7 * mover.chunks_per_block), (None, fns[0]), (names[0], names[0]))
         first = mover.submit(*jobs[0])  # by id, thread idle: launched here
         assert t.threads == [("ids", me)] and t.id_calls == [8]
         mover.submit(*jobs[1])  # descriptors: to the thread, where it waits for the gate
@@ -356,3 +356,34 @@ def test_ids_are_staged_before_the_start_marker_and_launched_after_it(monkeypatc
     assert all(r.ok for r in results)
     assert dst.matches(expected_after(dst, before, src_before, src, jobs))
     assert src.matches(src_before)
+
+
+class FailingByIds(Recording):
+    """A kernel transfer whose by-id launch raises its runtime's own exception."""
+
+    def by_ids(self, template):
+        def fn(src_ids, dst_ids, stream):
+            raise RuntimeError("launch queue full")
+
+        return fn
+
+
+@pytest.mark.parametrize("threaded", [False, True], ids=["on-submit", "on-the-issuing-thread"])
+def test_a_by_id_launch_that_raises_names_the_implementation(threaded):
+    """The mover's by-id path calls the backend's code directly: what it raises reaches the
+    caller (or the job's result) as a BackendError naming the implementation."""
+    _install(FailingByIds())
+    src, dst = _pools("mla", 4)
+    before = dst.snapshot()
+    with BlockMover(src.tensors, dst.tensors, "h2d", policy=Policy(force="test.kernel"), device_descriptors=True,
+                    issuing_thread=threaded) as mover:
+        assert mover._ids_steps is not None
+        if threaded:
+            mover.wait(mover.submit([1, 2], [3, 4]))
+            (result,) = mover.poll()
+            assert result.error == "BackendError: test.kernel failed: RuntimeError: launch queue full"
+        else:
+            with pytest.raises(kvswap.BackendError, match="test.kernel failed: RuntimeError: launch queue full") as e:
+                mover.submit([1, 2], [3, 4])
+            assert isinstance(e.value.__cause__, RuntimeError)
+    assert dst.matches(before)

@@ -90,9 +90,9 @@ def test_by_id_launches_in_submit_and_jobs_on_the_thread_keep_submission_order(d
     mover = BlockMover(src.tensors, dst.tensors, direction, block_dim=src.layout.block_dim,
                        policy=Policy(force="triton.kernel", max_sms=32),
                        calibration=exact_sms_calibration(kvswap.resolve(direction).plan.device, 32))
-    starts, fns = mover._ids_steps
+    starts, fns, names = mover._ids_steps
     assert fns[0] is not None and fns[0].launch_only(16) and not fns[0].launch_only(0)
-    mover._ids_steps = ((0, 8 * mover.chunks_per_block), (None, fns[0]))
+    mover._ids_steps = ((0, 8 * mover.chunks_per_block), (None, fns[0]), (names[0], names[0]))
     _fifo_behind_a_spin(mover, src, dst, rng)
     # With the thread idle, a by-id job is on the stream when submit returns.
     sid, did = random_ids(rng, 16, src, dst)

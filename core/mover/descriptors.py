@@ -15,6 +15,7 @@ from ..addressing.descriptors import first_overlap, merge_runs, validate
 from ..addressing.regions import DescriptorTemplate
 from ..errors import AllocationError, BlockIdError, InvalidTransferError
 from ..memory.pinned_pool import DescriptorBuffer, DescriptorPool
+from ..registry.failures import copy_failure
 from ..resolution.swapfn import SwapFn
 
 Ids = list  # [(src ids, dst ids)] per KV group, int64, checked
@@ -75,6 +76,13 @@ class JobDescriptors:
             return None
         return steps[1][bisect_right(steps[0], len(ids[0][0]) * self.templates[0].count) - 1]
 
+    def failed(self, e: Exception, ids: Ids) -> Exception:
+        """What a caller gets where the by-id transfer of these ids raised ``e``
+        (:func:`~kvswap.registry.failures.copy_failure`, naming its implementation)."""
+        steps = self.ids_steps
+        name = steps[2][bisect_right(steps[0], len(ids[0][0]) * self.templates[0].count) - 1]
+        return copy_failure(e, name)
+
     def ids_buffer(self, ids: Ids) -> tuple[DescriptorBuffer, int]:
         """The ids in a pooled buffer (rows 0 and 1), and the descriptors they stand for."""
         (sid, did), = ids
@@ -84,10 +92,11 @@ class JobDescriptors:
         return buf, n * self.templates[0].count
 
 
-def by_ids_steps(fn: SwapFn, template: DescriptorTemplate) -> Optional[tuple[tuple[int, ...], tuple]]:
-    """``(starts, by_ids)``: per step of the route that takes this template's batches whole
-    (by descriptor count), the transfer's by-id capability bound to the template (the
-    template goes to the device here, once), or None; None where no step offers one."""
+def by_ids_steps(fn: SwapFn, template: DescriptorTemplate) -> Optional[tuple[tuple[int, ...], tuple, tuple]]:
+    """``(starts, by_ids, names)``: per step of the route that takes this template's batches
+    whole (by descriptor count), the transfer's by-id capability bound to the template (the
+    template goes to the device here, once), or None, and its implementation's name; None
+    where no step offers one."""
     sizes = template.chunk_sizes
     steps = fn.whole_batch_steps(sizes[0], sizes[-1])
     if steps is None:
@@ -103,7 +112,7 @@ def by_ids_steps(fn: SwapFn, template: DescriptorTemplate) -> Optional[tuple[tup
             except Exception:  # the descriptor path serves instead
                 bound[id(f)] = None
     out = tuple(None if f is None else bound[id(f)] for f in steps[1])
-    return (steps[0], out) if any(b is not None for b in out) else None
+    return (steps[0], out, steps[2]) if any(b is not None for b in out) else None
 
 
 def stage_ids(by_ids: Any, src_ids: np.ndarray, dst_ids: np.ndarray) -> Any:

@@ -80,7 +80,10 @@ def issue_with(desc: JobDescriptors, fn: SwapFn, c: Any,
                 with deferred.collect(stable=True) as job.issued:
                     if by_ids is not None:
                         n = len(ids[0][0])
-                        by_ids(arr[0, :n], arr[1, :n], c.stream)
+                        try:
+                            by_ids(arr[0, :n], arr[1, :n], c.stream)
+                        except Exception as e:
+                            raise desc.failed(e, ids)
                     elif m:  # coalesced by build(): the SwapFn need not look for runs again
                         (job.fn or fn).call_built(arr[0, :m], arr[1, :m], arr[2, :m], c.stream)
             except BaseException as e:

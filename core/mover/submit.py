@@ -154,7 +154,10 @@ class Submit:
             try:
                 with deferred.collect(stable=True) as job.issued:
                     if launch is not None:
-                        launch(c.stream)
+                        try:
+                            launch(c.stream)
+                        except Exception as e:
+                            raise self._desc.failed(e, ids)
                     elif m:  # coalesced by build(): the SwapFn need not look for runs again
                         arr = buf.array
                         (fn or self._fn).call_built(arr[0, :m], arr[1, :m], arr[2, :m], c.stream)
@@ -201,12 +204,13 @@ class Submit:
         t = self._templates[0]
         job = Job(self._next_id, len(sid) * t.block_bytes, start, descriptors=len(sid) * t.count)
         self._inflight.append(job)  # cut short from here on, _settle ends it
-        error = None
+        error: Optional[BaseException] = None
         try:
             launch(c.stream)
         except BaseException as e:
-            error = e  # a launch may have been enqueued: the job ends at the end marker
-            job.error = f"{type(e).__name__}: {e}"
+            # A launch may have been enqueued: the job ends at the end marker.
+            error = self._desc.failed(e, ids) if isinstance(e, Exception) else e
+            job.error = f"{type(error).__name__}: {error}"
         job.end = c.mark()
         self._next_id = job.job_id + 1
         if error is not None:

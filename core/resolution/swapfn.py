@@ -8,6 +8,7 @@ import numpy as np
 
 from ..addressing.descriptors import merge_runs, run_starts, validate
 from ..errors import DriverError, InvalidTransferError
+from ..registry.failures import copy_failure
 from ..registry.impl import CopyImpl, TransferFn
 from ..registry.thresholds import Calibration
 from .plan import Plan, Route
@@ -144,8 +145,11 @@ class SwapFn:
             if steps[2][i]:
                 try:
                     steps[1][i](src, dst, n, stream)
-                except DriverError as e:
-                    raise _callers_index(e, None, given) from e
+                except Exception as e:
+                    out = _raised(e, steps[3][i][0], None, given)
+                    if out is e:
+                        raise
+                    raise out from e
                 return
         try:
             parts = self.assign(src, dst, n)
@@ -164,8 +168,11 @@ class SwapFn:
                     fn(src, dst, n, stream)
                 else:
                     fn(src[sel], dst[sel], n[sel], stream)
-            except DriverError as e:
-                raise _callers_index(e, sel, given) from e
+            except Exception as e:
+                out = _raised(e, name, sel, given)
+                if out is e:
+                    raise
+                raise out from e
 
     def _merged(self, src: np.ndarray, dst: np.ndarray, n: np.ndarray) -> Optional[tuple[np.ndarray, ...]]:
         """The batch with contiguous runs merged, or None where that does not pay: fewer
@@ -249,19 +256,20 @@ class SwapFn:
             self._quiet_tables[size] = table
         return table
 
-    def whole_batch_steps(self, smallest: int,
-                          largest: int) -> Optional[tuple[tuple[int, ...], tuple[Optional[TransferFn], ...]]]:
+    def whole_batch_steps(self, smallest: int, largest: int) -> Optional[tuple[
+            tuple[int, ...], tuple[Optional[TransferFn], ...], tuple[str, ...]]]:
         """Where a batch whose sizes all lie in ``[smallest, largest]`` goes whole, by its
-        descriptor count: ``(starts, fns)``, a batch of ``n`` taking ``fns[i]`` for the last
-        ``starts[i] <= n``; ``fns[i]`` is None where that implementation checks constraints
-        per call. None when such a batch could span routes. BlockMover asks once, to bind
-        the optional ``by_ids`` capability (:class:`~kvswap.registry.impl.ByIdsFn`) of those transfers."""
+        descriptor count: ``(starts, fns, names)``, a batch of ``n`` taking ``fns[i]`` (of
+        the implementation ``names[i]``) for the last ``starts[i] <= n``; ``fns[i]`` is None
+        where that implementation checks constraints per call. None when such a batch could
+        span routes. BlockMover asks once, to bind the optional ``by_ids`` capability
+        (:class:`~kvswap.registry.impl.ByIdsFn`) of those transfers."""
         lows = self._low_list
         r = bisect_right(lows, smallest) - 1
         if r != bisect_right(lows, largest) - 1:
             return None
-        starts, fns, plain, _ = self._steps[r]
-        return starts, tuple(f if p else None for f, p in zip(fns, plain))
+        starts, fns, plain, keys = self._steps[r]
+        return starts, tuple(f if p else None for f, p in zip(fns, plain)), tuple(k[0] for k in keys)
 
     def assign(self, src: np.ndarray, dst: np.ndarray, n: np.ndarray) -> list[tuple[str, Optional[int], Optional[np.ndarray]]]:
         """Which implementation copies which descriptors: ``(impl, num_sms, indices or
@@ -323,6 +331,13 @@ class SwapFn:
         idx = np.arange(len(sizes)) if sel is None else sel
         for size in np.unique(sizes):
             out.append((impl.name, sms, idx[sizes == size]))
+
+
+def _raised(e: Exception, impl: str, sel: Optional[np.ndarray], given: Optional[tuple]) -> Exception:
+    """What the caller gets for ``e``, raised by ``impl``'s copy (:func:`copy_failure`): a
+    DriverError with its descriptor index turned into the caller's (:func:`_callers_index`)."""
+    out = copy_failure(e, impl)
+    return _callers_index(out, sel, given) if isinstance(out, DriverError) else out
 
 
 def _callers_index(e: DriverError, sel: Optional[np.ndarray], given: Optional[tuple]) -> DriverError:

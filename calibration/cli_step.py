@@ -66,12 +66,17 @@ def host_layouts(text: str) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from .step_contiguous import BUFFER_MAX
+
     g = p.add_argument_group(
         "step benchmark (--model, or a custom shape): BlockMover jobs on a model's per-layer KV tensors "
         "beside bf16 GEMMs, per host layout and contender (default, low_interference, batch, kernel@12, staged, "
-        "vllm): submit host time, transfer alone and beside compute, compute slowdown, step makespan (also over "
-        "the compute alone of its repetition and over the step's bound, max(compute alone, bytes / contiguous "
-        "ceiling)), bytes checked")
+        "vllm), each case with a reference, contiguous: one contiguous copy of the job's bytes across the link, "
+        f"launched beside the same compute as a job is (copies of at most {BUFFER_MAX >> 20} MiB back to back "
+        "for a larger job). Per contender: submit host time, transfer alone and beside compute, compute slowdown, step "
+        "makespan, also over the compute alone of its repetition and over the contiguous copy's makespan in the "
+        "same repetition (span/contiguous: what the step costs beyond moving its bytes at all; the bars judge "
+        "it), bytes checked")
     g.add_argument("--model", type=model_names, metavar="NAME[,NAME...]",
                    help="built-in model shape(s) (kvswap models), or all")
     g.add_argument("--tp", type=block_list, default=STEP_ONLY["tp"], metavar="N[,N...]",

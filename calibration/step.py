@@ -19,15 +19,18 @@ beside a compute load on the compute stream (bf16 GEMMs sized to the step's leng
   The table's route names that route "beside compute" where it differs.
 
 Each contender (:mod:`.step_contenders`) is a :class:`~kvswap.Policy` (or a kernel bound at
-exactly 12 SMs) given to a BlockMover over the same tensors. Per contender it reports the
-time ``submit`` held the thread, the transfer's time alone (from an idle device) and beside
-the compute, the compute's slowdown (its time beside the transfer over its time alone, in
-the same repetition), and the step's makespan (from launching the compute to both done),
-also over the compute alone and over the step's bound, max(compute alone, bytes / the
-link's contiguous ceiling), of its repetition; every job's destination is poisoned first
-and every moved byte checked against its source, with the blocks not copied checked
-unchanged. Contenders take turns within each repetition on the same random draw of
-blocks, and each number is the median over the repetitions.
+exactly 12 SMs) given to a BlockMover over the same tensors. Beside them runs the reference,
+``contiguous`` (:mod:`.step_contiguous`): one contiguous copy of the job's bytes across the
+link, launched beside the same compute the same way. Per contender it reports the time
+``submit`` held the thread, the transfer's time alone (from an idle device) and beside the
+compute, the compute's slowdown (its time beside the transfer over its time alone, in the
+same repetition), and the step's makespan (from launching the compute to both done), also
+over the compute alone of its repetition and over the reference's makespan in the same
+repetition (``span_over_contiguous``, the ratio the bars judge). Every job's destination is
+poisoned first and every moved byte checked against its source, with the blocks not copied
+checked unchanged (the reference's buffer likewise). Contenders and the reference take turns
+within each repetition on the same random draw of blocks, and each number is the median over
+the repetitions.
 
 On a machine without an accelerator the same code runs on host tensors with the host
 reference copy and a host callable standing in for the GEMMs (:class:`HostEnv`): what
@@ -44,16 +47,18 @@ import numpy as np
 from kvswap.errors import ConfigurationError, KvSwapError
 from kvswap.cli.models import KVCache
 from kvswap import BlockMover, TransferResult
-from kvswap.types import DeviceInfo, Direction
+from kvswap.types import DeviceInfo, Direction, Policy
 
 from .progress import Progress
 from .step_contenders import (CONTENDERS, KERNEL_SMS, VARIANTS, VLLM_POLICY, Contender, Routes, beside_label,
                               bind, contenders_for, exact_sms_calibration, is_staged, make_mover, route_label,
                               routes_available)
+from .step_contiguous import CONTIGUOUS, ContiguousBuffers, ContiguousCopy
 from .step_workload import HOST_LAYOUTS, DeviceEnv, HostEnv, StepPools, WrongBytes
 from .timing import median
 
-__all__ = ["CONTENDERS", "HOST_LAYOUTS", "KERNEL_SMS", "VARIANTS", "CaseResult", "Contender", "ContenderResult", "DeviceEnv",
+__all__ = ["CONTENDERS", "CONTIGUOUS", "HOST_LAYOUTS", "KERNEL_SMS", "VARIANTS", "CaseResult", "Contender", "ContenderResult",
+           "ContiguousBuffers", "DeviceEnv",
            "HostEnv", "Routes", "StepPools", "StepSettings", "WrongBytes", "bind", "compute_alone", "contenders_for",
            "exact_sms_calibration", "make_mover", "one_step", "route_label", "routes_available", "run_case",
            "run_step_bench", "transfer_alone"]
@@ -72,6 +77,7 @@ class Runs:
     slowdown: list[float] = field(default_factory=list)
     makespan: list[float] = field(default_factory=list)
     compute_alone: list[float] = field(default_factory=list)  # of the repetition each step ran in
+    reps: list[int] = field(default_factory=list)  # the repetition each step ran in
     bytes_checked: int = 0
 
 
@@ -91,8 +97,9 @@ class ContenderResult:
     # Per repetition, the makespan over the compute alone timed in that repetition: the
     # GPU's clock moves the GEMMs' time between repetitions, and this ratio cancels it.
     makespan_over_compute: Optional[float] = None
-    # Per repetition, the makespan over max(that compute alone, bytes / the case's ceiling).
-    makespan_over_bound: Optional[float] = None
+    # Per repetition, the makespan over the contiguous reference's in that repetition: what
+    # the step costs beyond moving the job's bytes over the link at all.
+    span_over_contiguous: Optional[float] = None
     gbps_alone: Optional[float] = None
     gbps_beside: Optional[float] = None
     bytes_checked: int = 0
@@ -102,8 +109,9 @@ class ContenderResult:
 
 @dataclass
 class CaseResult:
-    """One model x TP x host layout x direction x blocks case. ``bound_ms``: the step's
-    physical bound, max(compute alone, bytes / ceiling), from the medians."""
+    """One model x TP x host layout x direction x blocks case. ``contenders``: the
+    contiguous reference first, then the contenders; ``ceiling_gbps``: the faster of a
+    contiguous copy timed from an idle device before the case and after it."""
 
     model: str
     layout: str
@@ -116,7 +124,6 @@ class CaseResult:
     bytes: int
     compute_alone_ms: float
     ceiling_gbps: Optional[float]
-    bound_ms: Optional[float]
     reps: int
     contenders: list[ContenderResult]
 
@@ -186,33 +193,44 @@ def _result(mover: BlockMover, job: int) -> TransferResult:
 
 def run_case(env: Any, pools: StepPools, dev: DeviceInfo, direction: Direction, blocks: int,
              contenders: Sequence[Contender], reps: int, rng: np.random.Generator,
-             progress: Optional[Progress] = None, ceiling: bool = True) -> CaseResult:
-    """Every contender on ``blocks`` random blocks, ``reps`` times, taking turns."""
+             progress: Optional[Progress] = None, ceiling: bool = True,
+             buffers: Optional[ContiguousBuffers] = None) -> CaseResult:
+    """Every contender on ``blocks`` random blocks, ``reps`` times, taking turns with the
+    contiguous reference. ``buffers``: the reference's, allocated once per run (for this
+    case alone where None)."""
     cache = pools.cache
+    if any(c.name == CONTIGUOUS for c in contenders):
+        raise ConfigurationError(f"a contender may not be named {CONTIGUOUS!r}: the reference has that name")
     if pools.prepared != direction:
         pools.prepare(direction)
     src, dst = pools.sides(direction)
-    measured = [c for c in contenders if c.same_as is None]
-    movers: dict[str, BlockMover] = {}
+    nbytes = blocks * cache.block_bytes
+    if buffers is None:
+        buffers = ContiguousBuffers(env, nbytes, pools.seed)
+    copy = ContiguousCopy(buffers, direction, cache.block_bytes)
+    reference = Contender(CONTIGUOUS, Policy(), within=False)  # no mover is built for it
+    measured = [reference] + [c for c in contenders if c.same_as is None]
+    movers: dict[str, Any] = {CONTIGUOUS: copy}
+    sides: dict[str, Any] = {c.name: copy if c is reference else pools for c in measured}  # what poisons, checks
     errors: dict[str, str] = {}
     runs = {c.name: Runs() for c in measured}
-    routes: dict[str, str] = {}
+    routes: dict[str, str] = {CONTIGUOUS: copy.label(blocks)}
     staged: dict[str, bool] = {}
     beside_routes: dict[str, Optional[str]] = {}
     sid, did = pools.draw(rng, blocks)
     # The link's ceiling: the faster of a contiguous copy timed before the case and after
     # it, so that a moment when the machine was slow does not flatter the contenders.
-    nbytes = blocks * cache.block_bytes
-    link = pools.ceiling(direction, nbytes) if ceiling else None
+    link = buffers.ceiling(direction, nbytes) if ceiling else None
     try:
         for c in measured:
             try:
-                with env.context():
-                    movers[c.name] = make_mover(src, dst, direction, cache.block_dim, c, dev)
-                routes[c.name] = route_label(movers[c.name], sid, did)
-                staged[c.name] = is_staged(movers[c.name], routes[c.name])
-                transfer_alone(env, pools, movers[c.name], direction, sid, did)  # warm-up (and kernel compile)
-                pools.check(direction, sid, did)
+                if c is not reference:
+                    with env.context():
+                        movers[c.name] = make_mover(src, dst, direction, cache.block_dim, c, dev)
+                    routes[c.name] = route_label(movers[c.name], sid, did)
+                    staged[c.name] = is_staged(movers[c.name], routes[c.name])
+                transfer_alone(env, sides[c.name], movers[c.name], direction, sid, did)  # warm-up (and kernel compile)
+                sides[c.name].check(direction, sid, did)
             except Exception as e:
                 errors[c.name] = f"{type(e).__name__}: {e}"
         computes: list[float] = []
@@ -223,14 +241,14 @@ def run_case(env: Any, pools: StepPools, dev: DeviceInfo, direction: Direction, 
             live = [c for c in measured if c.name in movers and c.name not in errors]
             order = live[r % len(live):] + live[:r % len(live)] if live else []
             for c in order:
-                m, got = movers[c.name], runs[c.name]
+                m, got, side = movers[c.name], runs[c.name], sides[c.name]
                 try:
-                    got.alone.append(transfer_alone(env, pools, m, direction, sid, did))
-                    got.bytes_checked += pools.check(direction, sid, did)
-                    s, t, comp, span = one_step(env, pools, m, direction, sid, did, alone_c if c.within else None)
+                    got.alone.append(transfer_alone(env, side, m, direction, sid, did))
+                    got.bytes_checked += side.check(direction, sid, did)
+                    s, t, comp, span = one_step(env, side, m, direction, sid, did, alone_c if c.within else None)
                     if c.within:
                         beside_routes.setdefault(c.name, beside_label(m, cache, blocks, alone_c, staged[c.name]))
-                    got.bytes_checked += pools.check(direction, sid, did)
+                    got.bytes_checked += side.check(direction, sid, did)
                 except Exception as e:
                     errors[c.name] = f"{type(e).__name__}: {e}"
                     continue
@@ -240,15 +258,17 @@ def run_case(env: Any, pools: StepPools, dev: DeviceInfo, direction: Direction, 
                 got.slowdown.append(comp / alone_c if alone_c > 0 else 1.0)
                 got.makespan.append(span)
                 got.compute_alone.append(alone_c)
+                got.reps.append(r)
                 if progress is not None:
                     progress.step(f"{cache.label} {direction} x{blocks}")
     finally:
         for m in movers.values():
             m.close()
-    ceiling_gbps = max(link, pools.ceiling(direction, nbytes)) if link is not None else None
-    link_s = nbytes / (ceiling_gbps * 1e9) if ceiling_gbps else None
+    ceiling_gbps = max(link, buffers.ceiling(direction, nbytes)) if link is not None else None
+    # A reference that failed in any repetition leaves every ratio to it undefined.
+    ref = {} if CONTIGUOUS in errors else dict(zip(runs[CONTIGUOUS].reps, runs[CONTIGUOUS].makespan))
     results = []
-    for c in contenders:
+    for c in [reference, *contenders]:
         who = c.same_as or c.name
         got = runs[who]
         route = routes.get(who, "?")
@@ -262,9 +282,9 @@ def run_case(env: Any, pools: StepPools, dev: DeviceInfo, direction: Direction, 
             res.compute_beside_ms, res.makespan_ms = _ms(got.compute), _ms(got.makespan)
             res.slowdown = round(median(got.slowdown), 4)
             res.makespan_over_compute = round(median(_over(got.makespan, got.compute_alone)), 4)
-            if link_s is not None:
-                bounds = [max(a, link_s) for a in got.compute_alone]
-                res.makespan_over_bound = round(median(_over(got.makespan, bounds)), 4)
+            same_rep = [(s, ref[r]) for r, s in zip(got.reps, got.makespan) if r in ref]
+            if same_rep:
+                res.span_over_contiguous = round(median(_over(*zip(*same_rep))), 4)
             res.gbps_alone = _sig(nbytes / alone / 1e9) if alone > 0 else None
             res.gbps_beside = _sig(nbytes / beside / 1e9) if beside > 0 else None
             res.bytes_checked = got.bytes_checked
@@ -274,9 +294,7 @@ def run_case(env: Any, pools: StepPools, dev: DeviceInfo, direction: Direction, 
         model=cache.model.name, layout=cache.model.layout, tp=cache.tp, host_layout=pools.host_layout,
         direction=str(direction), blocks=blocks, chunk_bytes=cache.chunk_bytes,
         descriptors=blocks * cache.descriptors_per_block, bytes=nbytes, compute_alone_ms=compute_ms,
-        ceiling_gbps=_sig(ceiling_gbps) if ceiling_gbps else None,
-        bound_ms=_sig(max(compute_ms, link_s * 1e3)) if link_s is not None else None,
-        reps=reps, contenders=results,
+        ceiling_gbps=_sig(ceiling_gbps) if ceiling_gbps else None, reps=reps, contenders=results,
     )
 
 
@@ -322,7 +340,7 @@ def run_step_bench(env: Any, dev: DeviceInfo, caches: Iterable[KVCache], directi
         "settings": asdict(settings),
         "compute": {"gemm": env.gemm_label, "gemms": env.gemms,
                     "gemm_ms": round(env.gemm_seconds * 1e3, 4), "launch": env.launch},
-        "contenders": list(CONTENDERS),
+        "contenders": [CONTIGUOUS, *CONTENDERS],
         "vllm_policy": VLLM_POLICY,
         "cases": [],
         "notes": [],
@@ -332,11 +350,14 @@ def run_step_bench(env: Any, dev: DeviceInfo, caches: Iterable[KVCache], directi
             if not impl:
                 doc["notes"].append(f"{d}: no {kind}-kind route here; its contenders are left out")
     if progress is not None:
-        per_case = {d: sum(c.same_as is None for c in contenders_for(d, caches[0], 1, *available[d],
-                                                                      with_variants=settings.variants))
-                    for d in directions} if caches else {}
+        per_case = {d: 1 + sum(c.same_as is None for c in contenders_for(d, caches[0], 1, *available[d],
+                                                                          with_variants=settings.variants))
+                    for d in directions} if caches else {}  # the reference, and each measured contender
         progress.add(sum(per_case[d] * settings.reps for d in directions) * len(settings.blocks) * len(caches)
                      * len(settings.host_layouts))
+    # The reference's buffers, once per run: as large as the largest job, at most BUFFER_MAX.
+    buffers = ContiguousBuffers(env, max((max(settings.blocks) * c.block_bytes for c in caches), default=1),
+                                settings.seed) if caches else None
     for cache in caches:
         for layout in settings.host_layouts:
             pools = StepPools(env, cache, pool_blocks(settings), settings.seed, layout)
@@ -344,7 +365,7 @@ def run_step_bench(env: Any, dev: DeviceInfo, caches: Iterable[KVCache], directi
                 for d in directions:
                     for b in settings.blocks:
                         cs = contenders_for(d, cache, b, *available[d], with_variants=settings.variants)
-                        case = run_case(env, pools, dev, d, b, cs, settings.reps, rng, progress, ceiling)
+                        case = run_case(env, pools, dev, d, b, cs, settings.reps, rng, progress, ceiling, buffers)
                         doc["cases"].append(asdict(case))
             finally:
                 del pools

@@ -29,6 +29,7 @@ from kvswap.types import DeviceInfo, Direction, Policy
 
 from .progress import Progress
 from .step import Contender, StepPools, compute_alone, make_mover, one_step, routes_available, transfer_alone
+from .step_contiguous import ContiguousBuffers, ContiguousCopy
 from .timing import median
 
 SM_COUNTS = (4, 8, 12, 16, 32)
@@ -44,8 +45,6 @@ COVER = 1.3  # a job sized for this many times the compute alone
 # The staged route's block-major pools hold at least this many bytes: at about 50 GB/s its job
 # needs some 1.3 GB to outlast 20 ms of compute, and a job takes at most half the pool.
 STAGED_POOL_BYTES = 3 << 30
-# The reference row beside each staged one: a contiguous copy of the same bytes, no route.
-CONTIGUOUS = "contiguous copy"
 
 
 def workload() -> KVCache:
@@ -63,23 +62,31 @@ def measure(env: Any, dev: DeviceInfo, directions: Sequence[Direction], sm_count
     block sizes; :func:`size_workloads`), all with per-layer host tensors; with ``staged``,
     also one per direction for the staged route on each of them with a block-major host
     cache (where a staged route is available), its pool at least ``staged_pool_bytes``, and
-    on a device one for a contiguous copy of the same bytes (:data:`CONTIGUOUS`);
-    without ``per_layer``, only those (``kvswap calibrate --only staged``)."""
+    one for a contiguous copy of the same bytes (kind ``contiguous``, a reference and no
+    route: :mod:`.step_contiguous`); without ``per_layer``, only those (``kvswap calibrate
+    --only staged``)."""
     cache = cache or workload()
     rng = np.random.default_rng(seed)
     records = []
     plan = [(cache, num_blocks, True)] + [(c, size_blocks, False) for c in by_size]
+
+    def staged_blocks(c: KVCache, blocks: int) -> int:
+        return max(blocks, staged_pool_bytes // c.block_bytes)
+
+    # The contiguous copies' buffers, once: as large as the largest staged job (half its pool).
+    buffers = ContiguousBuffers(env, max(staged_blocks(c, b) // 2 * c.block_bytes for c, b, _ in plan),
+                                seed) if staged else None
     for c, blocks, kernels in plan:
         kinds = {"per-layer": ("batch", "kernel") if kernels else ("batch",)} if per_layer else {}
         if staged:
             kinds["block-major"] = ("staged",)
         for layout, measured in kinds.items():
-            n = blocks if layout == "per-layer" else max(blocks, staged_pool_bytes // c.block_bytes)
+            n = blocks if layout == "per-layer" else staged_blocks(c, blocks)
             pools = StepPools(env, c, n, seed, layout)
             try:
                 for d in directions:
                     records += _measure_routes(env, dev, pools, d, sm_counts if kernels else (), reps, rng, host,
-                                               progress, measured)
+                                               progress, measured, buffers)
             finally:
                 del pools
     return records
@@ -92,9 +99,11 @@ def size_workloads() -> list[KVCache]:
 
 def _measure_routes(env: Any, dev: DeviceInfo, pools: StepPools, d: Direction, sm_counts: Sequence[int], reps: int,
                     rng: np.random.Generator, host: Any, progress: Optional[Progress],
-                    kinds: Sequence[str] = ("batch", "kernel")) -> list[dict[str, Any]]:
+                    kinds: Sequence[str] = ("batch", "kernel"),
+                    buffers: Optional[ContiguousBuffers] = None) -> list[dict[str, Any]]:
     """Of ``kinds``: the batch route, the kernel at ``sm_counts``, the staged route (on the
-    SMs it is bound with), in direction ``d`` on ``pools``."""
+    SMs it is bound with), in direction ``d`` on ``pools``; after the staged route, a
+    contiguous copy of its job's bytes through ``buffers`` (where given)."""
     cache = pools.cache
     pools.prepare(d)
     src, dst = pools.sides(d)
@@ -130,46 +139,20 @@ def _measure_routes(env: Any, dev: DeviceInfo, pools: StepPools, d: Direction, s
         records.append(rec)
         if progress is not None:
             progress.step(f"{d} {c.name} {cache.chunk_bytes // 1024} KiB")
-        if kind == "staged" and "slowdown" in rec and env.name == "device":
-            ref: dict[str, Any] = dict(head, route=CONTIGUOUS, kind="contiguous", num_sms=0)
+        if kind == "staged" and "slowdown" in rec and buffers is not None:
+            # What moving the staged job's bytes over the link at all costs the compute: the
+            # floor its slowdown is read against, measured the same way.
+            ref: dict[str, Any] = dict(head, route="contiguous copy", kind="contiguous", num_sms=0)
             try:
-                ref.update(_measure_contiguous(env, pools, d, rec["blocks"], reps))
+                copy = ContiguousCopy(buffers, d, cache.block_bytes)
+                ref["route"] = copy.label(rec["blocks"])
+                ids = np.arange(rec["blocks"])  # a copy's bytes: only the ids' count counts
+                transfer_alone(env, copy, copy, d, ids, ids)  # warm-up
+                ref.update(_measure_beside(env, pools, copy, d, rec["blocks"], reps, rng, side=copy))
             except Exception as e:
                 ref["error"] = f"{type(e).__name__}: {e}"
             records.append(ref)
     return records
-
-
-def _measure_contiguous(env: Any, pools: StepPools, d: Direction, blocks: int, reps: int) -> dict[str, Any]:
-    """One contiguous copy of a ``blocks``-block job's bytes, between the block-major host
-    allocation and its device mirror on a side stream, beside the compute as a job is: what
-    moving those bytes over the link at all costs the compute, the floor a staged route's
-    slowdown is read against (:data:`CONTIGUOUS`)."""
-    torch = env.torch
-    nbytes = blocks * pools.cache.block_bytes
-    host, dev = pools.host_flat[0][:nbytes], pools.mirror[0][:nbytes]
-    src, dst = (host, dev) if d.src_is_host else (dev, host)
-    side = torch.cuda.Stream(device=env.index)
-    lost, beside, comp = [], [], []
-    for _ in range(reps):
-        alone = compute_alone(env)
-        with env.context():
-            env.sync()
-            c0 = env.mark()
-            env.launch_compute()
-            c1 = env.mark()
-            t0 = env.mark(side)
-            with torch.cuda.stream(side):
-                dst.copy_(src, non_blocking=True)
-            t1 = env.mark(side)
-            env.sync()
-        t, c = env.elapsed(t0, t1), env.elapsed(c0, c1)
-        lost.append(lost_fraction(alone, c, t))
-        beside.append(t)
-        comp.append(c)
-    return {"blocks": blocks, "slowdown": round(median(lost), 4), "transfer_beside_ms": round(median(beside) * 1e3, 4),
-            "compute_beside_ms": round(median(comp) * 1e3, 4), "covered": median(beside) >= median(comp),
-            "bytes_checked": 0}
 
 
 def lost_fraction(alone: float, beside: float, transfer: float) -> float:
@@ -205,14 +188,23 @@ def _measure_route(env: Any, pools: StepPools, mover: Any, d: Direction, reps: i
     if probe < blocks < most:
         sid, did = pools.draw(rng, blocks)
         blocks = cover_blocks(blocks, transfer_alone(env, pools, mover, d, sid, did), compute, probe, most)
+    return _measure_beside(env, pools, mover, d, blocks, reps, rng)
+
+
+def _measure_beside(env: Any, pools: Any, mover: Any, d: Direction, blocks: int, reps: int,
+                    rng: np.random.Generator, side: Any = None) -> dict[str, Any]:
+    """``mover``'s jobs of ``blocks`` blocks (drawn from ``pools``) beside the compute,
+    ``reps`` times, each after the compute alone; ``side``: what poisons and checks the
+    destination, where not ``pools`` (the contiguous copy's own buffer)."""
+    side = pools if side is None else side
     ratios, lost, beside, comp, alone = [], [], [], [], []
     checked = 0
     for _ in range(reps):
         sid, did = pools.draw(rng, blocks)
         alone_c = compute_alone(env)
         alone.append(alone_c)
-        _, t, c, _ = one_step(env, pools, mover, d, sid, did)
-        checked += pools.check(d, sid, did)
+        _, t, c, _ = one_step(env, side, mover, d, sid, did)
+        checked += side.check(d, sid, did)
         ratios.append(c / alone_c if alone_c > 0 else 1.0)
         lost.append(lost_fraction(alone_c, c, t))
         beside.append(t)

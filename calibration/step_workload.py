@@ -1,7 +1,8 @@
 """Where a step benchmark runs, and the tensors it moves.
 
 :class:`DeviceEnv` drives a CUDA (or ROCm) device through torch: bf16 GEMMs on a compute
-stream and CUDA events on it and on each mover's transfer stream. :class:`HostEnv` runs
+stream and CUDA events on it and on each transfer's stream (a mover's, or the side stream
+of the contiguous reference, :mod:`.step_contiguous`). :class:`HostEnv` runs
 the same procedure on host tensors with a callable standing in for the GEMMs, synchronously
 (so "beside" is "after"): what the tests exercise on a machine without an accelerator.
 :class:`StepPools` holds one rank's per-layer KV tensors on the device and, in either host
@@ -28,7 +29,6 @@ from .timing import median
 MiB = 1 << 20
 POISON = 0xA5
 GEMM_N = 4096  # bf16 4096^3: ~0.2 ms on an H100/H200, fine-grained enough to fill a step
-CEILING_MAX = 256 * MiB  # the contiguous copy timed for each case's ceiling, at most
 # per-layer: one host tensor per layer in the device's layout; block-major: one host
 # allocation where host block i holds device block i of every layer (kvswap.host_cache).
 HOST_LAYOUTS = ("per-layer", "block-major")
@@ -88,6 +88,15 @@ class HostEnv:
 
     def context(self) -> Any:
         return contextlib.nullcontext()
+
+    def side_stream(self, owner: object) -> None:
+        return None
+
+    def on(self, stream: Any) -> Any:
+        return contextlib.nullcontext()
+
+    def wait(self, stream: Any, mark: Any) -> None:
+        pass
 
 
 class DeviceEnv:
@@ -202,6 +211,21 @@ class DeviceEnv:
         stack.enter_context(self.torch.cuda.device(self.index))
         stack.enter_context(self.torch.cuda.stream(self.compute))
         return stack
+
+    def side_stream(self, owner: object) -> Any:
+        """A stream of kvswap's own, held while ``owner`` lives: never the compute stream
+        (torch's pool hands its streams out in turn)."""
+        from kvswap.registry.streams import own_stream
+
+        return own_stream(self.index, owner)
+
+    def on(self, stream: Any) -> Any:
+        """``stream`` current for what is enqueued inside."""
+        return self.torch.cuda.stream(stream)
+
+    def wait(self, stream: Any, mark: Any) -> None:
+        """Work enqueued on ``stream`` from now on waits for ``mark`` (an event)."""
+        stream.wait_event(mark)
 
 
 # -- the tensors of one rank, and the byte checks ------------------------------------------
@@ -323,22 +347,3 @@ class StepPools:
     def draw(self, rng: np.random.Generator, blocks: int) -> tuple[np.ndarray, np.ndarray]:
         return (rng.choice(self.num_blocks, blocks, replace=False).astype(np.int64),
                 rng.choice(self.num_blocks, blocks, replace=False).astype(np.int64))
-
-    def ceiling(self, direction: Direction, nbytes: int, reps: int = 5) -> float:
-        """GB/s of one contiguous copy of ``nbytes`` (at most :data:`CEILING_MAX`) across
-        the link in ``direction``, from an idle device (median of ``reps``)."""
-        env = self.env
-        n = max(1, min(nbytes, CEILING_MAX))
-        host, dev = env.alloc(n, host=True), env.alloc(n, host=False)
-        src, dst = (host, dev) if direction.src_is_host else (dev, host)
-        times = []
-        with env.context():
-            for i in range(reps + 1):
-                env.sync()
-                a = env.mark()
-                dst.copy_(src, non_blocking=True)
-                b = env.mark()
-                env.sync()
-                if i:
-                    times.append(env.elapsed(a, b))
-        return n / max(median(times), 1e-9) / 1e9

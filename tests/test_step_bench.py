@@ -15,8 +15,9 @@ import torch
 
 from kvswap import Policy
 from kvswap.cli import models
-from kvswap.calibration import step, step_report, step_workload
+from kvswap.calibration import step, step_contiguous, step_report, step_workload
 from kvswap.calibration.step import Contender, HostEnv, StepPools, StepSettings, WrongBytes
+from kvswap.errors import ConfigurationError
 from kvswap.registry.platform import detect
 from kvswap.registry.plugins import plugin_host
 from kvswap.types import Direction
@@ -152,20 +153,20 @@ def test_run_on_host_measures_every_contender_and_checks_every_byte():
     measured_per_case = set()
     for case in doc["cases"]:
         names = [c["name"] for c in case["contenders"]]
-        assert names == ["default", "low_interference", "batch", "vllm"]
+        assert names == ["contiguous", "default", "low_interference", "batch", "vllm"]  # the reference first
         cache = (TINY_FLASH if case["layout"] == "flash" else TINY_MLA).at(2)
         assert case["chunk_bytes"] == cache.chunk_bytes
         assert case["descriptors"] == case["blocks"] * cache.descriptors_per_block
         assert case["bytes"] == case["blocks"] * cache.block_bytes
-        assert case["ceiling_gbps"] > 0 and case["compute_alone_ms"] > 0
-        link_ms = case["bytes"] / case["ceiling_gbps"] / 1e6
-        assert math.isclose(case["bound_ms"], max(case["compute_alone_ms"], link_ms), rel_tol=1e-3)
+        assert case["ceiling_gbps"] > 0 and case["compute_alone_ms"] > 0 and "bound_ms" not in case
+        ref = case["contenders"][0]
+        assert (ref["route"], ref["same_as"], ref["span_over_contiguous"]) == ("contiguous copy", None, 1.0)
         for c in case["contenders"]:
             assert c["error"] is None, c
-            assert c["staged"] is False
-            # per repetition the bound is at least the compute alone
-            assert 0 < c["makespan_over_bound"] <= c["makespan_over_compute"]
-            # alone and beside, every repetition, every byte of every block
+            assert c["staged"] is False and "makespan_over_bound" not in c
+            assert c["span_over_contiguous"] > 0
+            # alone and beside, every repetition, every byte of every block (the reference: of its buffer,
+            # which holds the whole job here)
             assert c["bytes_checked"] == 2 * case["reps"] * case["bytes"]
             assert c["submit_us"] > 0 and c["transfer_alone_ms"] > 0 and c["transfer_beside_ms"] > 0
             assert c["makespan_ms"] >= c["compute_beside_ms"] > 0 and c["slowdown"] > 0
@@ -177,27 +178,32 @@ def test_run_on_host_measures_every_contender_and_checks_every_byte():
         assert by["vllm"]["makespan_ms"] == by[by["vllm"]["same_as"]]["makespan_ms"]  # one measurement
         assert by["batch"]["route"] == "host.reference"
         measured_per_case.add(sum(c["same_as"] is None for c in case["contenders"]))
-    # the stand-in compute ran once alone and once per measured contender in each repetition
+    # the stand-in compute ran once alone and once per measured contender (the reference one of
+    # them) in each repetition
     (n,) = measured_per_case
+    assert n == 4
     assert len(calls) == len(doc["cases"]) * 2 * (1 + n)
 
 
 def test_tables_bars_and_plot_from_the_json(tmp_path):
     doc, _ = run_tiny(shapes=(TINY_FLASH,), directions=(Direction.H2D,), blocks=(4,), reps=1)
     text = step_report.text_table(doc)
-    assert text.count("\n") == 1 + 2 * 4 and "tiny-flash" in text and "(= batch)" in text
-    assert "bound ms" in text and "span/bound" in text
+    assert text.count("\n") == 1 + 2 * 5 and "tiny-flash" in text and "(= batch)" in text
+    assert "span/contiguous" in text and "bound" not in text and "contiguous copy" in text
     md = step_report.markdown_table(doc)
-    assert md.splitlines()[0].startswith("| model | tp | dir | B | host |") and len(md.splitlines()) == 2 + 2 * 4
+    assert md.splitlines()[0].startswith("| model | tp | dir | B | host |") and len(md.splitlines()) == 2 + 2 * 5
     (case,) = [c for c in doc["cases"] if c["host_layout"] == "block-major"]
-    row = f"| tiny-flash | 2 | h2d | 4 | block-major | 512 B | 24 | {case['bound_ms']:.2f} | default |"
-    assert row in md
+    default = case["contenders"][1]
+    assert "| tiny-flash | 2 | h2d | 4 | block-major | 512 B | 24 | default |" in md
+    assert f"| {default['span_over_contiguous']:.3f} |" in md
     results = step_report.bars([doc])
-    assert [b["bar"].split()[0] for b in results] == [
-        "default", "default", "geomean", "default", "h2d", "block-major:", "block-major:", "llama-3.1-8b",
-        "block-major", "staged"]
+    assert [" ".join(b["bar"].split()[:2]) for b in results] == [
+        "default makespan", "default transfer", "geomean of", "default submit", "h2d 4", "per-layer host,",
+        "per-layer host,", "block-major host,", "block-major host,", "llama-3.1-8b tp1", "block-major x512,",
+        "staged route's"]
+    # the reference is no contender the default is held to: the best contender is one of the four
     assert results[0]["cases"] == 2 and results[4]["ok"] is None  # no 4 KiB x 10,000 case here
-    assert results[5]["cases"] == 1 and results[5]["worst"] == case["contenders"][0]["makespan_over_bound"]
+    assert all(b["cases"] == 0 for b in results[5:9])  # the contiguous bars judge the built-in models only
     assert results[-1]["ok"] is None and "step_interference" in results[-1]["note"]  # none given
     path, slow = tmp_path / "f.json", tmp_path / "i.json"
     path.write_text(json.dumps(doc))
@@ -231,7 +237,10 @@ def case(direction="h2d", chunk=4 * KiB, descriptors=5120, **contenders):
 
 
 def test_bars_pass_and_fail_where_they_should():
-    ok = case(default=(20.5, 2.0, 100.0), batch=(21.0, 6.0), vllm=(20.0, 3.0, 50.0, "batch"))
+    # The contiguous reference ends every step first and launches no job: neither the best
+    # contender the default is held to, nor one counted over the submit budget.
+    ok = case(contiguous=(15.0, 1.0, None), default=(20.5, 2.0, 100.0), batch=(21.0, 6.0),
+              vllm=(20.0, 3.0, 50.0, "batch"))
     slow = case(chunk=64 * KiB, default=(22.0, 4.0, 400.0), batch=(20.0, 3.0), vllm=(20.0, 3.0, 50.0, "batch"))
     ceiling = case(descriptors=10_000, default=(20.0, 1.0, 150.0, None, 46.0), vllm=(20.0, 2.0))
     by = [b for b in step_report.bars([{"cases": [ok, slow, ceiling]}])]
@@ -242,36 +251,41 @@ def test_bars_pass_and_fail_where_they_should():
     assert geo["cases"] == 2 and geo["worst"] == pytest.approx(math.sqrt(1.5 * 2.0), abs=1e-4) and geo["ok"] is True
     # budgets: 100 + 0.01 x 5120 = 151.2 us; 100 + 100 = 200 us
     assert (submit["passed"], submit["ok"]) == (2, False) and submit["worst"] == pytest.approx(400 / 151.2, abs=1e-4)
+    assert submit["note"] == "other contenders over budget in 0 case(s)"
     assert (ceil["cases"], ceil["ok"]) == (1, True) and ceil["worst"] == pytest.approx(0.92, abs=1e-4)
     assert "FAIL" in step_report.bars_table(by) and "PASS" in step_report.bars_table(by)
     assert all(b["ok"] is None for b in by[5:])  # a document from before the host-layout axis: nothing to judge
 
 
 def bm_case(direction, layout, model="llama-3.1-8b", blocks=512, chunk=32 * KiB, **contenders):
-    """A case whose contenders are ``name=(span/compute, span/bound, GB/s alone, staged)``."""
-    def c(name, over_compute, over_bound, gbps=None, staged=False):
+    """A case whose contenders are ``name=(span/compute, span/contiguous, GB/s alone, staged)``,
+    after the contiguous reference (its span/compute 0.95)."""
+    def c(name, over_compute, over_contiguous, gbps=None, staged=False):
         return {"name": name, "route": "triton.staged" if staged else "r", "same_as": None, "submit_us": 50.0,
                 "transfer_alone_ms": 1.0, "transfer_beside_ms": 1.0, "compute_beside_ms": 20.0, "slowdown": 1.0,
                 "makespan_ms": 20.0 * over_compute, "makespan_over_compute": over_compute,
-                "makespan_over_bound": over_bound, "gbps_alone": gbps, "gbps_beside": 1.0, "bytes_checked": 1,
+                "span_over_contiguous": over_contiguous, "gbps_alone": gbps, "gbps_beside": 1.0, "bytes_checked": 1,
                 "staged": staged, "error": None}
     return {"model": model, "layout": "flash", "tp": 1, "host_layout": layout, "direction": direction,
             "blocks": blocks, "chunk_bytes": chunk, "descriptors": blocks * 64, "bytes": 1, "compute_alone_ms": 20.0,
-            "ceiling_gbps": 50.0, "bound_ms": 21.0, "reps": 3, "contenders": [c(n, *v) for n, v in contenders.items()]}
+            "ceiling_gbps": 50.0, "reps": 3,
+            "contenders": [c(n, *v) for n, v in dict(contiguous=(0.95, 1.0, 50.0), **contenders).items()]}
 
 
-def test_block_major_bars_hold_the_default_to_the_bound_and_the_staged_route_to_the_ceiling():
+def test_the_default_is_held_to_the_contiguous_copy_per_host_layout_and_block_major_to_the_staged_bars():
     cases = [
         # llama-3.1-8b tp1 x512: the default (staged) against every route that is not staged
         bm_case("h2d", "per-layer", default=(1.40, 1.35), batch=(2.0, 1.9), staged=(1.6, 1.5, 30.0, True)),
-        bm_case("h2d", "block-major", default=(1.05, 1.02, None, True), batch=(1.30, 1.25),
+        bm_case("d2h", "per-layer", default=(1.35, 1.05), batch=(2.0, 1.9)),
+        bm_case("h2d", "block-major", default=(1.05, 1.01, None, True), batch=(1.30, 1.25),
                 low_interference=(0.9, 0.88, None, True), staged=(1.05, 1.02, 47.0, True)),
-        bm_case("d2h", "block-major", default=(1.20, 1.12, None, True), batch=(1.30, 1.25),
+        bm_case("d2h", "block-major", default=(1.20, 1.06, None, True), batch=(1.30, 1.25),
                 staged=(1.2, 1.12, 44.0, True)),
-        # other models: only the bound bar, and the ceiling where chunks are 4-32 KiB
-        bm_case("h2d", "block-major", model="qwen2.5-7b", chunk=16 * KiB, default=(1.0, 1.0, None, True),
+        # other models: the contiguous bars, and the ceiling where chunks are 4-32 KiB
+        bm_case("h2d", "block-major", model="qwen2.5-7b", chunk=16 * KiB, default=(1.0, 0.99, None, True),
                 staged=(1.0, 1.0, 46.0, True)),
-        bm_case("h2d", "block-major", model="m", chunk=64 * KiB, default=(1.0, 1.0), staged=(1.0, 1.0, 10.0, True)),
+        # a shape that is not built in: no contiguous bar judges it
+        bm_case("h2d", "block-major", model="m", chunk=64 * KiB, default=(1.0, 2.0), staged=(1.0, 1.0, 10.0, True)),
     ]
     slow = {"records": [
         {"direction": "h2d", "route": "triton.staged", "kind": "staged", "num_sms": 32, "chunk_bytes": 16 * KiB,
@@ -282,11 +296,18 @@ def test_block_major_bars_hold_the_default_to_the_bound_and_the_staged_route_to_
          "blocks": 900, "slowdown": 0.5},  # not staged: not judged
     ]}
     by = {b["bar"]: b for b in step_report.bars([{"cases": cases}], [slow])}
-    bound, geo, unstaged, ceiling, slowdown = list(by.values())[5:]
-    # span/bound 1.02, 1.12, 1.0, 1.0: d2h over 1.10
-    assert (bound["cases"], bound["passed"], bound["ok"]) == (4, 3, False)
-    assert bound["worst"] == pytest.approx(1.12) and bound["worst_case"] == "llama-3.1-8b tp1 block-major d2h x512"
-    assert geo["worst"] == pytest.approx((1.02 * 1.12) ** 0.25, abs=1e-4) and geo["ok"] is True
+    per_layer, per_layer_geo, block_major, block_major_geo, unstaged, ceiling, slowdown = list(by.values())[5:]
+    assert "<= 1.2 x contiguous" in list(by)[5] and "<= 1.05 x contiguous" in list(by)[7]
+    # per-layer, span/contiguous 1.35 and 1.05: one over 1.20, the geomean over 1.08
+    assert (per_layer["cases"], per_layer["passed"], per_layer["ok"]) == (2, 1, False)
+    assert per_layer["worst"] == pytest.approx(1.35) and per_layer["worst_case"] == "llama-3.1-8b tp1 per-layer h2d x512"
+    assert per_layer_geo["worst"] == pytest.approx((1.35 * 1.05) ** 0.5, abs=1e-4) and per_layer_geo["ok"] is False
+    # block-major, 1.01, 1.06 and 0.99 (not the unbuilt shape's 2.0): d2h over 1.05, the geomean within 1.02
+    assert (block_major["cases"], block_major["passed"], block_major["ok"]) == (3, 2, False)
+    assert block_major["worst"] == pytest.approx(1.06)
+    assert block_major["worst_case"] == "llama-3.1-8b tp1 block-major d2h x512"
+    assert block_major_geo["worst"] == pytest.approx((1.01 * 1.06 * 0.99) ** (1 / 3), abs=1e-4)
+    assert block_major_geo["ok"] is True
     # h2d: 1.05 / 1.30 (block-major batch), the per-layer default's 1.40 and batch's 2.0 are slower; the
     # low_interference contender took the staged route and does not count; d2h: 1.20 / 1.30
     assert (unstaged["cases"], unstaged["passed"], unstaged["ok"]) == (2, 1, False)
@@ -296,11 +317,11 @@ def test_block_major_bars_hold_the_default_to_the_bound_and_the_staged_route_to_
     assert (slowdown["cases"], slowdown["passed"], slowdown["ok"]) == (2, 1, False)
     assert slowdown["worst"] == pytest.approx(0.08) and slowdown["worst_case"] == "d2h triton.staged 4 KiB x900"
     # where the per-layer side holds the best route that is not staged, the default is held to it
-    cases[1]["contenders"][1]["makespan_over_compute"] = 1.5
-    h2d = step_report.bars([{"cases": cases[:2]}])[7]
+    cases[2]["contenders"][2]["makespan_over_compute"] = 1.5
+    h2d = step_report.bars([{"cases": [cases[0], cases[2]]}])[9]
     assert (h2d["cases"], h2d["ok"]) == (1, True) and h2d["worst"] == pytest.approx(1.05 / 1.40, abs=1e-4)
-    text = step_report.text_table({"cases": cases[1:2]})
-    assert "block-major" in text and "21.00" in text and "1.020" in text  # host, bound ms, span/bound
+    text = step_report.text_table({"cases": cases[2:3]})
+    assert "block-major" in text and "1.010" in text  # host, the default's span/contiguous
 
 
 def test_the_makespan_bar_compares_each_repetitions_ratio_to_its_compute_alone():
@@ -410,6 +431,89 @@ def test_a_variants_mover_options_and_environment_apply_while_it_is_built(monkey
     step_contenders.make_mover([], [], Direction.H2D, 0, by["default/descriptors"], cpu())
     assert seen["device_descriptors"] is False
     assert by["default/no-within"].within is False and all(c.within for n, c in by.items() if n != "default/no-within")
+
+
+def _scripted_spans(monkeypatch, spans, fail=None):
+    """``step.one_step`` as it is (every byte moved and checked), its makespan replaced by
+    ``spans[name][repetition]``; ``fail``: ``(name, repetition)`` where it raises instead."""
+    real, seen = step.one_step, {}
+
+    def scripted(env, side, mover, *args):
+        got = real(env, side, mover, *args)
+        name = "contiguous" if isinstance(mover, step_contiguous.ContiguousCopy) else "default"
+        rep = seen[name] = seen.get(name, -1) + 1
+        if (name, rep) == fail:
+            raise RuntimeError("the link went away")
+        return (*got[:3], spans[name][rep])
+
+    monkeypatch.setattr(step, "one_step", scripted)
+
+
+def test_span_over_contiguous_divides_each_repetition_by_the_references_in_the_same_repetition(monkeypatch):
+    # The GPU's clock moves a step's time between repetitions: per repetition the default is
+    # 1.1, 1.2 and 1.0 x the reference; the medians (20 ms each) would say 1.0.
+    _scripted_spans(monkeypatch, {"contiguous": [0.010, 0.040, 0.020], "default": [0.011, 0.048, 0.020]})
+    env = HostEnv(lambda: sum(range(500)))
+    pools = StepPools(env, TINY_FLASH.at(2), 64)
+    case = step.run_case(env, pools, cpu(), Direction.H2D, 4, [Contender("default", Policy())], 3,
+                         np.random.default_rng(0))
+    by = case.by_name()
+    assert [c.name for c in case.contenders] == ["contiguous", "default"]
+    assert by["default"].makespan_ms == pytest.approx(20.0) and by["contiguous"].makespan_ms == pytest.approx(20.0)
+    assert by["default"].span_over_contiguous == pytest.approx(1.1)
+    assert by["contiguous"].span_over_contiguous == 1.0
+    # each checked alone and beside in every repetition
+    assert by["default"].bytes_checked == by["contiguous"].bytes_checked == 2 * 3 * 4 * TINY_FLASH.at(2).block_bytes
+
+
+def test_a_reference_that_fails_leaves_no_ratio_to_it(monkeypatch):
+    _scripted_spans(monkeypatch, {"contiguous": [0.010, 0.040, 0.020], "default": [0.011, 0.048, 0.020]},
+                    fail=("contiguous", 1))
+    env = HostEnv(lambda: sum(range(500)))
+    pools = StepPools(env, TINY_FLASH.at(2), 64)
+    case = step.run_case(env, pools, cpu(), Direction.D2H, 4, [Contender("default", Policy())], 3,
+                         np.random.default_rng(0))
+    by = case.by_name()
+    assert by["contiguous"].error == "RuntimeError: the link went away"
+    assert by["default"].error is None and by["default"].makespan_ms == pytest.approx(20.0)
+    assert by["default"].span_over_contiguous is None and by["contiguous"].span_over_contiguous is None
+    with pytest.raises(ConfigurationError, match="may not be named 'contiguous'"):
+        step.run_case(env, pools, cpu(), Direction.D2H, 4, [Contender("contiguous", Policy())], 1,
+                      np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("direction", [Direction.H2D, Direction.D2H])
+def test_the_contiguous_copy_moves_a_jobs_bytes_in_pieces_of_its_buffer_and_checks_them(direction):
+    env = HostEnv(lambda: None)
+    buffers = step_contiguous.ContiguousBuffers(env, 1000, seed=4)
+    assert buffers.size == 1000 and not bool((buffers.want == buffers.want[0]).all())  # random, never constant
+    assert step_contiguous.ContiguousBuffers(env, 1 << 40).size == step_contiguous.BUFFER_MAX  # at most
+    copy = step_contiguous.ContiguousCopy(buffers, direction, block_bytes=300)
+    src, dst = buffers.sides(direction)
+    assert torch.equal(src, buffers.want)  # filled from the random bytes
+    ids = np.arange(2)
+    copy.poison(direction)
+    assert bool((dst == step_workload.POISON).all())
+    job = copy.submit(ids, ids)
+    (done,) = copy.poll()
+    assert (done.job_id, done.ok, done.bytes, done.descriptors) == (job, True, 600, 1) and copy.poll() == []
+    assert copy.check(direction, ids, ids) == 600  # the job's bytes, and poison past them
+    dst[599] ^= 0xFF
+    with pytest.raises(WrongBytes, match="destination byte 599 does not hold"):
+        copy.check(direction, ids, ids)
+    dst[599] ^= 0xFF
+    dst[600] ^= 0xFF
+    with pytest.raises(WrongBytes, match="copy of 600 bytes wrote its destination's byte 600"):
+        copy.check(direction, ids, ids)
+    # 5 blocks of 300 bytes: 1,500 bytes as copies of 1,000 and 500 from the buffer's start
+    assert step_contiguous.pieces(1500, 1000) == [1000, 500] and copy.label(5) == "contiguous copy in 2 pieces of 1,000 B"
+    copy.poison(direction)
+    copy.submit(np.arange(5), np.arange(5))
+    (done,) = copy.poll()
+    assert (done.bytes, done.descriptors) == (1500, 2)
+    assert copy.check(direction, np.arange(5), np.arange(5)) == 1000 and torch.equal(dst, buffers.want)
+    assert torch.equal(src, buffers.want)  # the source untouched
+    assert copy.label(3) == "contiguous copy"
 
 
 def test_the_no_within_variant_submits_without_within():

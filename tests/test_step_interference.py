@@ -246,7 +246,7 @@ def test_a_contiguous_copy_is_a_reference_row_not_a_route():
     staged = {"direction": "h2d", "route": "triton.staged", "kind": "staged", "num_sms": 32, "slowdown": 0.09,
               "blocks": 900, "transfer_beside_ms": 24.0, "compute_beside_ms": 21.5, "covered": True,
               "chunk_bytes": 4 * KiB, "host_layout": "block-major"}
-    floor = dict(staged, route=step_interference.CONTIGUOUS, kind="contiguous", num_sms=0, slowdown=0.071)
+    floor = dict(staged, route="contiguous copy", kind="contiguous", num_sms=0, slowdown=0.071)
     other = dict(floor, direction="d2h", slowdown=-0.004)
     rows = step_interference.profile_rows([staged, floor, other])
     assert rows == {"h2d": [["staged", 32, 0.09, 4 * KiB], ["triton.staged", 32, 0.09, 4 * KiB]]}

@@ -43,10 +43,11 @@ def test_the_staged_contender_moves_every_byte_on_both_host_layouts(staged_on_cp
     assert not any("staged" in n for n in doc["notes"])
     for case in doc["cases"]:
         by = {c["name"]: c for c in case["contenders"]}
-        assert list(by) == ["default", "low_interference", "batch", "staged", "vllm"]
+        assert list(by) == ["contiguous", "default", "low_interference", "batch", "staged", "vllm"]
         for c in by.values():
             assert c["error"] is None, c
             assert c["bytes_checked"] == 2 * 2 * case["bytes"]  # alone and beside, each repetition
+            assert c["span_over_contiguous"] > 0
         assert (by["staged"]["route"], by["staged"]["staged"]) == ("triton.staged", True)
         # a mover between host tensors keeps its resolved route: only the forced contender stages
         assert (by["default"]["route"], by["default"]["staged"]) == ("host.reference", False)
@@ -88,14 +89,20 @@ def test_step_interference_measures_the_staged_route_on_a_block_major_host(stage
     cache = models.ModelShape("t", 2, 2, 16).at(1)
     records = step_interference.measure(env, dev, [Direction.H2D, Direction.D2H], reps=2, cache=cache,
                                         num_blocks=40, staged=True, staged_pool_bytes=50 * cache.block_bytes)
+    # after each staged row, a contiguous copy of its job's bytes, measured the same way
     assert [(r["direction"], r["route"], r["kind"], r["host_layout"]) for r in records] == [
         ("h2d", "host.reference", "batch", "per-layer"), ("d2h", "host.reference", "batch", "per-layer"),
-        ("h2d", "triton.staged", "staged", "block-major"), ("d2h", "triton.staged", "staged", "block-major")]
+        ("h2d", "triton.staged", "staged", "block-major"), ("h2d", "contiguous copy", "contiguous", "block-major"),
+        ("d2h", "triton.staged", "staged", "block-major"), ("d2h", "contiguous copy", "contiguous", "block-major")]
+    # the copies' buffers hold the largest job (25 blocks); a larger one says in how many pieces it went
+    assert records[3]["route"] == "contiguous copy"
     for r in records:
         assert "error" not in r, r
         assert r["bytes_checked"] == 2 * r["blocks"] * cache.block_bytes
         # a job of half its pool (the probe, at least): 40 blocks per layer, 50 block-major (sized by bytes)
-        assert r["blocks"] == (25 if r["kind"] == "staged" else 20)
+        assert r["blocks"] == (20 if r["kind"] == "batch" else 25)
+        assert 0.0 <= r["slowdown"] < 1 and r["compute_ratio"] > 0
+    assert "contiguous" not in str(step_interference.profile_rows(records))  # a reference, not a route
     # the staged route's device side runs on the SMs it was bound with
     assert all(r["num_sms"] >= 1 for r in records if r["kind"] == "staged")
     plain = step_interference.measure(env, dev, [Direction.H2D], reps=1, cache=cache, num_blocks=40)

@@ -9,11 +9,12 @@ Two parts, each over ``--sms`` (e.g. 32,66,132):
   (``triton_generic.staged.DEVICE_SMS``);
 * ``step``: the step benchmark (``kvswap bench --model``) with one contender per SM count
   (``Policy(force=<the staged route>, max_sms=k)``), contenders interleaved within each
-  repetition; the arguments after ``--`` go to ``kvswap bench``.
+  repetition with the benchmark's contiguous reference; the arguments after ``--`` go to
+  ``kvswap bench``.
 
 ``render`` prints either part's JSON as markdown: the slowdown by SM count beside the
 contiguous copy's, or per case the transfer alone over its time on the fewest SMs and the step
-over its bound.
+over the contiguous reference's (span/contiguous).
 
     python3 tests/bench/bench_staged_sms.py interference --sms 32,132 --json $OUT/sms.json
     python3 tests/bench/bench_staged_sms.py step --sms 32,66,132 -- --model llama-3.1-8b \\
@@ -68,20 +69,21 @@ def step(sms: list, bench_args: list) -> int:
 
 def render(doc: dict) -> str:
     """Markdown for one part's JSON."""
-    if "cases" in doc:  # the step part: kvswap bench's JSON
-        sms = sorted({int(c["name"].split("@")[1]) for case in doc["cases"] for c in case["contenders"]})
+    if "cases" in doc:  # the step part: kvswap bench's JSON, its contenders staged@k and the reference
+        sms = sorted({int(c["name"].split("@")[1]) for case in doc["cases"] for c in case["contenders"]
+                      if c["name"].startswith("staged@")})
         device = doc["device"]["name"] if isinstance(doc["device"], dict) else doc["device"]
         lines = [f"{device}, {doc['cases'][0]['reps']} repetitions, contenders interleaved:", "",
                  "| model | tp | dir | chunk | B | " + " | ".join(f"alone @{k}" for k in sms[1:])
-                 + " | " + " | ".join(f"step/bound @{k}" for k in sms) + " |",
+                 + " | " + " | ".join(f"step/contiguous @{k}" for k in sms) + " |",
                  "|---" * (5 + 2 * len(sms) - 1) + "|"]
         for case in doc["cases"]:
-            by = {int(c["name"].split("@")[1]): c for c in case["contenders"]}
+            by = {int(c["name"].split("@")[1]): c for c in case["contenders"] if c["name"].startswith("staged@")}
             base = by[sms[0]]["transfer_alone_ms"]
             lines.append(f"| {case['model']} | {case['tp']} | {case['direction']} | {case['chunk_bytes'] // 1024} KiB "
                          f"| {case['blocks']} | " + " | ".join(f"{by[k]['transfer_alone_ms'] / base:.3f}" for k in sms[1:])
-                         + " | " + " | ".join(f"{by[k]['makespan_over_bound']:.3f}" for k in sms) + " |")
-        spans = {k: [c["makespan_over_bound"] for case in doc["cases"] for c in case["contenders"]
+                         + " | " + " | ".join(f"{by[k]['span_over_contiguous']:.3f}" for k in sms) + " |")
+        spans = {k: [c["span_over_contiguous"] for case in doc["cases"] for c in case["contenders"]
                      if c["name"] == f"staged@{k}"] for k in sms}
         lines.append("| geomean | | | | | " + " | ".join("" for _ in sms[1:]) + " | "
                      + " | ".join(f"{math.exp(sum(map(math.log, v)) / len(v)):.3f}" for v in spans.values()) + " |")

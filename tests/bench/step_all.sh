@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The step benchmark over every built-in model x TP {1, and 8 where the KV heads split}
-# x host layout {per-layer, block-major} x direction x B {32, 512}, the BlockMover ceiling
+# x host layout {per-layer, block-major} x direction x B {32, 512}, each case against one
+# contiguous copy of its bytes beside the same compute (span/contiguous), the BlockMover ceiling
 # case (h2d 4 KiB x 10,000, per-layer host), and the compute slowdown per route and SM count
 # (the staged route on a block-major host); then the bars (a pass/fail table, no asserts)
 # and the markdown section for docs/benchmarks.md. Each part prints how long it took; the

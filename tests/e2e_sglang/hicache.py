@@ -45,7 +45,12 @@ MHA_CASES = [("layer_first", "kernel"), ("page_first", "kernel"), ("page_head", 
              ("layer_first", "direct"), ("page_first_direct", "direct")]
 MLA_CASES = [("layer_first", "kernel"), ("page_first", "kernel"), ("layer_first", "direct"),
              ("page_first_direct", "direct")]
+DTYPES = [torch.bfloat16, torch.float16]
 CASES = [(kind, layout, io) for kind, cases in (("mha", MHA_CASES), ("mla", MLA_CASES)) for layout, io in cases]
+
+
+def dtype_id(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 # -- kvswap loaded by SGLang's plugin loader --------------------------------------------------
@@ -94,9 +99,13 @@ class HiCache:
         d = self.device_pool
         return list(d.k_buffer) + list(d.v_buffer) if self.kind == "mha" else list(d.kv_buffer)
 
+    @property
+    def page_size(self) -> int:
+        return self.host.page_size
+
     def device_page(self, page: int) -> Any:
         """Device page ``page`` as ``[2, L, P, H, D]`` (MHA) or ``[L, P, 1, D']`` (MLA), a copy."""
-        rows = slice(page * P, (page + 1) * P)
+        rows = slice(page * self.page_size, (page + 1) * self.page_size)
         d = self.device_pool
         if self.kind == "mha":
             return torch.stack([torch.stack([t[rows] for t in d.k_buffer]),
@@ -105,7 +114,7 @@ class HiCache:
 
     def host_page(self, page: int) -> Any:
         """Host page ``page`` as SGLang's ``get_data_page`` reads it (the layout's order), a copy."""
-        return self.host.get_data_page(page * P, flat=False).clone()
+        return self.host.get_data_page(page * self.page_size, flat=False).clone()
 
     def in_host_order(self, device_page: Any) -> Any:
         """A :meth:`device_page` arranged as :meth:`host_page` returns it in this layout."""
@@ -124,7 +133,7 @@ class HiCache:
         self.host.kv_buffer = mask
         try:
             for page in pages:
-                self.host.get_data_page(page * P, flat=False).fill_(True)
+                self.host.get_data_page(page * self.page_size, flat=False).fill_(True)
         finally:
             self.host.kv_buffer = buffer
         return mask
@@ -133,33 +142,36 @@ class HiCache:
         """Make the host pool hand out ``order``'s pages first, in that order: every page taken,
         then these freed one by one (SGLang's own alloc and free)."""
         taken = self.host.alloc(self.host.available_size())
+        size = self.page_size
         for page in order:
-            self.host.free(taken[page * P:(page + 1) * P])
+            self.host.free(taken[page * size:(page + 1) * size])
 
 
 def build(kind: str, layout: str, io: str, dtype: Any, *, device: str = "cpu", pin: bool = False,
-          storage: Optional[str] = None, host_class: Any = None) -> HiCache:
+          storage: Optional[str] = None, host_class: Any = None, page_size: int = P,
+          device_tokens: int = DEVICE_TOKENS, layers: int = LAYERS, heads: int = HEADS, head_dim: int = HEAD_DIM,
+          lora: int = LORA, rope: int = ROPE) -> HiCache:
     """SGLang's pools and controller for one case, as SGLang's assembler builds them."""
     if kind == "mha":
-        dev = MHATokenToKVPool(size=DEVICE_TOKENS, page_size=P, dtype=dtype, head_num=HEADS, head_dim=HEAD_DIM,
-                               layer_num=LAYERS, device=device, enable_memory_saver=False)
+        dev = MHATokenToKVPool(size=device_tokens, page_size=page_size, dtype=dtype, head_num=heads,
+                               head_dim=head_dim, layer_num=layers, device=device, enable_memory_saver=False)
         info = dev.get_device_pool_infos()[0].buffer_info
         host = (host_class or MHATokenToKVPoolHost)(
-            info, host_to_device_ratio=2.0, host_size=0, page_size=P, layout=layout, pin_memory=pin,
+            info, host_to_device_ratio=2.0, host_size=0, page_size=page_size, layout=layout, pin_memory=pin,
             device="cpu", device_capacity_tokens=dev.size, start_layer=dev.start_layer, end_layer=dev.end_layer)
     else:
-        dev = MLATokenToKVPool(size=DEVICE_TOKENS, page_size=P, dtype=dtype, kv_lora_rank=LORA,
-                               qk_rope_head_dim=ROPE, layer_num=LAYERS, device=device, enable_memory_saver=False)
+        dev = MLATokenToKVPool(size=device_tokens, page_size=page_size, dtype=dtype, kv_lora_rank=lora,
+                               qk_rope_head_dim=rope, layer_num=layers, device=device, enable_memory_saver=False)
         info = dev.get_device_pool_infos()[0].buffer_info
         host = (host_class or MLATokenToKVPoolHost)(
-            info, host_to_device_ratio=2.0, host_size=0, page_size=P, layout=layout, pin_memory=pin,
+            info, host_to_device_ratio=2.0, host_size=0, page_size=page_size, layout=layout, pin_memory=pin,
             device="cpu", device_capacity_tokens=dev.size, start_layer=dev.start_layer, end_layer=dev.end_layer,
             target_layer_num=dev.layer_num, override_kv_cache_dim=dev.kv_cache_dim)
-    alloc = PagedTokenToKVPoolAllocator(size=DEVICE_TOKENS, page_size=P, dtype=dtype, device=device, kvcache=dev,
-                                        need_sort=False)
+    alloc = PagedTokenToKVPoolAllocator(size=device_tokens, page_size=page_size, dtype=dtype, device=device,
+                                        kvcache=dev, need_sort=False)
     # A controller outside a server: one rank, nothing published, as SGLang's own tests state it.
     with get_parallel().override(attn_dcp_size=1, attn_dcp_rank=0, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1):
-        ctl = HiCacheController(alloc, host, P, tp_group=None, load_cache_event=threading.Event(), io_backend=io,
+        ctl = HiCacheController(alloc, host, page_size, tp_group=None, load_cache_event=threading.Event(), io_backend=io,
                                 storage_backend=storage, model_name="kvswap-e2e" if storage else None)
     return HiCache(kind, dev, host, alloc, ctl)
 
@@ -173,10 +185,73 @@ def bits(t: Any) -> Any:
     return t.contiguous().view(torch.int16).cpu()
 
 
-def tokens(pages: list[int]) -> Any:
+def tokens(pages: list[int], page_size: int = P) -> Any:
     """The token indices of ``pages``, page after page."""
-    return (torch.tensor(pages, dtype=torch.int64)[:, None] * P + torch.arange(P)).reshape(-1)
+    return (torch.tensor(pages, dtype=torch.int64)[:, None] * page_size + torch.arange(page_size)).reshape(-1)
 
 
-def pages_of(indices: Any) -> list[int]:
-    return (indices.cpu().reshape(-1, P)[:, 0] // P).tolist()
+def pages_of(indices: Any, page_size: int = P) -> list[int]:
+    return (indices.cpu().reshape(-1, page_size)[:, 0] // page_size).tolist()
+
+
+# -- the round trip: device -> host -> device through HiCacheController ------------------------
+DEVICE_PAGES = [7, 2, 11, 4]  # written from, in this order
+HOST_ORDER = [9, 2, 14, 5]  # the host pool hands these out first, in this order
+
+
+def fill_device(cache: HiCache, gen: Any) -> list[Any]:
+    """Random bits in every device row; their bits, to compare with later."""
+    for t in cache.device_tensors:
+        t.copy_(random_bits(t.shape, t.dtype, t.device, gen))
+    return [bits(t) for t in cache.device_tensors]
+
+
+def check_host(cache: HiCache, host_pages: list[int], device_pages: list[int], before: Any) -> None:
+    """Host page ``host_pages[i]`` holds device page ``device_pages[i]``; the rest is as before."""
+    for h, d in zip(host_pages, device_pages):
+        assert torch.equal(bits(cache.host_page(h)), bits(cache.in_host_order(cache.device_page(d)))), \
+            f"host page {h} does not hold device page {d}"
+    outside = ~cache.host_mask(host_pages)
+    assert torch.equal(bits(cache.host.kv_buffer)[outside], before[outside]), "host bytes outside the job changed"
+
+
+def check_device(cache: HiCache, device_pages: list[int], expected_pages: list[Any], before: list[Any]) -> None:
+    """Device page ``device_pages[i]`` holds ``expected_pages[i]``; every other row is as before."""
+    for d, want in zip(device_pages, expected_pages):
+        assert torch.equal(bits(cache.device_page(d)), bits(want)), f"device page {d} is wrong"
+    rows = torch.ones(cache.device_tensors[0].shape[0], dtype=torch.bool)
+    for d in device_pages:
+        rows[d * P:(d + 1) * P] = False
+    for t, b in zip(cache.device_tensors, before):
+        assert torch.equal(bits(t)[rows], b[rows]), "device rows outside the job changed"
+
+
+def round_trip(kind: str, layout: str, io: str, dtype: Any, *, device: str = "cpu", pin: bool = False) -> HiCache:
+    """Write device pages (out of order) to host pages (out of order) with ``controller.write``,
+    then load them back in yet another order with ``load`` and ``start_loading``, waiting on
+    SGLang's own finish events; every byte checked, and every byte outside each job."""
+    gen = torch.Generator().manual_seed(sum(map(ord, f"{kind}{layout}{io}{dtype}")))
+    cache = build(kind, layout, io, dtype, device=device, pin=pin)
+    ctl, host = cache.controller, cache.host
+    fill_device(cache, gen)
+    host.kv_buffer.copy_(random_bits(host.kv_buffer.shape, dtype, "cpu", gen))
+    host_before = bits(host.kv_buffer)
+    cache.host_pages_in_order(HOST_ORDER)
+
+    # Write: device pages out of order -> the host pages the pool hands out (out of order too).
+    written = {d: cache.device_page(d) for d in DEVICE_PAGES}
+    host_indices = ctl.write(tokens(DEVICE_PAGES).to(device))  # a server's are on the device
+    ctl.ack_write_queue[-1].finish_event.synchronize()
+    assert pages_of(host_indices) == HOST_ORDER
+    check_host(cache, HOST_ORDER, DEVICE_PAGES, host_before)
+
+    # Load: host pages in another order -> the device pages the allocator hands out.
+    device_before = fill_device(cache, gen)
+    load_order = [HOST_ORDER[i] for i in (2, 0, 3, 1)]
+    device_indices = ctl.load(tokens(load_order))
+    ctl.start_loading()
+    ctl.ack_load_queue[-1].finish_event.synchronize()
+    source = {h: written[d] for h, d in zip(HOST_ORDER, DEVICE_PAGES)}
+    check_device(cache, pages_of(device_indices), [source[h] for h in load_order], device_before)
+
+    return cache

@@ -13,71 +13,17 @@ from __future__ import annotations
 
 import pytest
 
-from hicache import CASES, P, bits, build, pages_of, plugin, random_bits, tokens  # noqa: F401
+from hicache import CASES, DTYPES, bits, dtype_id, build, fill_device, plugin, random_bits, round_trip, tokens  # noqa: F401
 
 import torch  # noqa: E402  (after hicache: it skips the module where SGLang is absent)
 
 import kvswap.integrations.sglang as kvswap_sglang  # noqa: E402
 
-DTYPES = [torch.bfloat16, torch.float16]
-DEVICE_PAGES = [7, 2, 11, 4]  # written from, in this order
-HOST_ORDER = [9, 2, 14, 5]  # the host pool hands these out first, in this order
-
-
-def fill_device(cache, gen):
-    for t in cache.device_tensors:
-        t.copy_(random_bits(t.shape, t.dtype, t.device, gen))
-    return [bits(t) for t in cache.device_tensors]
-
-
-def check_host(cache, host_pages, device_pages, before):
-    """Host page ``host_pages[i]`` holds device page ``device_pages[i]``; the rest is as before."""
-    for h, d in zip(host_pages, device_pages):
-        assert torch.equal(bits(cache.host_page(h)), bits(cache.in_host_order(cache.device_page(d)))), \
-            f"host page {h} does not hold device page {d}"
-    outside = ~cache.host_mask(host_pages)
-    assert torch.equal(bits(cache.host.kv_buffer)[outside], before[outside]), "host bytes outside the job changed"
-
-
-def check_device(cache, device_pages, expected_pages, before):
-    """Device page ``device_pages[i]`` holds ``expected_pages[i]``; every other row is as before."""
-    for d, want in zip(device_pages, expected_pages):
-        assert torch.equal(bits(cache.device_page(d)), bits(want)), f"device page {d} is wrong"
-    rows = torch.ones(cache.device_tensors[0].shape[0], dtype=torch.bool)
-    for d in device_pages:
-        rows[d * P:(d + 1) * P] = False
-    for t, b in zip(cache.device_tensors, before):
-        assert torch.equal(bits(t)[rows], b[rows]), "device rows outside the job changed"
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("kind,layout,io", CASES)
 def test_write_then_load_round_trip(plugin, kind, layout, io, dtype):  # noqa: F811
-    gen = torch.Generator().manual_seed(hash((kind, layout, io, str(dtype))) & 0xFFFF)
-    cache = build(kind, layout, io, dtype)
-    ctl, host = cache.controller, cache.host
-    fill_device(cache, gen)
-    host.kv_buffer.copy_(random_bits(host.kv_buffer.shape, dtype, "cpu", gen))
-    host_before = bits(host.kv_buffer)
-    cache.host_pages_in_order(HOST_ORDER)
-
-    # Write: device pages out of order -> the host pages the pool hands out (out of order too).
-    written = {d: cache.device_page(d) for d in DEVICE_PAGES}
-    host_indices = ctl.write(tokens(DEVICE_PAGES))
-    ctl.ack_write_queue[-1].finish_event.synchronize()
-    assert pages_of(host_indices) == HOST_ORDER
-    check_host(cache, HOST_ORDER, DEVICE_PAGES, host_before)
-
-    # Load: host pages in another order -> the device pages the allocator hands out.
-    device_before = fill_device(cache, gen)
-    load_order = [HOST_ORDER[i] for i in (2, 0, 3, 1)]
-    device_indices = ctl.load(tokens(load_order))
-    ctl.start_loading()
-    ctl.ack_load_queue[-1].finish_event.synchronize()
-    source = {h: written[d] for h, d in zip(HOST_ORDER, DEVICE_PAGES)}
-    check_device(cache, pages_of(device_indices), [source[h] for h in load_order], device_before)
-    assert bits(host.kv_buffer).equal(bits(host.kv_buffer)), "the host buffer is readable after the load"
-
+    cache = round_trip(kind, layout, io, dtype)
+    host = cache.host
     text = kvswap_sglang.explain(host)
     assert f"layout {layout}" in text and "loads, layer by layer" in text and "backups, all layers" in text
     assert "host.reference" in text  # the route a CPU resolves

@@ -112,6 +112,10 @@ class PoolMovers:
         with self._lock:
             loads, backup = self._loads, self._backup
         parts = [f"kvswap serves SGLang host pool {self.layout.name}"]
+        built = next(iter((loads or {}).values()), backup)
+        if built is not None and built.stages_host_memory:
+            parts.append("host memory: pageable (pin_memory=False), staged through kvswap's pinned buffers; "
+                         "backups wait for their copy")
         if loads is None:
             parts.append("loads: none yet (their movers are built at the first load)")
         else:

@@ -17,9 +17,10 @@ Contenders, each run in turn within every repetition (medians of ``--reps``), ev
 checked once before timing:
 
 * ``kvswap``: SGLang's host pool method with kvswap's hooks (loaded by SGLang's plugin loader);
-* ``direct``: SGLang's ``direct`` io semantics rebuilt here: ``copy_`` per run of pages
-  contiguous on both sides (``layer_first``), or one batch DMA call with a descriptor per
-  page-layer (``page_first_direct``; kvswap's ``cuda.batch`` binding, forced, runs unmerged);
+* ``direct``: SGLang's ``direct`` io semantics rebuilt here on kvswap's CUDA driver binding:
+  one ``cuMemcpyAsync`` per run of pages contiguous on both sides (``layer_first``), or one
+  ``cuMemcpyBatchAsync`` call with a descriptor per page-layer (``page_first_direct``), each on
+  the calling thread as SGLang's ops make them;
 * ``jit``: SGLang's JIT transfer kernels (``hicache.cuh``, or ``hicache_tma.cuh`` where SGLang
   picks it), where they build here (nvcc) and take the layout (``layer_first``);
 * ``reference``: a contiguous copy of the same bytes per layer (load) or at once (backup): the
@@ -216,43 +217,53 @@ class Setup:
                 "backup": lambda: host.backup_from_device_all_layer_physical(dev, ids[0], ids[1], "direct")}
 
     def direct(self) -> dict[str, Callable]:
-        torch, host, dev, P = self.torch, self.host, self.dev, self.case.page
-        pairs = [(host.k_buffer, dev.k_buffer), (host.v_buffer, dev.v_buffer)]
-        if self.case.layout == "layer_first":  # copy_ per run of pages consecutive on both sides
-            breaks = np.flatnonzero((np.diff(self.host_pages) != 1) | (np.diff(self.dev_pages) != 1)) + 1
-            runs = [(int(h[0]) * P, int(d[0]) * P, len(h) * P)
-                    for h, d in zip(np.split(self.host_pages, breaks), np.split(self.dev_pages, breaks))]
-
-            def layer(l: int, to_device: bool = True) -> None:
-                for hb, db in pairs:
-                    for h0, d0, m in runs:
-                        if to_device:
-                            db[l][d0:d0 + m].copy_(hb[l][h0:h0 + m], non_blocking=True)
-                        else:
-                            hb[l][h0:h0 + m].copy_(db[l][d0:d0 + m], non_blocking=True)
-            return {"load": layer, "backup": lambda: [layer(l, False) for l in range(self.layers)]}
-        # page_first_direct: one batch DMA call, a descriptor per page-layer, unmerged
+        """SGLang's ``direct`` io: ``layer_first``, one ``cudaMemcpyAsync`` per run of pages
+        consecutive on both sides (``transfer_kv_direct``); ``page_first_direct``, one batch DMA
+        call with a descriptor per page-layer. Through kvswap's CUDA driver binding, called on
+        the caller's thread as SGLang calls its op (on a CPU, kvswap's host copy stands in)."""
         import kvswap
 
-        fn = {d: kvswap.resolve(d, device=str(self.clock.device), policy=kvswap.Policy(
-            force="cuda.batch" if self.clock.cuda else None, coalesce=False)) for d in ("h2d", "d2h")}
-        pb = self.page_bytes
+        host, dev, pb, lf = self.host, self.dev, self.page_bytes, self.case.layout == "layer_first"
+        pairs = [(host.k_buffer, dev.k_buffer), (host.v_buffer, dev.v_buffer)]
+        item = 2  # bf16
 
-        def addresses(layers: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        def descriptors(layers: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             host_a, dev_a = [], []
             for hb, db in pairs:
                 for l in layers:
-                    host_a.append(hb.data_ptr() + (self.host_pages * hb.stride(0) + l * hb.stride(1)) * 2)
+                    if lf:  # [L, S, H, D]: page p of layer l at rows p * P
+                        host_a.append(hb.data_ptr() + (l * hb.stride(0) + self.host_pages * self.case.page * hb.stride(1)) * item)
+                    else:  # [pages, L, P, H, D]
+                        host_a.append(hb.data_ptr() + (self.host_pages * hb.stride(0) + l * hb.stride(1)) * item)
                     dev_a.append(db[l].data_ptr() + self.dev_pages * pb)
-            return np.concatenate(host_a).astype(np.int64), np.concatenate(dev_a).astype(np.int64)
+            h, d = np.concatenate(host_a).astype(np.int64), np.concatenate(dev_a).astype(np.int64)
+            return h, d, np.full(len(h), pb, dtype=np.int64)
 
-        per_layer = [addresses([l]) for l in range(self.layers)]
-        every = addresses(list(range(self.layers)))
-        stream = (lambda: torch.cuda.current_stream()) if self.clock.cuda else (lambda: None)
+        if self.clock.cuda:
+            from kvswap.backends.cuda import driver as drv
+            from kvswap.backends.cuda.batch import BatchCopy, bind
 
-        def call(direction: str, src: np.ndarray, dst: np.ndarray) -> None:
-            fn[direction].call_validated(src, dst, np.full(len(src), pb, dtype=np.int64), stream=stream())
-        return {"load": lambda l: call("h2d", *per_layer[l]), "backup": lambda: call("d2h", every[1], every[0])}
+            index, d = self.clock.device.index or 0, drv.get()
+            copy = {direction: (BatchCopy(direction, index, abi=None, batch_fn=None, memcpy_fn=d.memcpy_async(),
+                                          error=d.error, context=d.context_guard(index)) if lf  # one call a run
+                                else bind(d, direction, index))  # one batch call
+                    for direction in ("h2d", "d2h")}
+            stream = self.torch.cuda.current_stream
+
+            def call(direction: str, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> None:
+                if lf:  # runs of pages consecutive on both sides, found per call as SGLang's op does
+                    src, dst, sizes = kvswap.coalesce(src, dst, sizes)
+                copy[direction](src, dst, sizes, stream())
+        else:
+            host_fn = {direction: kvswap.resolve(direction, device="cpu") for direction in ("h2d", "d2h")}
+
+            def call(direction: str, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> None:
+                host_fn[direction].call_validated(src, dst, sizes)
+
+        per_layer = [descriptors([l]) for l in range(self.layers)]
+        every = descriptors(list(range(self.layers)))
+        return {"load": lambda l: call("h2d", *per_layer[l]),
+                "backup": lambda: call("d2h", every[1], every[0], every[2])}
 
     def jit(self, args: argparse.Namespace) -> Any:
         if not self.clock.cuda:

@@ -60,10 +60,12 @@ def test_a_layer_load_is_ordered_on_the_current_stream(plugin, kind, layout, oth
     host, dev, page = cache.host, cache.device_pool, cache.host.page_size
     pages = list(range(1, 250))
     host_pages = [p + 3 for p in pages][::-1]
-    h, d = tokens(host_pages, page), tokens(pages, page).cuda()
+    # Indices on the host, as SGLang's direct io passes them: nothing here synchronises with the
+    # stream (indices on the GPU are read once per transfer, which would wait for the stream).
+    h, d = tokens(host_pages, page), tokens(pages, page)
     first, second = torch.cuda.Stream(), torch.cuda.Stream()
     with torch.cuda.stream(first):  # builds the movers on this stream
-        host.load_to_device_per_layer_physical(dev, h, d, 0, "kernel")
+        host.load_to_device_per_layer_physical(dev, h, d, 0, "direct")
     torch.cuda.synchronize()
     layer = 1
     targets = [t for i, t in enumerate(cache.device_tensors) if i % cache.host.layer_num == layer]
@@ -72,7 +74,7 @@ def test_a_layer_load_is_ordered_on_the_current_stream(plugin, kind, layout, oth
         torch.cuda._sleep(SLEEP_CYCLES)
         for t in targets:  # queued before the load: the load must land after it
             t.zero_()
-        host.load_to_device_per_layer_physical(dev, h, d, layer, "kernel")
+        host.load_to_device_per_layer_physical(dev, h, d, layer, "direct")
         done = torch.cuda.Event()
         done.record()  # what SGLang's on_layer_done records
     consumer.wait_event(done)  # what the forward pass does before it reads the layer
@@ -98,8 +100,7 @@ def test_a_backup_reads_what_was_queued_before_it_and_ends_before_the_next_event
         torch.cuda._sleep(SLEEP_CYCLES)
         for t in cache.device_tensors:  # new KV written just before the backup
             t.add_(1)
-        host.backup_from_device_all_layer_physical(dev, tokens(host_pages, page).cuda(), tokens(pages, page).cuda(),
-                                                   "kernel")
+        host.backup_from_device_all_layer_physical(dev, tokens(host_pages, page), tokens(pages, page), "direct")
         done = torch.cuda.Event()
         done.record()  # SGLang's finish event
     done.synchronize()

@@ -127,6 +127,13 @@ class BackendError(KvSwapError, RuntimeError):
         super().__init__(f"{impl} failed: {cause}")
 
 
+class EngineTransferError(KvSwapError, RuntimeError):
+    """A copy an engine handed to kvswap through one of its integrations failed inside kvswap
+    (SGLang's HiCache: a layer's load, a backup). The message names the engine's pool and
+    layer; the error kvswap raised is the ``__cause__``. The engine gets this error, never
+    a copy reported done that did not happen."""
+
+
 class KvSwapWarning(UserWarning):
     """Root of kvswap's warnings."""
 

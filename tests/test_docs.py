@@ -463,11 +463,11 @@ def test_no_product_file_speaks_of_development_history():
 
 # --- Size -------------------------------------------------------------------------------------
 
-def test_repository_is_at_most_3_mb():
+def test_repository_is_at_most_3_2_mb():
     files = repository_files()
     total = sum(p.stat().st_size for p in files)
     largest = sorted(files, key=lambda p: p.stat().st_size, reverse=True)[:5]
-    assert total <= 3 * 1000 * 1000, (
+    assert total <= 3.2 * 1000 * 1000, (
         f"the repository holds {total / 1e6:.2f} MB; largest: "
         + ", ".join(f"{p.relative_to(ROOT)} {p.stat().st_size // 1000} kB" for p in largest))
 

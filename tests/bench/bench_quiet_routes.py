@@ -145,6 +145,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--pool-gib", type=float, default=2.0)
     ap.add_argument("--parts", default="interference,gather,device")
+    ap.add_argument("--only", default="", help="interference: only contenders whose name holds this text")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     import torch
@@ -332,6 +333,8 @@ def main(argv=None) -> int:
             contenders.append(("hold SM, no traffic", "-", ctas,
                                lambda s, k=ctas: launch(hold, k, 32, (np.int64(int(calone * 1.5e6)),), s), 0))
         for label, d, ctas, fn, nbytes in contenders:
+            if args.only and args.only not in label:
+                continue
             copy_alone(fn)  # warm-up
             t_alone = [copy_alone(fn) for _ in range(2)]
             slows, covered = [], []

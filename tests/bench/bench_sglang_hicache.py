@@ -92,6 +92,36 @@ def table(rows: list[dict], card: str) -> str:
     return "\n".join(out)
 
 
+def summary(rows: list[dict], card: str) -> str:
+    """One line per case: kvswap's and SGLang direct's step over the contiguous reference's,
+    kvswap's over direct's, and the compute alone over the reference (what the link itself
+    costs the step), each of one run; then the issue's bars, case by case."""
+    cases_: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        if r["step_ms"] is not None:
+            cases_.setdefault((r["op"], r["tp"], r["page"], r["layout"], r["run_bytes"]), {})[r["contender"]] = r
+    f = (lambda r, k: "-" if r is None or r.get(k) is None else f"{r[k]:.2f}")
+    out = [f"{card}: llama-3.1-8b, steps over the contiguous reference's (ratios within one run)", "",
+           "| op | TP | page | layout | run | kvswap / ref | direct / ref | kvswap / direct | compute alone / ref |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    near = f"load: step <= 0.8 x direct (runs < {DIRECT_BAR_RUN >> 10} KiB)"
+    verdicts = {"step <= 1.10 x reference": [0, 0], near: [0, 0]}
+    for (op, tp, page, layout, run), got in cases_.items():
+        kv = got.get("kvswap")
+        out.append(f"| {op} | {tp} | {page} | {layout} | {run >> 10} KiB | {f(kv, 'step_over_reference')} | "
+                   f"{f(got.get('direct'), 'step_over_reference')} | {f(kv, 'step_over_direct')} | "
+                   f"{f(got.get('none'), 'step_over_reference')} |")
+        if kv and kv.get("step_over_reference") is not None:
+            v = verdicts["step <= 1.10 x reference"]
+            v[0], v[1] = v[0] + (kv["step_over_reference"] <= 1.10), v[1] + 1
+        if kv and op == "load" and run < DIRECT_BAR_RUN and kv.get("step_over_direct") is not None:
+            v = verdicts[near]
+            v[0], v[1] = v[0] + (kv["step_over_direct"] <= 0.8), v[1] + 1
+    out += ["", "| kvswap's bar | cases passed |", "|---|---|"]
+    out += [f"| {bar} | {ok} of {n} |" for bar, (ok, n) in verdicts.items()]
+    return "\n".join(out)
+
+
 def with_ratios(rows: list[dict]) -> list[dict]:
     """Each row's step over its case's reference and direct steps (same run)."""
     by_case: dict[tuple, dict[str, float]] = {}
@@ -368,8 +398,15 @@ def step(setup: Setup, op: str, fn: Any) -> tuple[float, Optional[float]]:
     return (max(total, transfer) if transfer is not None and op == "backup" else total), transfer
 
 
+# SGLang pins its host pools with cudaHostRegister and never unregisters them: a pool freed
+# while still registered would hand its addresses to the next case's pool, whose registration
+# then fails (cudaErrorHostMemoryAlreadyRegistered). Every case's pool stays alive instead.
+_POOLS: list = []
+
+
 def measure(case: Case, args: argparse.Namespace, clock: Clock) -> list[dict]:
     setup = Setup(case, args, clock)
+    _POOLS.append(setup.host)
     found = setup.contenders(args)
     live = {n: f for n, f in found.items() if not isinstance(f, str)}
     for name, fn in live.items():
@@ -417,7 +454,13 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--no-jit", action="store_true", help="leave SGLang's JIT kernels out")
+    ap.add_argument("--render", type=Path, metavar="FILE.json",
+                    help="measure nothing: print the summary of a JSON this script wrote (docs/sglang.md's table)")
     args = ap.parse_args(argv)
+    if args.render:
+        doc = json.loads(args.render.read_text())
+        print(summary(doc["rows"], doc["meta"]["card"]))
+        return doc["rows"]
     import torch
     import sglang.srt.plugins as plugins
 
@@ -429,11 +472,15 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
                  args.layouts.split(","))
     rows: list[dict] = []
     for case in grid:
-        rows += measure(case, args, clock)
-        print(f"done: {case}", file=sys.stderr, flush=True)
+        got = measure(case, args, clock)
+        rows += got
+        print(f"done: {case}: " + ", ".join(f"{r['contender']} {r['step_ms']:.3f} ms" for r in got
+                                            if r.get("step_ms") is not None), file=sys.stderr, flush=True)
     rows = with_ratios(rows)
     card = torch.cuda.get_device_name(device) if clock.cuda else platform.processor() or "cpu"
     print(table(rows, card))
+    print()
+    print(summary(rows, card))
     meta = {"card": card, "torch": torch.__version__, "args": vars(args), "direct_bar_run_bytes": DIRECT_BAR_RUN}
     write_json(Path(args.out) / "bench_sglang_hicache.json", rows, meta)
     return rows

@@ -2,7 +2,6 @@
 routes available to them here, and the route each one's job took, as the tables name it."""
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Optional
@@ -24,7 +23,7 @@ VLLM_POLICY = (f"vLLM's Triton path: h2d chunks under {PEER_MAX_BLOCK // KiB} Ki
 CONTENDERS = ("default", "low_interference", "batch", f"kernel@{KERNEL_SMS}", "staged", "vllm")
 # The default with one of kvswap's older mechanisms taken away (``kvswap bench --model
 # --variants``): what each still gains shows against the default's step.
-VARIANTS = ("default/no-within", "default/no-thread", "default/descriptors", "default/issuer", "default/rerun")
+VARIANTS = ("default/no-within", "default/no-thread", "default/descriptors", "default/rerun")
 # How BlockMover.explain() names the staged route a mover takes by itself.
 STAGED_NOTE = re.compile(r"note: staged: (\S+) moves")
 
@@ -34,15 +33,13 @@ class Contender:
     """One way to resolve the mover. ``exact_sms`` binds the forced kernel at exactly that
     many SMs (not the calibrated knee capped by it); ``same_as`` names the contender whose
     mover (and measurements) this one shares in a case. ``options``: further BlockMover
-    arguments; ``env``: environment variables set while the mover is built; ``within``:
-    whether its submits say how long the step's compute runs."""
+    arguments; ``within``: whether its submits say how long the step's compute runs."""
 
     name: str
     policy: Policy
     exact_sms: Optional[int] = None
     same_as: Optional[str] = None
     options: tuple = ()
-    env: tuple = ()
     within: bool = True
 
     @property
@@ -60,13 +57,12 @@ class Routes(NamedTuple):
 
 def variants() -> list[Contender]:
     """:data:`VARIANTS`: the default without ``within``, without its issuing thread (every
-    job built and launched in ``submit``), sending descriptors instead of ids to the device,
-    and with the CUDA issuer thread on; and the default again on a mover of its own
+    job built and launched in ``submit``) and sending descriptors instead of ids to the
+    device; and the default again on a mover of its own
     (``default/rerun``), whose spread against the default is the run's noise."""
     return [Contender("default/no-within", Policy(), within=False),
             Contender("default/no-thread", Policy(), options=(("issuing_thread", False),)),
             Contender("default/descriptors", Policy(), options=(("device_descriptors", False),)),
-            Contender("default/issuer", Policy(), env=(("KVSWAP_CUDA_ISSUER", "on"),)),
             Contender("default/rerun", Policy())]
 
 
@@ -130,16 +126,7 @@ def bind(contender: Contender, dev: DeviceInfo, target: Callable[..., Any], *arg
 def make_mover(src: list, dst: list, direction: Direction, block_dim: int, contender: Contender,
                dev: DeviceInfo) -> BlockMover:
     """A BlockMover for ``contender`` over these tensors."""
-    saved = {k: os.environ.get(k) for k, _ in contender.env}
-    os.environ.update(dict(contender.env))
-    try:
-        return bind(contender, dev, BlockMover, src, dst, direction, block_dim=block_dim, **dict(contender.options))
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return bind(contender, dev, BlockMover, src, dst, direction, block_dim=block_dim, **dict(contender.options))
 
 
 def _kinds(mover: BlockMover) -> dict[str, str]:

@@ -9,7 +9,6 @@ template bound once, the kernel deriving every address. Checks cover whole alloc
 from __future__ import annotations
 
 import threading
-import types
 from typing import Any
 
 import numpy as np
@@ -117,42 +116,6 @@ def test_constrained_transfers_are_not_asked():
     with BlockMover(src.tensors, dst.tensors, "h2d", block_dim=1, policy=Policy(force="test.kernel"), device_descriptors=True) as mover:
         mover.submit([1, 2], [3, 4])
     assert t.templates == [] and t.descriptor_calls == 1
-
-
-def test_a_failure_reported_after_submit_fails_its_job():
-    from kvswap.registry import deferred
-
-    pending: list = []
-
-    def transfer(src, dst, sizes, stream):
-        # Returns at once; the first job's work then fails on "another thread", before
-        # the stream passes it (as the issuer sets a ticket's error before its flag).
-        error = kvswap.DriverError("cuMemcpyBatchAsync", 1, "CUDA_ERROR_INVALID_VALUE") if not pending else None
-        ticket = types.SimpleNamespace(error=error, reported=False)
-        deferred.report(ticket)
-        pending.append(ticket)
-
-    _install(transfer)
-    src, dst = _pools("mla", 4)
-    mover = BlockMover(src.tensors, dst.tensors, "h2d", policy=Policy(force="test.kernel"), device_descriptors=True)
-    first = mover.submit([1], [2])  # no exception: the failure comes later
-    second = mover.submit([3], [4])
-    results = {r.job_id: r for r in mover.poll()}
-    assert not results[first].ok and "CUDA_ERROR_INVALID_VALUE" in results[first].error
-    assert results[first].bytes == 0 and pending[0].reported
-    assert results[second].ok and not pending[1].reported
-    mover.close()
-
-
-def test_arrays_are_promised_stable_inside_submit():
-    from kvswap.registry import deferred
-
-    seen = []
-    _install(lambda src, dst, sizes, stream: seen.append((deferred.arrays_stable(), threading.get_ident())))
-    src, dst = _pools("mla", 5)
-    with BlockMover(src.tensors, dst.tensors, "h2d", policy=Policy(force="test.kernel"), device_descriptors=True) as mover:
-        mover.submit([1], [2])
-    assert seen == [(True, threading.get_ident())] and deferred.arrays_stable() is False
 
 
 def test_by_default_a_route_that_offers_it_gets_ids():

@@ -391,22 +391,20 @@ def test_variants_run_beside_the_default_every_byte_checked_and_stay_out_of_the_
     assert all(v in step_report.text_table(doc) for v in step.VARIANTS)
 
 
-def test_a_variants_mover_options_and_environment_apply_while_it_is_built(monkeypatch):
+def test_a_variants_mover_options_apply(monkeypatch):
     from kvswap.calibration import step_contenders
 
-    monkeypatch.delenv("KVSWAP_CUDA_ISSUER", raising=False)
     seen = {}
 
     def mover(*args, **kwargs):
-        seen.update(kwargs, env=os.environ.get("KVSWAP_CUDA_ISSUER"))
+        seen.clear()
+        seen.update(kwargs)
         return "mover"
 
     monkeypatch.setattr(step_contenders, "BlockMover", mover)
     by = {c.name: c for c in step_contenders.variants()}
-    assert step_contenders.make_mover([], [], Direction.H2D, 0, by["default/issuer"], cpu()) == "mover"
-    assert seen["env"] == "on" and "KVSWAP_CUDA_ISSUER" not in os.environ  # set while built, then restored
-    step_contenders.make_mover([], [], Direction.H2D, 0, by["default/no-thread"], cpu())
-    assert seen["issuing_thread"] is False and seen["env"] is None
+    assert step_contenders.make_mover([], [], Direction.H2D, 0, by["default/no-thread"], cpu()) == "mover"
+    assert seen["issuing_thread"] is False and "device_descriptors" not in seen
     step_contenders.make_mover([], [], Direction.H2D, 0, by["default/descriptors"], cpu())
     assert seen["device_descriptors"] is False
     assert by["default/no-within"].within is False and all(c.within for n, c in by.items() if n != "default/no-within")

@@ -220,30 +220,3 @@ def test_policy_staging_bytes_is_checked():
     with pytest.raises(kvswap.ConfigurationError, match="Policy.staging_bytes=-1 must be an int >= 0"):
         Policy(staging_bytes=-1)
     assert Policy(staging_bytes=np.int64(1 << 20)).staging_bytes == 1 << 20
-
-
-def test_the_link_copies_its_arrays_and_its_deferred_work_reaches_the_job(monkeypatch):
-    """The staged route's link descriptors live for one call: a link that issues later
-    is told they are not stable, and the work it reports still reaches the caller's job."""
-    import types
-
-    import kvswap.registry.reference as reference
-    from kvswap.registry import deferred
-
-    seen = []
-    plain = reference.host_copy
-
-    def link(src, dst, sizes, stream=None):
-        seen.append(deferred.arrays_stable())
-        deferred.report(types.SimpleNamespace(error=None, reported=False))
-        return plain(src, dst, sizes, stream)
-
-    monkeypatch.setattr(reference, "host_copy", link)
-    install_staged_on_cpu()
-    src = np.frombuffer(np.random.default_rng(1).bytes(1 << 14), dtype=np.uint8).copy()
-    dst = np.zeros(1 << 14, dtype=np.uint8) + 7
-    swap = kvswap.resolve("h2d", device="cpu", policy=Policy(force="triton.staged", staging_bytes=1 << 13))
-    with deferred.collect(stable=True) as issued:
-        swap(src.ctypes.data + np.array([0, 4096]), dst.ctypes.data + np.array([8192, 0]), np.array([4096, 4096]))
-    assert seen == [False, False] and len(issued) == 2  # two slices: a half holds one descriptor
-    assert np.array_equal(dst[8192:12288], src[:4096]) and np.array_equal(dst[:4096], src[4096:8192])

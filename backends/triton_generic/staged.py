@@ -26,7 +26,6 @@ from typing import Any, Optional
 
 import numpy as np
 
-from kvswap.registry import deferred
 from kvswap.memory.allocation import allocating
 from kvswap.addressing.descriptors import merge_runs
 from kvswap.registry.impl import BindContext, CopyImpl, TransferFn
@@ -224,17 +223,12 @@ class StagedCopy:
             ends = np.cumsum(z)
             cuts = [0, *np.searchsorted(ends, ends[-1] * np.arange(1, parts) / parts, side="right").tolist(), len(z)]
         used = 0
-        # These arrays live for this call only: a link that issues later must copy them
-        # (not stable), and whatever it leaves to another thread still reaches the caller's job.
-        with deferred.collect(stable=False) as issued:
-            for lo, hi, stream in zip(cuts, cuts[1:], streams):
-                if hi > lo:
-                    if gate is not None:
-                        stream.wait_event(gate)
-                    self.link(a[lo:hi], b[lo:hi], z[lo:hi], stream)
-                    used += 1
-        for item in issued:
-            deferred.report(item)
+        for lo, hi, stream in zip(cuts, cuts[1:], streams):
+            if hi > lo:
+                if gate is not None:
+                    stream.wait_event(gate)
+                self.link(a[lo:hi], b[lo:hi], z[lo:hi], stream)
+                used += 1
         return used
 
     def by_ids(self, template: Any) -> Optional[StagedByIds]:

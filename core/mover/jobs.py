@@ -7,7 +7,6 @@ from typing import Any, Callable, Optional
 
 from ..memory.pinned_pool import DescriptorBuffer
 from ..memory.staging import Staged
-from ..registry import deferred
 from ..resolution.swapfn import SwapFn
 from .descriptors import JobDescriptors
 from .types import TransferResult
@@ -23,7 +22,6 @@ class Job:
     descriptors: int = 0
     error: Optional[str] = None
     staged: Optional[Staged] = None
-    issued: Optional[list] = None  # work left to other threads (kvswap.registry.deferred), once issued
     ids: Any = None  # the checked ids, until the issuing thread builds the job
     fn: Any = None  # the SwapFn of the route this job takes instead of the mover's (``within``)
     within: Optional[float] = None  # seconds beside compute, where the issuing thread picks ``fn``
@@ -39,9 +37,6 @@ def complete(job: Job, c: Any) -> bool:
 def result(job: Job, c: Any) -> TransferResult:
     """The result of a complete job; its markers go back to ``c``."""
     error = job.error
-    late = deferred.failure(job.issued) if job.issued else None
-    if late is not None and error is None:  # failed on another thread, after submit
-        error = f"{type(late).__name__}: {late}"
     st = job.staged
     if error is None and st is not None and st.finish is not None and st.finish.exception() is not None:
         e = st.finish.exception()
@@ -75,14 +70,12 @@ def issue_with(desc: JobDescriptors, fn: SwapFn, c: Any,
                 by_ids = desc.by_ids(ids) if job.fn is None and desc.ids_steps is not None else None
                 buf, m = desc.build(ids) if by_ids is None else desc.ids_buffer(ids)
                 job.buffer, job.descriptors = buf, m
-                # The buffer is the job's until its end marker (collect(stable=True)).
                 arr = buf.array
-                with deferred.collect(stable=True) as job.issued:
-                    if by_ids is not None:
-                        n = len(ids[0][0])
-                        by_ids(arr[0, :n], arr[1, :n], c.stream)
-                    elif m:  # coalesced by build(): the SwapFn need not look for runs again
-                        (job.fn or fn).call_built(arr[0, :m], arr[1, :m], arr[2, :m], c.stream)
+                if by_ids is not None:
+                    n = len(ids[0][0])
+                    by_ids(arr[0, :n], arr[1, :n], c.stream)
+                elif m:  # coalesced by build(): the SwapFn need not look for runs again
+                    (job.fn or fn).call_built(arr[0, :m], arr[1, :m], arr[2, :m], c.stream)
             except BaseException as e:
                 error = f"{type(e).__name__}: {e}"
             try:

@@ -7,7 +7,6 @@ from typing import Any, Optional
 import numpy as np
 
 from ..errors import MoverClosedError
-from ..registry import deferred
 from ..resolution.swapfn import SwapFn
 from .completion import CURRENT_STREAM
 from .descriptors import stage_ids
@@ -152,12 +151,11 @@ class Submit:
             job = Job(self._next_id, nbytes, start, None, buf, m, staged=staged)
             self._inflight.append(job)
             try:
-                with deferred.collect(stable=True) as job.issued:
-                    if launch is not None:
-                        launch(c.stream)
-                    elif m:  # coalesced by build(): the SwapFn need not look for runs again
-                        arr = buf.array
-                        (fn or self._fn).call_built(arr[0, :m], arr[1, :m], arr[2, :m], c.stream)
+                if launch is not None:
+                    launch(c.stream)
+                elif m:  # coalesced by build(): the SwapFn need not look for runs again
+                    arr = buf.array
+                    (fn or self._fn).call_built(arr[0, :m], arr[1, :m], arr[2, :m], c.stream)
             except BaseException as e:
                 # Part of the batch may be enqueued: the buffers stay with a failed job
                 # until the end marker shows the stream is past it.

@@ -23,7 +23,7 @@ VLLM_POLICY = (f"vLLM's Triton path: h2d chunks under {PEER_MAX_BLOCK // KiB} Ki
 CONTENDERS = ("default", "low_interference", "batch", f"kernel@{KERNEL_SMS}", "staged", "vllm")
 # The default with one of kvswap's older mechanisms taken away (``kvswap bench --model
 # --variants``): what each still gains shows against the default's step.
-VARIANTS = ("default/no-within", "default/no-thread", "default/descriptors", "default/rerun")
+VARIANTS = ("default/no-thread", "default/descriptors", "default/rerun")
 # How BlockMover.explain() names the staged route a mover takes by itself.
 STAGED_NOTE = re.compile(r"note: staged: (\S+) moves")
 
@@ -33,14 +33,13 @@ class Contender:
     """One way to resolve the mover. ``exact_sms`` binds the forced kernel at exactly that
     many SMs (not the calibrated knee capped by it); ``same_as`` names the contender whose
     mover (and measurements) this one shares in a case. ``options``: further BlockMover
-    arguments; ``within``: whether its submits say how long the step's compute runs."""
+    arguments."""
 
     name: str
     policy: Policy
     exact_sms: Optional[int] = None
     same_as: Optional[str] = None
     options: tuple = ()
-    within: bool = True
 
     @property
     def key(self) -> tuple[Policy, Optional[int]]:
@@ -56,12 +55,11 @@ class Routes(NamedTuple):
 
 
 def variants() -> list[Contender]:
-    """:data:`VARIANTS`: the default without ``within``, without its issuing thread (every
+    """:data:`VARIANTS`: the default without its issuing thread (every
     job built and launched in ``submit``) and sending descriptors instead of ids to the
     device; and the default again on a mover of its own
     (``default/rerun``), whose spread against the default is the run's noise."""
-    return [Contender("default/no-within", Policy(), within=False),
-            Contender("default/no-thread", Policy(), options=(("issuing_thread", False),)),
+    return [Contender("default/no-thread", Policy(), options=(("issuing_thread", False),)),
             Contender("default/descriptors", Policy(), options=(("device_descriptors", False),)),
             Contender("default/rerun", Policy())]
 
@@ -162,13 +160,3 @@ def is_staged(mover: BlockMover, route: str) -> bool:
     """Whether ``route`` (:func:`route_label`'s) names a staged-kind implementation."""
     kinds = _kinds(mover)
     return any(kinds.get(name.split("@")[0]) == "staged" for name in route.split("+"))
-
-
-def beside_label(mover: BlockMover, cache: KVCache, blocks: int, within: float, staged: bool = False) -> Optional[str]:
-    """The route a job of ``blocks`` takes beside ``within`` seconds of compute where that is
-    not the mover's resolved route (:meth:`kvswap.SwapFn.quieter`), else None; None for a
-    job on a staged route, which a mover keeps beside compute."""
-    if staged:
-        return None
-    n = blocks * cache.descriptors_per_block
-    return mover.swap_fn.quieter(cache.chunk_bytes, n, blocks * cache.block_bytes, within)

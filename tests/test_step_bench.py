@@ -407,24 +407,6 @@ def test_a_variants_mover_options_apply(monkeypatch):
     assert seen["issuing_thread"] is False and "device_descriptors" not in seen
     step_contenders.make_mover([], [], Direction.H2D, 0, by["default/descriptors"], cpu())
     assert seen["device_descriptors"] is False
-    assert by["default/no-within"].within is False and all(c.within for n, c in by.items() if n != "default/no-within")
-
-
-def test_the_no_within_variant_submits_without_within():
-    class Recording(HostEnv):
-        def submit(self, mover, sid, did, after, within=None):
-            self.withins.append(within)
-            return super().submit(mover, sid, did, after, within)
-
-    env = Recording(lambda: sum(range(500)))
-    env.withins = []
-    cache = TINY_FLASH.at(2)
-    pools = StepPools(env, cache, 64)
-    contenders = [Contender("default", Policy()), Contender("default/no-within", Policy(), within=False)]
-    case = step.run_case(env, pools, cpu(), Direction.H2D, 4, contenders, 3, np.random.default_rng(0))
-    assert all(c.error is None for c in case.contenders)
-    # per repetition: each contender alone (no within), then beside compute (within: the default's only)
-    assert sum(w is not None for w in env.withins) == 3 and all(w > 0 for w in env.withins if w is not None)
 
 
 def test_render_prints_the_grid_of_kvswap_bench_as_it_ran(tmp_path):

@@ -30,12 +30,6 @@ from .issuing import IssuingThread
 from .jobs import Job
 from .staged import staged_choice
 from .types import KVGroup, TransferResult
-from .within import QuietChoice, StagedRanking
-
-
-def _keep_route(n: int, within: float) -> None:
-    """``within``'s choice for a mover that took the staged route by rule: keep it."""
-    return None
 
 
 class Setup:
@@ -73,10 +67,6 @@ class Setup:
         self._resolve_args = dict(device="cpu" if not on_device else str(device), block_bytes=block_bytes,
                                   **resolve_kw)
         self._fn: SwapFn = resolve(self.direction, policy=policy, **self._resolve_args)
-        # Per job with ``within``: the route that takes no SMs, where it ends the step sooner
-        # (on a device bound and predicted now, not on the engine's steps).
-        self._within = QuietChoice(self._fn, self.direction, policy or Policy(), self._resolve_args, templates,
-                                   block_bytes, on_device)
         host = [] if self.direction is Direction.D2D else (all_src if self.direction.src_is_host else all_dst)
         self._stager: Optional[Stager] = stager_for(host, self._fn, self.direction, policy or Policy(), on_device,
                                                     grouped)
@@ -107,11 +97,6 @@ class Setup:
         if by_ids_ok and on_device:
             choice = staged_choice(self._fn, templates[0], self.direction, policy or Policy(), self._resolve_args)
             steps, self._staged_note = choice.steps, choice.note
-            if choice.staged is not None:  # predicted: ``within`` ranks it beside the kernel and the batch route
-                self._within = StagedRanking(choice, self._fn, self.direction, policy or Policy(), self._resolve_args,
-                                             templates[0])
-            elif steps is not None:
-                self._within = _keep_route  # taken by rule: nothing predicts it to rank it by
         if steps is None and by_ids_ok:
             steps = by_ids_steps(self._fn, templates[0])
         self._desc = JobDescriptors(templates, self.pool, self._check_across, steps, self._check_jobs)

@@ -93,7 +93,7 @@ def by_ids_steps(fn: SwapFn, template: DescriptorTemplate) -> Optional[tuple[tup
     if steps is None:
         return None
     bound: dict[int, Any] = {}
-    for f in steps[1]:
+    for f in steps.fns:
         if f is not None and id(f) not in bound:
             try:
                 make = getattr(f, "by_ids", None)
@@ -102,8 +102,8 @@ def by_ids_steps(fn: SwapFn, template: DescriptorTemplate) -> Optional[tuple[tup
                 raise
             except Exception:  # the descriptor path serves instead
                 bound[id(f)] = None
-    out = tuple(None if f is None else bound[id(f)] for f in steps[1])
-    return (steps[0], out) if any(b is not None for b in out) else None
+    out = tuple(None if f is None else bound[id(f)] for f in steps.fns)
+    return (steps.starts, out) if any(b is not None for b in out) else None
 
 
 def stage_ids(by_ids: Any, src_ids: np.ndarray, dst_ids: np.ndarray) -> Any:

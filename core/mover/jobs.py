@@ -23,8 +23,6 @@ class Job:
     error: Optional[str] = None
     staged: Optional[Staged] = None
     ids: Any = None  # the checked ids, until the issuing thread builds the job
-    fn: Any = None  # the SwapFn of the route this job takes instead of the mover's (``within``)
-    within: Optional[float] = None  # seconds beside compute, where the issuing thread picks ``fn``
     thread: bool = False  # handed to the issuing thread (else issued on the caller's thread)
 
 
@@ -51,10 +49,9 @@ def result(job: Job, c: Any) -> TransferResult:
                           job.descriptors, error)
 
 
-def issue_with(desc: JobDescriptors, fn: SwapFn, c: Any,
-               choose: Callable[[int, float], Optional[SwapFn]]) -> Callable[[Job], None]:
+def issue_with(desc: JobDescriptors, fn: SwapFn, c: Any) -> Callable[[Job], None]:
     """What the issuing thread does with each job (it holds no reference to the mover):
-    pick the route for the job's ``within`` (``choose``), build, call the route with the
+    build, call the route with the
     mover's device current, record the end marker, also after a failure (part of a batch
     may be enqueued). Errors stay on the job."""
 
@@ -65,9 +62,7 @@ def issue_with(desc: JobDescriptors, fn: SwapFn, c: Any,
         error = None
         with c.device_guard():
             try:
-                if job.fn is None and job.within is not None:
-                    job.fn = choose(len(ids[0][0]), job.within)
-                by_ids = desc.by_ids(ids) if job.fn is None and desc.ids_steps is not None else None
+                by_ids = desc.by_ids(ids) if desc.ids_steps is not None else None
                 buf, m = desc.build(ids) if by_ids is None else desc.ids_buffer(ids)
                 job.buffer, job.descriptors = buf, m
                 arr = buf.array
@@ -75,7 +70,7 @@ def issue_with(desc: JobDescriptors, fn: SwapFn, c: Any,
                     n = len(ids[0][0])
                     by_ids(arr[0, :n], arr[1, :n], c.stream)
                 elif m:  # coalesced by build(): the SwapFn need not look for runs again
-                    (job.fn or fn).call_built(arr[0, :m], arr[1, :m], arr[2, :m], c.stream)
+                    fn.call_built(arr[0, :m], arr[1, :m], arr[2, :m], c.stream)
             except BaseException as e:
                 error = f"{type(e).__name__}: {e}"
             try:

@@ -2,19 +2,17 @@
 ``after``, and launch here or hand the job to the issuing thread."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
 from ..errors import MoverClosedError
-from ..resolution.swapfn import SwapFn
 from .completion import CURRENT_STREAM
 from .descriptors import stage_ids
 from .inputs import checked_groups, checked_pair
 from .issuing import IssuingThread
 from .jobs import Job, complete, issue_with, wait_from_worker
 from .serial import serialized
-from .within import check_within
 
 # A launch in submit holds the engine's thread 50-100 us longer than a handoff to the
 # issuing thread (measured cold, beside queued GEMMs, on an H100); submit's budget of
@@ -28,8 +26,7 @@ class Submit:
     """``submit`` and the paths a job takes from it (part of :class:`~kvswap.BlockMover`)."""
 
     @serialized
-    def submit(self, src_block_ids: Any, dst_block_ids: Any, *, after: Any = CURRENT_STREAM,
-               within: Optional[float] = None) -> int:
+    def submit(self, src_block_ids: Any, dst_block_ids: Any, *, after: Any = CURRENT_STREAM) -> int:
         """Copy block ``src_block_ids[i]`` to block ``dst_block_ids[i]`` in every tensor pair.
 
         Ids are lists, numpy arrays or CPU tensors of integers; a :meth:`groups` mover
@@ -44,20 +41,10 @@ class Submit:
             while the step computes). A ``torch.cuda.Stream``: the work queued on it so
             far. A ``torch.cuda.Event``: its last record. A mover between host tensors
             copies at once and takes only the default or None.
-        :param within: seconds the copy has beside the engine's compute before anything
-            waits for it (the rest of the step, say, for a load the next step reads, or a
-            step or more for an offload). The job takes the route predicted to end the step
-            soonest (from the calibration's speed, host cost and compute slowdown): where it
-            would run on a kernel, a route that uses no SMs and finishes in time; on a mover
-            that can stage, the staged route, the kernel or the batch route (see
-            ``explain()``). None (the default): the mover's route, as built. Used for movers of one KV group with
-            one chunk size whose route is not forced; for a job handed to the issuing
-            thread, that thread decides.
         :return: the job id :meth:`poll` and :meth:`wait` refer to.
         :raises BlockIdError: ids out of range or negative, unequal in number, not
             integers, or a destination id repeated.
-        :raises ConfigurationError: ``after`` is none of the above, or ``within`` is not a
-            number of seconds >= 0.
+        :raises ConfigurationError: ``after`` is none of the above.
         :raises MoverClosedError: after :meth:`close`.
         """
         if self._closed:
@@ -69,21 +56,13 @@ class Submit:
         c = self._completion
         if after is not CURRENT_STREAM:  # the default needs no check
             c.check_after(after)
-        if within is not None:
-            check_within(within)
         if q and complete(q[0], c):
             self._reap()
         if not self._threaded:
-            return self._submit_here(ids, after, None if within is None else self._within(len(ids[0][0]), within))
-        # The route for ``within`` is decided here only for a job that may be launched here;
-        # otherwise the issuing thread decides it, off the engine's thread.
-        quiet = None
+            return self._submit_here(ids, after)
         by_ids = None if self._desc.ids_steps is None else self._desc.by_ids(ids)
         if by_ids is not None and self._launches_here(by_ids, len(ids[0][0])):
-            if within is not None:
-                quiet, within = self._within(len(ids[0][0]), within), None
-            if quiet is None:
-                return self._launch_here(by_ids, ids, after)
+            return self._launch_here(by_ids, ids, after)
         if len(ids) == 1:
             (sid, did), = ids
             nbytes = len(sid) * self._templates[0].block_bytes
@@ -95,7 +74,7 @@ class Submit:
         # stream's own device, and entering one costs the engine's thread ~10 us cold.
         c.order_after(after)
         start = c.mark()
-        job = Job(self._next_id, nbytes, start, ids=ids, fn=quiet, within=within, thread=True)
+        job = Job(self._next_id, nbytes, start, ids=ids, thread=True)
         q.append(job)  # the job exists from here on; _settle hands it over (again, after an interrupt)
         self._settle()
         return job.job_id
@@ -117,10 +96,10 @@ class Submit:
             job.end = self._completion.mark()
         self._next_id = job.job_id + 1
 
-    def _submit_here(self, ids: list, after: Any, fn: Optional[SwapFn] = None) -> int:
-        """Build, order and issue the job on the caller's thread (on ``fn`` where given)."""
+    def _submit_here(self, ids: list, after: Any) -> int:
+        """Build, order and issue the job on the caller's thread."""
         c = self._completion
-        by_ids = self._desc.by_ids(ids) if fn is None and self._desc.ids_steps is not None else None
+        by_ids = self._desc.by_ids(ids) if self._desc.ids_steps is not None else None
         buf, m = self._desc.build(ids) if by_ids is None else self._desc.ids_buffer(ids)
         staged = None
         try:
@@ -155,7 +134,7 @@ class Submit:
                     launch(c.stream)
                 elif m:  # coalesced by build(): the SwapFn need not look for runs again
                     arr = buf.array
-                    (fn or self._fn).call_built(arr[0, :m], arr[1, :m], arr[2, :m], c.stream)
+                    self._fn.call_built(arr[0, :m], arr[1, :m], arr[2, :m], c.stream)
             except BaseException as e:
                 # Part of the batch may be enqueued: the buffers stay with a failed job
                 # until the end marker shows the stream is past it.
@@ -213,7 +192,7 @@ class Submit:
 
     def _start_issuer(self) -> IssuingThread:
         c = self._completion
-        self._issuer = IssuingThread(issue_with(self._desc, self._fn, c, self._within),
+        self._issuer = IssuingThread(issue_with(self._desc, self._fn, c),
                                      name=f"kvswap-{self.direction}-mover", prepare=c.bind_thread)
         return self._issuer
 

@@ -2,7 +2,6 @@
 routes available to them here, and the route each one's job took, as the tables name it."""
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -23,9 +22,7 @@ VLLM_POLICY = (f"vLLM's Triton path: h2d chunks under {PEER_MAX_BLOCK // KiB} Ki
 CONTENDERS = ("default", "low_interference", "batch", f"kernel@{KERNEL_SMS}", "staged", "vllm")
 # The default with one of kvswap's older mechanisms taken away (``kvswap bench --model
 # --variants``): what each still gains shows against the default's step.
-VARIANTS = ("default/no-thread", "default/descriptors", "default/rerun")
-# How BlockMover.explain() names the staged route a mover takes by itself.
-STAGED_NOTE = re.compile(r"note: staged: (\S+) moves")
+VARIANTS = ("default/no-thread", "default/thread-only", "default/descriptors", "default/rerun")
 
 
 @dataclass(frozen=True)
@@ -55,11 +52,13 @@ class Routes(NamedTuple):
 
 
 def variants() -> list[Contender]:
-    """:data:`VARIANTS`: the default without its issuing thread (every
-    job built and launched in ``submit``) and sending descriptors instead of ids to the
-    device; and the default again on a mover of its own
+    """:data:`VARIANTS`: the default without its issuing thread (every job built and
+    launched in ``submit``), without launching large by-id jobs in ``submit`` (every job
+    through the thread: ``issuing_thread=True``), and sending descriptors instead of ids
+    to the device; and the default again on a mover of its own
     (``default/rerun``), whose spread against the default is the run's noise."""
     return [Contender("default/no-thread", Policy(), options=(("issuing_thread", False),)),
+            Contender("default/thread-only", Policy(), options=(("issuing_thread", True),)),
             Contender("default/descriptors", Policy(), options=(("device_descriptors", False),)),
             Contender("default/rerun", Policy())]
 
@@ -132,13 +131,10 @@ def _kinds(mover: BlockMover) -> dict[str, str]:
 
 
 def staged_by_itself(mover: BlockMover, sid: np.ndarray, did: np.ndarray) -> Optional[str]:
-    """The staged route this job takes where the mover chose one by itself (a host side in
-    long runs, :meth:`BlockMover.explain` says so), by name; else None."""
-    m = STAGED_NOTE.search(mover.explain())
-    if m is None:
-        return None
-    ids = [(np.asarray(sid, dtype=np.int64), np.asarray(did, dtype=np.int64))]
-    return m.group(1) if mover._desc.by_ids(ids) is not None else None  # the staged route's by-id step
+    """The staged route this job takes by id (a mover on a host side in long runs chooses
+    it by itself, :meth:`BlockMover.explain` says so), by name; else None."""
+    name = mover.id_route(len(sid))
+    return name if name is not None and _kinds(mover).get(name) == "staged" else None
 
 
 def route_label(mover: BlockMover, sid: np.ndarray, did: np.ndarray) -> str:

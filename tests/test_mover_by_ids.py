@@ -1,5 +1,6 @@
-"""BlockMover's by-id path on the host: a route whose transfer offers ``by_ids``
-(kvswap.registry.impl.ByIdsFn) gets the template once and only block ids per submit.
+"""BlockMover's by-id path on the host: a route that declares ``CopyImpl.by_ids`` (its
+transfer's ``by_ids`` returns a kvswap.registry.impl.ByIdsFn) gets the template once and
+only block ids per submit.
 
 The route here is a throwaway plugin whose transfer is the Triton kernel in its CPU
 interpreter (``TRITON_INTERPRET=1``), so the whole path runs: the mover's choice, the
@@ -16,6 +17,8 @@ import pytest
 
 import kvswap
 from kvswap import BlockMover, CopyImpl, Direction, Policy, hookimpl
+from kvswap.mover.plan import LAUNCH_HERE_FROM, IdSteps
+from kvswap.registry.impl import ByIdsFn
 from kvswap.registry.plugins import create_plugin_host, reset_plugin_host
 from mover_layouts import Pool, expected_after, layouts, pool_pair
 
@@ -25,6 +28,20 @@ from kvswap.backends.triton_generic.launch import interpreting  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not interpreting(), reason="runs the kernel in Triton's CPU interpreter")
 LAYOUTS = layouts()
+
+
+class Ids(ByIdsFn):
+    """A by-id transfer that tells ``note`` of each call, then lets ``inner`` copy."""
+
+    def __init__(self, inner: ByIdsFn, note: Any, launch_only: Any = None) -> None:
+        self.inner, self.note, self._launch_only = inner, note, launch_only
+
+    def __call__(self, src_ids, dst_ids, stream):
+        self.note(len(src_ids))
+        return self.inner(src_ids, dst_ids, stream)
+
+    def launch_only(self, n):
+        return self._launch_only is not None and self._launch_only(n)
 
 
 class Recording:
@@ -45,13 +62,7 @@ class Recording:
         self.templates.append(template)
         if not self.offer:
             return None
-        inner = self.kernel.by_ids(template)
-
-        def fn(src_ids, dst_ids, stream):
-            self.id_calls.append(len(src_ids))
-            return inner(src_ids, dst_ids, stream)
-
-        return fn
+        return Ids(self.kernel.by_ids(template), self.id_calls.append)
 
 
 def _install(transfer: Any, **impl_kw: Any) -> None:
@@ -61,7 +72,7 @@ def _install(transfer: Any, **impl_kw: Any) -> None:
             if platform == "cpu":
                 register(CopyImpl(name="test.kernel", kind="kernel", platforms=("cpu",),
                                   directions=(Direction.H2D, Direction.D2H), factory=lambda ctx: transfer,
-                                  **impl_kw))
+                                  **{"by_ids": True, **impl_kw}))
 
     reset_plugin_host(create_plugin_host(entry_points=[], env={}, extra=[("testplugin", Plugin())]))
 
@@ -95,6 +106,18 @@ def test_submits_send_ids_and_every_byte_lands(name, direction):
     assert src.matches(src_before)
 
 
+def _as_left_to_kvswap(mover: BlockMover, ids_from_blocks: int = 0) -> None:
+    """What a device mover built with ``issuing_thread`` left out decides, on this host
+    mover with a thread: a launch-only by-id job of ``LAUNCH_HERE_FROM`` descriptors or
+    more is issued in submit while the thread is idle; with ``ids_from_blocks``, jobs take
+    ids only from that many blocks on (descriptors below)."""
+    plan = mover._plan
+    plan.here_from = kvswap.mover.plan.LAUNCH_HERE_FROM  # as monkeypatched
+    if ids_from_blocks:
+        fns, names = plan.ids.fns, plan.ids.names
+        plan.ids = IdSteps((0, ids_from_blocks * mover.chunks_per_block), (None, fns[0]), (names[0], names[0]))
+
+
 def test_a_transfer_that_declines_the_template_keeps_the_descriptor_path():
     t = Recording(offer=False)
     _install(t)
@@ -102,11 +125,21 @@ def test_a_transfer_that_declines_the_template_keeps_the_descriptor_path():
     src, dst = _pools("mla", 2)
     before, src_before = dst.snapshot(), src.snapshot()
     with BlockMover(src.tensors, dst.tensors, "h2d", policy=Policy(force="test.kernel"), device_descriptors=True) as mover:
-        assert mover._ids_steps is None
+        assert mover.id_route(12) is None
         sid, did = rng.integers(0, 40, 12).astype(np.int64), rng.permutation(56)[:12].astype(np.int64)
         mover.submit(sid, did)
     assert t.descriptor_calls == 1 and t.id_calls == [] and len(t.templates) == 1
     assert dst.matches(expected_after(dst, before, src_before, src, [(sid, did)]))
+
+
+def test_a_route_that_does_not_declare_by_ids_is_never_asked():
+    t = Recording()
+    _install(t, by_ids=False)
+    src, dst = _pools("flash", 3)
+    with BlockMover(src.tensors, dst.tensors, "h2d", block_dim=1, policy=Policy(force="test.kernel")) as mover:
+        assert mover.id_route(2) is None
+        mover.submit([1, 2], [3, 4])
+    assert t.templates == [] and t.descriptor_calls == 1
 
 
 def test_constrained_transfers_are_not_asked():
@@ -127,7 +160,7 @@ def test_by_default_a_route_that_offers_it_gets_ids():
     jobs = [(rng.permutation(40)[:n].astype(np.int64), rng.permutation(56)[:n].astype(np.int64)) for n in (3, 11)]
     with BlockMover(src.tensors, dst.tensors, "h2d", block_dim=src.layout.block_dim,
                     policy=Policy(force="test.kernel")) as mover:
-        assert mover._ids_steps is not None
+        assert mover.id_route(3) == "test.kernel"
         for job in jobs:
             mover.submit(*job)
         mover.wait()
@@ -146,7 +179,7 @@ def test_without_device_descriptors_the_mover_builds_and_coalesces_descriptors()
     jobs = [(np.arange(4, 20, dtype=np.int64), np.arange(30, 46, dtype=np.int64))]
     with BlockMover(src.tensors, dst.tensors, "h2d", block_dim=src.layout.block_dim,
                     policy=Policy(force="test.kernel"), device_descriptors=False) as mover:
-        assert mover._ids_steps is None
+        assert mover.id_route(16) is None
         mover.submit(*jobs[0])
         mover.wait()
         (result,) = mover.poll()
@@ -178,13 +211,7 @@ class Gated(Recording):
 
     def by_ids(self, template):
         inner = super().by_ids(template)
-
-        def fn(src_ids, dst_ids, stream):
-            self._note("ids")
-            return inner(src_ids, dst_ids, stream)
-
-        fn.launch_only = lambda n: n not in self.uploads
-        return fn
+        return Ids(inner, lambda n: self._note("ids"), lambda n: n not in self.uploads)
 
 
 def test_with_the_thread_idle_a_by_id_job_launches_in_submit_and_behind_a_queued_job_it_waits(monkeypatch):
@@ -192,7 +219,7 @@ def test_with_the_thread_idle_a_by_id_job_launches_in_submit_and_behind_a_queued
     while the thread holds nothing and the call is only a launch; while an earlier job
     still waits there, the by-id job goes behind it, so the copies run in submission order
     (they write the same blocks); a call that uploads first goes to the thread too."""
-    monkeypatch.setattr("kvswap.mover.submit.LAUNCH_HERE_MIN_DESCRIPTORS", 0)  # these jobs are small
+    monkeypatch.setattr("kvswap.mover.plan.LAUNCH_HERE_FROM", 0)  # these jobs are small
     t = Gated()
     _install(t)
     rng = np.random.default_rng(12)
@@ -204,13 +231,12 @@ def test_with_the_thread_idle_a_by_id_job_launches_in_submit_and_behind_a_queued
     jobs = [(rng.permutation(40)[:n].astype(np.int64), did[:n]) for n in sizes]
     with BlockMover(src.tensors, dst.tensors, "h2d", block_dim=1, policy=Policy(force="test.kernel"),
                     issuing_thread=True) as mover:
-        _, fns = mover._ids_steps
-        mover._ids_steps = ((0, 7 * mover.chunks_per_block), (None, fns[0]))
+        _as_left_to_kvswap(mover, ids_from_blocks=7)
         first = mover.submit(*jobs[0])  # by id, thread idle: launched here
         assert t.threads == [("ids", me)] and t.id_calls == [8]
         mover.submit(*jobs[1])  # descriptors: to the thread, where it waits for the gate
         third = mover.submit(*jobs[2])  # by id, but job 2 is not issued yet: behind it
-        assert t.id_calls == [8] and mover._inflight[-1].end is None
+        assert t.id_calls == [8] and mover._jobs.inflight[-1].end is None
         t.gate.set()
         mover.wait_issued(third)
         fourth = mover.submit(*jobs[3])  # the thread is idle again: launched here
@@ -236,7 +262,8 @@ def test_a_by_id_job_below_the_launch_minimum_goes_to_the_thread():
     jobs = [(np.arange(8, dtype=np.int64), np.arange(8, 16, dtype=np.int64))]
     with BlockMover(src.tensors, dst.tensors, "h2d", block_dim=1, policy=Policy(force="test.kernel"),
                     issuing_thread=True) as mover:
-        assert 8 * mover.chunks_per_block < kvswap.mover.submit.LAUNCH_HERE_MIN_DESCRIPTORS
+        _as_left_to_kvswap(mover)
+        assert 8 * mover.chunks_per_block < LAUNCH_HERE_FROM
         mover.submit(*jobs[0])
         mover.wait()
         assert all(r.ok for r in mover.poll())
@@ -244,21 +271,21 @@ def test_a_by_id_job_below_the_launch_minimum_goes_to_the_thread():
     assert dst.matches(expected_after(dst, before, src_before, src, jobs))
 
 
-def test_a_by_id_launch_that_fails_in_submit_raises_and_fails_its_job(monkeypatch):
-    monkeypatch.setattr("kvswap.mover.submit.LAUNCH_HERE_MIN_DESCRIPTORS", 0)
+def test_a_by_id_launch_that_fails_in_submit_raises_and_fails_its_job():
+    class Refused(ByIdsFn):
+        def __call__(self, src_ids, dst_ids, stream):
+            raise RuntimeError("launch refused")
+
     class Broken(Recording):
         def by_ids(self, template):
-            def fn(src_ids, dst_ids, stream):
-                raise RuntimeError("launch refused")
-            fn.launch_only = lambda n: True
-            return fn
+            return Refused()
 
     t = Broken()
     _install(t)
     src, dst = _pools("flash", 14)
     before = dst.snapshot()
     with BlockMover(src.tensors, dst.tensors, "h2d", block_dim=1, policy=Policy(force="test.kernel"),
-                    issuing_thread=True) as mover:
+                    issuing_thread=False) as mover:
         with pytest.raises(RuntimeError, match="launch refused"):
             mover.submit([1, 2], [3, 4])
         mover.wait()
@@ -267,55 +294,52 @@ def test_a_by_id_launch_that_fails_in_submit_raises_and_fails_its_job(monkeypatc
     assert dst.matches(before)
 
 
-class Staging(Recording):
-    """A by-id transfer that offers ``stage``: the log shows when the mover staged the ids,
-    recorded its markers and launched."""
+class Packing(Recording):
+    """A by-id transfer that packs its ids apart from the launch: the log shows when the
+    mover packed the ids, recorded its markers and launched."""
 
     def __init__(self, log: list) -> None:
         super().__init__()
         self.log = log
 
     def by_ids(self, template):
-        inner = self.kernel.by_ids(template)
-        log = self.log
+        inner, log = self.kernel.by_ids(template), self.log
 
-        def fn(src_ids, dst_ids, stream):  # the whole call: never taken where stage is offered
-            log.append("whole")
-            return inner(src_ids, dst_ids, stream)
+        class Logged(ByIdsFn):
+            def __call__(self, src_ids, dst_ids, stream):  # the whole call: never taken, pack is offered
+                log.append("whole")
+                return inner(src_ids, dst_ids, stream)
 
-        def stage(src_ids, dst_ids):
-            log.append("stage")
-            launch = inner.stage(src_ids, dst_ids)
-            src_ids[:] = -1  # the caller's arrays may change once staged: the launch reads its copy
-            return lambda stream: (log.append("launch"), launch(stream))[1]
+            def pack(self, src_ids, dst_ids):
+                log.append("pack")
+                launch = inner.pack(src_ids, dst_ids)
+                src_ids[:] = -1  # the caller's arrays may change once packed: the launch reads its copy
+                return lambda stream: (log.append("launch"), launch(stream))[1]
 
-        fn.stage = stage
-        fn.launch_only = lambda n: True
-        return fn
+        return Logged()
 
 
 @pytest.mark.parametrize("issuing_thread", [False, True])
-def test_ids_are_staged_before_the_start_marker_and_launched_after_it(monkeypatch, issuing_thread):
-    """A job's time is the device's: where the route stages its ids apart from the launch,
-    the mover stages them before it records the job's start marker (on the caller's path
-    and when it launches in submit), and every byte still lands."""
-    monkeypatch.setattr("kvswap.mover.submit.LAUNCH_HERE_MIN_DESCRIPTORS", 0)
+def test_ids_are_packed_before_the_start_marker_and_launched_after_it(monkeypatch, issuing_thread):
+    """A job's time is the device's: where the route packs its ids apart from the launch,
+    the mover packs them before it records the job's start marker (on the caller's thread
+    and on the issuing thread), and every byte still lands."""
     log: list = []
-    _install(Staging(log))
+    _install(Packing(log))
     src, dst = _pools("flash", 16)
     before, src_before = dst.snapshot(), src.snapshot()
     rng = np.random.default_rng(16)
     jobs = [(rng.permutation(40)[:n].astype(np.int64), rng.permutation(56)[:n].astype(np.int64)) for n in (9, 5)]
     with BlockMover(src.tensors, dst.tensors, "h2d", block_dim=1, policy=Policy(force="test.kernel"),
                     issuing_thread=issuing_thread) as mover:
-        c = mover._completion
+        c = mover._plan.completion
         mark = c.mark
         monkeypatch.setattr(c, "mark", lambda: (log.append("mark"), mark())[1])
         for sid, did in jobs:
             mover.submit(sid.copy(), did)
             mover.wait()
         results = mover.poll()
-    assert log == ["stage", "mark", "launch", "mark"] * 2
+    assert log == ["pack", "mark", "launch", "mark"] * 2
     assert all(r.ok for r in results)
     assert dst.matches(expected_after(dst, before, src_before, src, jobs))
     assert src.matches(src_before)

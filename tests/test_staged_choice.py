@@ -12,7 +12,7 @@ import torch
 
 import kvswap
 from kvswap import BlockMover, Calibration, Curve, Direction, Policy
-from kvswap.mover.staged import MIN_RUN_BYTES, REFERENCE_BLOCKS, staged_choice
+from kvswap.mover.route_choice import MIN_RUN_BYTES, REFERENCE_BLOCKS, staged_choice
 from kvswap.registry.plugins import create_plugin_host, reset_plugin_host
 from kvswap.resolution.routing import step_cost
 
@@ -69,7 +69,7 @@ def _mover(block_major: bool, seed: int, layers: int = LAYERS) -> BlockMover:
 
 def _choose(host, cal, block_major=True, policy=Policy(), seed=0, layers=LAYERS):
     mover = _mover(block_major, seed, layers)
-    t = mover._templates[0]
+    t = mover._plan.templates[0]
     assert t.chunk_sizes == (CHUNK,)
     args = dict(device="cpu", block_bytes=list(t.chunk_sizes), calibration=cal, host=host)
     fn = kvswap.resolve("d2h", policy=policy, **args)

@@ -405,6 +405,8 @@ def test_a_variants_mover_options_apply(monkeypatch):
     by = {c.name: c for c in step_contenders.variants()}
     assert step_contenders.make_mover([], [], Direction.H2D, 0, by["default/no-thread"], cpu()) == "mover"
     assert seen["issuing_thread"] is False and "device_descriptors" not in seen
+    step_contenders.make_mover([], [], Direction.H2D, 0, by["default/thread-only"], cpu())
+    assert seen["issuing_thread"] is True and "device_descriptors" not in seen
     step_contenders.make_mover([], [], Direction.H2D, 0, by["default/descriptors"], cpu())
     assert seen["device_descriptors"] is False
 

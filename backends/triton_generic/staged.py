@@ -28,7 +28,7 @@ import numpy as np
 
 from kvswap.memory.allocation import allocating
 from kvswap.addressing.descriptors import merge_runs
-from kvswap.registry.impl import BindContext, CopyImpl, TransferFn
+from kvswap.registry.impl import BindContext, ByIdsFn, CopyImpl, TransferFn
 from kvswap.registry.streams import own_stream
 from kvswap.addressing.runs import SLOT_ALIGN, Runs, host_runs
 from kvswap.types import DeviceInfo, Direction
@@ -248,7 +248,7 @@ def _split(host: np.ndarray, dev: np.ndarray, sizes: np.ndarray, most: int) -> t
     return host[at] + off, dev[at] + off, np.minimum(sizes[at] - off, most)
 
 
-class StagedByIds:
+class StagedByIds(ByIdsFn):
     """``fn(src_ids, dst_ids, stream)``: a mover's blocks through the staging buffer, a
     half's worth of blocks (one slot each) per slice, in host block order."""
 
@@ -358,6 +358,7 @@ def staged_impl() -> CopyImpl:
         factory=bind,
         availability=availability,
         requires_pinned=True,
+        by_ids=True,
         description="Triton gather/scatter through a device staging buffer, whole runs over the link "
                     "on the copy engines",
     )

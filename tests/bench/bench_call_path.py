@@ -207,7 +207,7 @@ def submit_rows(args: argparse.Namespace, env: dict) -> list[dict]:
             mover = kvswap.BlockMover(host, dev, "h2d", block_dim=1, policy=kvswap.Policy(force=route),
                                       issuing_thread=threaded, **env["mover"])
             if env["device"] == "cpu":  # host tensors: the stand-in driver gets a stream handle all the same
-                mover._completion.stream = env["stream"]
+                mover._plan.completion.stream = env["stream"]
             for b in args.blocks:
                 draws = [(rng.permutation(nb)[:b].astype(np.int64), rng.permutation(nb)[:b].astype(np.int64))
                          for _ in range(8)]

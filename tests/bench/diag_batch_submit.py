@@ -319,7 +319,7 @@ def _build_us(mover: Any, sid: np.ndarray, did: np.ndarray, reps: int) -> float:
     times = []
     for _ in range(reps + 1):
         t0 = time.perf_counter_ns()
-        buf, _ = mover._desc.build([(sid, did)])  # one KV group: build + coalesce, as the issuing thread does
+        buf, _ = mover._plan.descriptors.build([(sid, did)])  # one KV group: build + coalesce, as the issuing thread does
         times.append((time.perf_counter_ns() - t0) / 1e3)
         mover.pool.release(buf)
     return statistics.median(times[1:])

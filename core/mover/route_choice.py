@@ -24,7 +24,7 @@ from ..resolution.resolver import resolve
 from ..resolution.routing import Rate, step_cost
 from ..resolution.swapfn import SwapFn
 from ..types import Direction, Policy
-from .descriptors import by_ids_steps
+from .plan import IdSteps, bind_ids
 
 # The shortest host run a staged route takes where the calibration does not predict it.
 # Batch copies of 64 KiB blocks ran at 0.8 of the link's ceiling on an H200 and of 128 KiB at
@@ -37,11 +37,11 @@ REFERENCE_BLOCKS = 512
 
 
 class StagedChoice(NamedTuple):
-    """What :func:`staged_choice` decided for a mover: the staged route's by-id steps (as
-    :func:`by_ids_steps` gives them) where the mover takes it, else None, and why, for
-    ``explain()`` (the predictions per candidate where there are some)."""
+    """What :func:`staged_choice` decided for a mover: the staged route's by-id steps where
+    the mover takes it, else None, and why, for ``explain()`` (the predictions per candidate
+    where there are some)."""
 
-    steps: Optional[tuple]
+    steps: Optional[IdSteps]
     note: str
 
 
@@ -116,7 +116,7 @@ def staged_choice(fn: SwapFn, template: DescriptorTemplate, direction: Direction
         verdict = f"by {said}"
     try:
         route = resolve(direction, policy=replace(policy, force=name), **resolve_args)
-        steps = by_ids_steps(route, template)
+        steps = bind_ids(route, template)
     except AllocationError:  # out of memory: the mover cannot be built as asked
         raise
     except Exception as e:  # the resolved route serves instead
@@ -142,10 +142,3 @@ def _shorter_runs(fn: SwapFn, cal: Any, direction: Direction, run: int, chunk: i
     at_run = cal.predict(link.name, "batch", direction, run) if link else None
     at_measured = cal.predict(link.name, "batch", direction, measured) if link else None
     return min(1.0, at_run / at_measured) if at_run and at_measured else 1.0
-
-
-def staged_steps(fn: SwapFn, template: DescriptorTemplate, direction: Direction, policy: Policy,
-                 resolve_args: dict[str, Any]) -> tuple[Optional[tuple], str]:
-    """``(steps, note)`` of :func:`staged_choice`."""
-    choice = staged_choice(fn, template, direction, policy, resolve_args)
-    return choice.steps, choice.note

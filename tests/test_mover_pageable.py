@@ -1,6 +1,6 @@
 """Pageable host memory through bounce buffers, and what a job waits for (``after=``),
 on the host: a stand-in route that declares it needs pinned memory makes a host-only
-mover stage its pageable tensors exactly as a GPU mover does."""
+mover carry its pageable tensors through bounce buffers exactly as a GPU mover does."""
 from __future__ import annotations
 
 import contextlib
@@ -83,7 +83,7 @@ def test_pageable_host_tensors_are_staged_with_one_warning(direction):
     assert dst.matches(expected_after(src, src_before, dst, before, jobs))
     assert src.matches(src_before)
     host_row = 0 if direction == "h2d" else 1
-    for call in route.calls:  # the route only ever saw staging addresses on the host side
+    for call in route.calls:  # the route only ever saw bounce addresses on the host side
         assert not _inside(call[host_row], host.flats).any()
         assert _inside(call[1 - host_row], device.flats).all()
     assert mover._plan.bounce.pool.in_use == 0
@@ -158,7 +158,7 @@ def test_strict_policy_refuses_pageable_memory_and_checks_its_type():
         Policy(require_pinned=1)
 
 
-def test_a_host_only_mover_with_the_reference_route_needs_no_staging():
+def test_a_host_only_mover_with_the_reference_route_needs_no_bounce_buffers():
     gen = torch.Generator().manual_seed(54)
     host, device = Side([KINDS["mla"]], 6, TOKENS, gen), Side([KINDS["mla"]], 6, TOKENS, gen)
     with warnings.catch_warnings():

@@ -12,7 +12,7 @@ from kvswap import BlockMover
 ROOT = Path(__file__).resolve().parents[1]
 MOVER = ROOT / "core" / "mover"
 # The product outside the mover. Tests and the bench scripts under tests/ are instruments: they
-# may open the mover up to measure or stage what no caller can reach.
+# may open the mover up to measure or set up what no caller can reach.
 PRODUCT = [p for folder in ("core", "backends", "calibration", "examples") for p in sorted((ROOT / folder).rglob("*.py"))
            if MOVER not in p.parents]
 # What calls a copy route: a SwapFn's calls, the mover's resolved function called directly, and
@@ -103,3 +103,16 @@ def test_the_private_attribute_scan_finds_a_reach_into_the_mover(tmp_path):
     tree = ast.parse("def label(mover, ids):\n    return mover._plan.by_ids(ids)\n")
     hits = [n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in private]
     assert hits == ["_plan"]
+
+
+def test_design_md_shows_the_run_function_as_it_is():
+    """docs/design.md's "Life of a call" quotes the run function (abridged): each line it
+    quotes is a line of core/mover/run.py."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    life = text[text.index("## Life of a call"):]
+    quoted = life[life.index("```\n") + 4:]
+    quoted = quoted[:quoted.index("```")]
+    source = {line.split("  #")[0].strip() for line in (MOVER / "run.py").read_text().splitlines()}
+    lines = [line.strip() for line in quoted.splitlines() if line.strip()]
+    assert len(lines) >= 10 and "plan.fn.call_built(arr[0, :m], arr[1, :m], arr[2, :m], c.stream)" in lines
+    assert [line for line in lines if line not in source] == []

@@ -4,7 +4,7 @@ A BlockMover's descriptors are ``base[p] + id * stride[p]`` for every piece ``p`
 contiguous chunk of one tensor pair) and every id. Building them on the host costs time
 proportional to pieces x ids (layers x K/V x blocks) before the kernel can start; here
 the template (bases, strides, sizes per piece) is uploaded once, when the capability is
-bound, and a transfer sends only its two id arrays: packed into a pinned staging buffer
+bound, and a transfer sends only its two id arrays: packed into a pinned launch buffer
 of the launcher's pool, read by the kernel from there when the batch is short or the
 programs many (:data:`HOST_IDS_PROGRAMS`), uploaded first by
 :func:`~.by_ids_jit.load_ids_kernel`, launched the same way, otherwise. One launch of
@@ -48,7 +48,7 @@ HOST_IDS_PROGRAMS = 16
 class IdsLaunch:
     """What one call launched: ``n`` id pairs, ``items`` (pieces x n) rows, ``grid``
     programs, the ``tile``, and where the kernel read the ids: ``"host"`` (pinned
-    staging), ``"device"`` (uploaded first) or ``""`` (interpreter, or nothing launched)."""
+    launch buffer), ``"device"`` (uploaded first) or ``""`` (interpreter, or nothing launched)."""
 
     n: int
     items: int

@@ -30,7 +30,7 @@ KEEP_SHAPES = 64
 
 
 class Slot:
-    """One fixed buffer of a shape (a staging entry kept for good) and the graph over it
+    """One fixed buffer of a shape (a launch buffer kept for good) and the graph over it
     (``exec``: its executable's raw handle). ``busy`` while a thread fills and replays it;
     ``used`` once a replay was enqueued (its ``entry.done`` then says when the buffer may be
     written again)."""
@@ -63,7 +63,7 @@ def raw_launcher() -> Optional[Any]:
 class Graphs:
     """The graphs of one launcher (:class:`~.launch.KernelCopy`) on one device.
 
-    :param pool: where the fixed buffers come from (:class:`~.staging.StagingPool`); they
+    :param pool: where the fixed buffers come from (:class:`~.launch_buffers.LaunchBufferPool`); they
         are never given back.
     :param variants: the launcher's compiled variants.
     """

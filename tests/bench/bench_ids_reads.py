@@ -1,4 +1,4 @@
-"""Where the by-id kernel should read its block ids: from the pinned staging buffer the
+"""Where the by-id kernel should read its block ids: from the pinned launch buffer the
 call wrote them to, or from device memory after an upload (GPU; not a test: it prints,
 it asserts nothing). The figures behind ``HOST_IDS_PROGRAMS`` in
 ``backends/triton_generic/by_ids.py``.

@@ -12,8 +12,8 @@ from ..addressing.descriptors import first_overlap, merge_runs, validate
 from ..addressing.regions import DescriptorTemplate
 from ..errors import BlockIdError, InvalidTransferError
 from ..memory.pinned_pool import DescriptorBuffer, DescriptorPool
+from .types import BlockIds
 
-Ids = list  # [(src ids, dst ids)] per KV group, int64, checked
 
 
 class Built(NamedTuple):
@@ -42,7 +42,7 @@ class JobDescriptors:
         """Whether building a job's descriptors may refuse it (:class:`BlockIdError`)."""
         return self.check_across or self.check_all
 
-    def build(self, ids: Ids) -> Built:
+    def build(self, ids: list[BlockIds]) -> Built:
         """The job's coalesced descriptors, checked as the mover asks (:attr:`checks`)."""
         counts = [len(s) * t.count for (s, _), t in zip(ids, self.templates)]
         buf = self.pool.acquire(sum(counts))

@@ -27,7 +27,7 @@ from .jobs import Jobs
 from .plan import Plan
 from .run import run
 from .serial import forked, serialized
-from .types import GroupLayout, KVGroup, Tensors, TransferResult
+from .types import BlockIds, GroupLayout, KVGroup, Tensors, TransferResult
 
 __all__ = ["BlockMover"]
 
@@ -240,7 +240,7 @@ class BlockMover:
         here = plan.issues_here(ids, jobs.thread_idle())
         built = plan.descriptors.build(ids) if plan.descriptors.checks else None  # refuses before anything is enqueued
         if not here:
-            ids = [(s.copy(), d.copy()) for s, d in ids]  # the caller may reuse its arrays at once
+            ids = [BlockIds(s.copy(), d.copy()) for s, d in ids]  # the caller may reuse its arrays at once
         templates = plan.templates
         nbytes = sum(len(s) * t.block_bytes for (s, _), t in zip(ids, templates))
         try:
@@ -251,7 +251,7 @@ class BlockMover:
             if built is not None:
                 plan.descriptors.pool.release(built.buffer)
             raise
-        job = jobs.add(ids, nbytes, len(ids[0][0]) * templates[0].count if plan.ids else 0, here)
+        job = jobs.add(ids, nbytes, len(ids[0].src) * templates[0].count if plan.ids else 0, here)
         if built is not None:
             job.buffer, job.descriptors = built
         if here:  # the job exists from here on: cut short, the next call ends it
@@ -265,7 +265,7 @@ class BlockMover:
         jobs.settle()  # hands a job for the thread over
         return job.job_id
 
-    def _checked(self, src_block_ids: Any, dst_block_ids: Any) -> list[tuple[np.ndarray, np.ndarray]]:
+    def _checked(self, src_block_ids: Any, dst_block_ids: Any) -> list[BlockIds]:
         templates = self._plan.templates
         if not self._plan.grouped:
             return [checked_pair(templates[0], src_block_ids, dst_block_ids, "")]

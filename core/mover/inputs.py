@@ -16,7 +16,7 @@ from ..errors import BlockIdError, BlockLayoutError, InvalidTransferError, Tenso
 from ..memory.bounce import Bouncer, PageableMemoryWarning, storage_spans
 from ..resolution.swapfn import SwapFn
 from ..types import Direction, Policy
-from .types import KVGroup, Tensors
+from .types import BlockIds, KVGroup, Tensors
 
 
 
@@ -190,7 +190,7 @@ BITMAP_BLOCKS_PER_ID = 32
 
 
 def checked_groups(templates: list[DescriptorTemplate], src_block_ids: Any,
-                   dst_block_ids: Any) -> list[tuple[np.ndarray, np.ndarray]]:
+                   dst_block_ids: Any) -> list[BlockIds]:
     """A :meth:`BlockMover.groups` mover's ids: one id list per group on each side."""
     n = len(templates)
     for what, ids in (("src_block_ids", src_block_ids), ("dst_block_ids", dst_block_ids)):
@@ -210,7 +210,7 @@ def checked_groups(templates: list[DescriptorTemplate], src_block_ids: Any,
 
 
 def checked_pair(t: DescriptorTemplate, src_block_ids: Any, dst_block_ids: Any,
-                 at: str) -> tuple[np.ndarray, np.ndarray]:
+                 at: str) -> BlockIds:
     sid = block_ids(src_block_ids, "src_block_ids", at)
     did = block_ids(dst_block_ids, "dst_block_ids", at)
     n = len(sid)
@@ -219,7 +219,7 @@ def checked_pair(t: DescriptorTemplate, src_block_ids: Any, dst_block_ids: Any,
             f"src_block_ids{at} has {n} ids but dst_block_ids{at} has {len(did)}; they pair up one to one"
         )
     if not n:
-        return sid, did
+        return BlockIds(sid, did)
     if n <= SMALL_IDS:
         sl, dl = sid.tolist(), did.tolist()
         if not (min(sl) >= 0 and max(sl) < t.src_blocks and min(dl) >= 0 and max(dl) < t.dst_blocks):
@@ -238,7 +238,7 @@ def checked_pair(t: DescriptorTemplate, src_block_ids: Any, dst_block_ids: Any,
             repeated = bool((s[1:] == s[:-1]).any())
     if repeated:
         _name_repeat(did, at)
-    return sid, did
+    return BlockIds(sid, did)
 
 
 def _name_repeat(did: np.ndarray, at: str) -> None:

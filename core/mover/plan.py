@@ -19,6 +19,7 @@ from ..memory.bounce import Bouncer
 from ..registry.impl import ByIdsFn
 from ..resolution.swapfn import SwapFn
 from .descriptors import JobDescriptors
+from .types import BlockIds
 
 # A launch in submit holds the engine's thread 50-100 us longer than a handoff to the
 # issuing thread (measured cold, beside queued GEMMs, on an H100); submit's budget of
@@ -95,14 +96,15 @@ class Plan:
     def templates(self) -> list[DescriptorTemplate]:
         return self.descriptors.templates
 
-    def by_ids(self, ids: list) -> Optional[ByIdsFn]:
+    def by_ids(self, ids: list[BlockIds]) -> Optional[ByIdsFn]:
         """The by-id transfer a job of these checked ids takes whole, or None (descriptors)."""
         steps = self.ids
-        if steps is None or not len(ids[0][0]):
+        n = len(ids[0].src)
+        if steps is None or not n:
             return None
-        return steps.at(len(ids[0][0]) * self.templates[0].count)[0]
+        return steps.at(n * self.templates[0].count)[0]
 
-    def issues_here(self, ids: list, thread_idle: bool) -> bool:
+    def issues_here(self, ids: list[BlockIds], thread_idle: bool) -> bool:
         """Whether a job of these ids is issued on the caller's thread: on a mover without
         the thread, or a by-id job of :attr:`here_from` descriptors or more whose call is only
         launches, while the thread holds no earlier job (the stream sees jobs in submission
@@ -111,7 +113,7 @@ class Plan:
             return True
         if self.here_from is None or not thread_idle:
             return False
-        n = len(ids[0][0])
+        n = len(ids[0].src)
         if n * self.templates[0].count < self.here_from:
             return False
         fn = self.by_ids(ids)

@@ -2,11 +2,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Sequence, Union
+
+import numpy as np
 
 from ..addressing.regions import BlockDim
 
 Tensors = Union[Any, Sequence[Any]]
+
+
+class BlockIds(NamedTuple):
+    """One KV group's checked ids of a job: 1-D int64, paired one to one."""
+
+    src: np.ndarray
+    dst: np.ndarray
 
 
 @dataclass(frozen=True)

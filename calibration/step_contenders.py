@@ -12,7 +12,8 @@ from kvswap import BlockMover
 from kvswap.registry.thresholds import Calibration
 from kvswap.types import DeviceInfo, Direction, Policy
 
-from .bench import PEER_KERNEL, PEER_MAX_BLOCK, PEER_MIN_BATCH, PEER_SMS, label, peer_route
+from .bench import label
+from .peer import PEER_KERNEL, PEER_MAX_BLOCK, PEER_MIN_BATCH, PEER_SMS, peer_route
 
 KiB = 1024
 KERNEL_SMS = PEER_SMS  # "kernel only": the SMs vLLM's Triton path runs its copy on

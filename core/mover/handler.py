@@ -237,8 +237,8 @@ class BlockMover:
         if after is not CURRENT_STREAM:  # the default needs no check
             c.check_after(after)
         jobs.tidy()
-        here = plan.issues_here(ids, jobs.thread_idle())
-        built = plan.descriptors.build(ids) if plan.descriptors.checks else None  # refuses before anything is enqueued
+        here = not plan.threaded or (plan.here_from is not None and plan.issues_here(ids, jobs.thread_idle()))
+        built = plan.descriptors.build(ids) if plan.checks else None  # refuses before anything is enqueued
         if not here:
             ids = [BlockIds(s.copy(), d.copy()) for s, d in ids]  # the caller may reuse its arrays at once
         templates = plan.templates
@@ -251,18 +251,20 @@ class BlockMover:
             if built is not None:
                 plan.descriptors.pool.release(built.buffer)
             raise
+        # The job exists from here on (cut short, the next call ends it); one for the issuing
+        # thread is handed over.
         job = jobs.add(ids, nbytes, len(ids[0].src) * templates[0].count if plan.ids else 0, here)
+        if not here:
+            return job.job_id
         if built is not None:
             job.buffer, job.descriptors = built
-        if here:  # the job exists from here on: cut short, the next call ends it
-            run(job, plan)
-            if job.error is not None:
-                if job.end is job.start:  # refused before its call: no job, nothing enqueued
-                    jobs.drop(job)
-                else:
-                    jobs.settle()
-                raise job.error
-        jobs.settle()  # hands a job for the thread over
+        run(job, plan)
+        if job.error is not None and job.end is job.start:  # refused before its call: no job, nothing enqueued
+            jobs.drop(job)
+            raise job.error
+        jobs.settle()
+        if job.error is not None:
+            raise job.error
         return job.job_id
 
     def _checked(self, src_block_ids: Any, dst_block_ids: Any) -> list[BlockIds]:

@@ -84,8 +84,11 @@ class Jobs:
         self.last_handed: Optional[Job] = None  # the last job given to the issuing thread
 
     def add(self, ids: list, nbytes: int, descriptors: int, here: bool) -> Job:
+        """A new job, in flight from here on; one for the issuing thread is handed over."""
         job = Job(self.next_id, nbytes, descriptors, ids, here)
         self.inflight.append(job)
+        if not here:
+            self.settle()
         return job
 
     def drop(self, job: Job) -> None:

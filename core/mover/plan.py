@@ -10,7 +10,7 @@ the completion (stream and markers) and, for pageable host memory, the bounce bu
 from __future__ import annotations
 
 from bisect import bisect_right
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional
 
 from ..addressing.regions import DescriptorTemplate
@@ -80,6 +80,9 @@ class Plan:
         launches is issued in ``submit`` while the thread holds no earlier job; None: never.
     :ivar grouped: built by :meth:`BlockMover.groups` (ids come one list per group).
     :ivar notes: what ``explain()`` adds to the route's own decision trace.
+    :ivar templates: where every block lives, per KV group (the descriptors' templates).
+    :ivar checks: building a job's descriptors may refuse it: they are built in ``submit``,
+        before anything is enqueued.
     """
 
     fn: SwapFn
@@ -91,10 +94,12 @@ class Plan:
     here_from: Optional[int]
     grouped: bool
     notes: tuple[str, ...] = ()
+    templates: list[DescriptorTemplate] = field(init=False)
+    checks: bool = field(init=False)
 
-    @property
-    def templates(self) -> list[DescriptorTemplate]:
-        return self.descriptors.templates
+    def __post_init__(self) -> None:
+        self.templates = self.descriptors.templates
+        self.checks = self.descriptors.checks
 
     def by_ids(self, ids: list[BlockIds]) -> Optional[ByIdsFn]:
         """The by-id transfer a job of these checked ids takes whole, or None (descriptors)."""
@@ -105,12 +110,10 @@ class Plan:
         return steps.at(n * self.templates[0].count)[0]
 
     def issues_here(self, ids: list[BlockIds], thread_idle: bool) -> bool:
-        """Whether a job of these ids is issued on the caller's thread: on a mover without
-        the thread, or a by-id job of :attr:`here_from` descriptors or more whose call is only
-        launches, while the thread holds no earlier job (the stream sees jobs in submission
-        order)."""
-        if not self.threaded:
-            return True
+        """Whether a job of these ids is issued on the caller's thread on a threaded mover
+        that may launch in ``submit``: a by-id job of :attr:`here_from` descriptors or more
+        whose call is only launches, while the thread holds no earlier job (the stream sees
+        jobs in submission order)."""
         if self.here_from is None or not thread_idle:
             return False
         n = len(ids[0].src)

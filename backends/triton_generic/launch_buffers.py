@@ -136,8 +136,9 @@ def shared_pool(device_index: int, translate: Optional[Callable[[np.ndarray], np
     """The launch buffer pool every launcher on ``device_index`` (with this ``translate``)
     shares. One pool, not one per bound function: a resolved function binds its kernel
     once per SM tier, an engine resolves both directions, and each pool would keep its own
-    pinned buffers (and reading descriptors from buffers placed differently made two
-    bindings of one route time up to 2% apart on the H200)."""
+    pinned buffers (and two bindings of one route would read descriptors from buffers placed
+    differently, which timed them apart)."""
+    # Up to 2% apart on the H200.
     with _POOLS_LOCK:
         pools = _POOLS if translate is None else _MAPPED.setdefault(translate, {})
         pool = pools.get(device_index)

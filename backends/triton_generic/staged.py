@@ -6,10 +6,10 @@ for the whole transfer; the copy engines leave the SMs alone but slow down on sm
 A staged copy does each part where it is fast. On the device, the Triton kernel
 (:mod:`.by_ids_jit`, :mod:`.jit`) gathers (device to host) or scatters (host to device)
 the scattered chunks to or from a staging buffer in device memory, at memory speed, in a
-burst that is short beside the transfer (about 3% of it at 2 TB/s against 55 GB/s). Over
-the link, the bound batch route (:attr:`kvswap.BindContext.link`, the copy engines) moves
-the slot of each block to its host run: one descriptor per run and block, and runs of
-consecutive host blocks merge. A block-major host cache (:func:`kvswap.host_cache`) is one
+burst that is short beside the transfer (device memory is tens of times faster than the
+link). Over the link, the bound batch route (:attr:`kvswap.BindContext.link`, the copy
+engines) moves the slot of each block to its host run: one descriptor per run and block,
+and runs of consecutive host blocks merge. A block-major host cache (:func:`kvswap.host_cache`) is one
 run per block.
 
 The buffer is two halves used in turn: while one crosses the link on the route's own

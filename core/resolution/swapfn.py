@@ -74,7 +74,7 @@ class SwapFn:
         """:param bound: the bound transfer per ``(impl, num_sms)``: num_sms as in
         ``plan.params`` (None for impls that take no SMs), plus one per SM count the
         routes' batch tiers name.
-        :param calibration: what the plan was decided by (for :meth:`quieter`).
+        :param calibration: what the plan was decided by (for :meth:`rate_table`).
         :param usable: every implementation that could copy here, used or not."""
         self.plan = plan
         self._cal = calibration

@@ -5,10 +5,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvswap.cli import (add_device, block_list, directions, file_to_write, link_directions, non_negative, positive,
+from kvswap.cli import (add_device, add_directions, block_list, file_to_write, link_directions, non_negative, positive,
                         write_json)
 from kvswap.errors import ConfigurationError
-from kvswap.types import Direction
 
 HELP = "compare the resolved route with every candidate and a peer policy over a grid"
 DESCRIPTION = (
@@ -26,8 +25,7 @@ DESCRIPTION = (
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_device(p)
     p.add_argument("--json", type=Path, metavar="FILE", help="also write the results to FILE as JSON")
-    p.add_argument("--directions", type=directions, default=[Direction.H2D, Direction.D2H], metavar="h2d,d2h",
-                   help="directions to measure (default both)")
+    add_directions(p)
     p.add_argument("--block-bytes", type=block_list, metavar="N[,N...]",
                    help="block sizes of the grid, in bytes (default: 1 KiB-512 KiB on a GPU; 4, 16 and "
                    "64 KiB on the host)")
@@ -67,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from kvswap.registry.plugins import plugin_host
 
     from .bench import PEER_BATCH, PEER_KERNEL, bench_settings, run_bench
-    from .report import bench_report
+    from .report import bench_report, one_route
     from .progress import Progress
     from .timing import on_host
 
@@ -90,12 +88,16 @@ def run(args: argparse.Namespace) -> int:
     finally:
         progress.close()
     print(f"kvswap bench on {dev.platform} device {dev.name!r} ({result.measured})")
-    for d, cal in result.calibration.items():
-        print(f"  {d} calibration: {cal.get('source')}")
-    if any(r.peer for r in result.rows):
-        print(f"  peer: {result.peer_policy}")
+    only = one_route(result)
+    if only is not None:
+        print(f"  {only} is the one route here: nothing to rank it against")
     else:
-        print(f"  peer: not applicable here (vLLM's policy needs {PEER_KERNEL} and {PEER_BATCH})")
+        for d, cal in result.calibration.items():
+            print(f"  {d} calibration: {cal.get('source')}")
+        if any(r.peer for r in result.rows):
+            print(f"  peer: {result.peer_policy}")
+        else:
+            print(f"  peer: not applicable here (vLLM's policy needs {PEER_KERNEL} and {PEER_BATCH})")
     print()
     print(bench_report(result))
     for note in result.notes:

@@ -8,9 +8,10 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-from kvswap.cli import add_device, directions, file_to_write, link_directions, non_negative
+from kvswap.cli import add_device, add_directions, file_to_write, link_directions, non_negative
 from kvswap.errors import ConfigurationError
-from kvswap.types import Direction
+from kvswap.registry.plugins import PluginHost
+from kvswap.types import DeviceInfo, Direction
 
 from .fit import TOLERANCE
 from .update import PARTS, parts
@@ -50,9 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_device(p)
     p.add_argument("--quick", action="store_true",
                    help="a smaller grid: about a minute on a GPU (the full run takes under ten)")
-    p.add_argument("--directions", type=directions, default=[Direction.H2D, Direction.D2H], metavar="h2d,d2h",
-                   help="directions to measure (default both); others are carried over from the "
-                   "calibration in force")
+    add_directions(p, "; others are carried over from the calibration in force")
     p.add_argument("--max-sms", type=non_negative, metavar="N",
                    help="measure kernels on at most N SMs (0: measure no kernel route; default: up to all "
                    "of the device's)")
@@ -95,6 +94,15 @@ def _check(args: argparse.Namespace) -> list[Direction]:
         raise ConfigurationError(f"--plot {str(args.plot)!r} must name a .png file")
     file_to_write(args.plot, "--plot")
     return dirs
+
+
+def served_directions(host: PluginHost, dev: DeviceInfo) -> set[str]:
+    """The directions some implementation usable on ``dev`` copies: only these are carried
+    over from the calibration in force where this run does not measure them."""
+    from kvswap.resolution.resolver import collect_impls
+
+    return {str(d) for _, impl in collect_impls(host, dev.platform) if impl.unavailable_reason(dev) is None
+            for d in impl.directions}
 
 
 def duration(seconds: float) -> str:
@@ -156,7 +164,7 @@ def run_update(args: argparse.Namespace) -> int:
         why = "" if got.failures.records else (
             f": no route here serves {', '.join(args.only)} (kvswap info lists each implementation and why it is "
             f"unusable)")
-        print(f"kvswap calibrate: error: nothing could be measured{why}; {args.update} is as it was", file=sys.stderr)
+        print(f"kvswap: error: nothing could be measured{why}; {args.update} is as it was", file=sys.stderr)
         return 1
     fitted = Fitted.from_dict(profile)
     lines = (host_cost_lines(fitted) if {update.HOST_COST, update.STAGED} & set(args.only) else []) + (
@@ -197,15 +205,22 @@ def run(args: argparse.Namespace) -> int:
     try:
         progress = Progress.on_stderr("step")
         sweep = Sweep(args.device, settings, dirs, host=host, progress=progress)
-        if sweep.result.host_only:
+        # The CPU platform's host copies, timed where there is no accelerator: explain()
+        # must not present them as a device calibration. A plugin's device whose memory is
+        # host memory is measured as itself.
+        reference = sweep.result.host_only and dev.platform == "cpu"
+        if reference:
             measured = ("host memory copies (host reference): no accelerator, so the host reference copied "
                         "between two host buffers; not a device calibration")
             print(f"kvswap calibrate: no accelerator on {dev.name!r}; measuring HOST MEMORY COPIES "
                   "(host.reference, the host reference), not a device link", file=sys.stderr)
         else:
-            measured = f"{dev.platform} copies between pinned host memory and device memory"
-            print(f"kvswap calibrate: {dev.platform} device {dev.name!r} ({dev.compute_units} SMs, link {dev.link})",
-                  file=sys.stderr)
+            memory = "host buffers (this device's memory is host memory)" if sweep.result.host_only else (
+                "pinned host memory and device memory")
+            measured = f"{dev.platform} copies between {memory}"
+            units = "SMs" if dev.platform in ("cuda", "rocm") else "compute units"
+            print(f"kvswap calibrate: {dev.platform} device {dev.name!r} ({dev.compute_units} {units}, link "
+                  f"{dev.link}); measuring its copies between {memory}", file=sys.stderr)
         print(f"  identity {dev.identity}; {'quick' if args.quick else 'full'} grid", file=sys.stderr)
         for d, bounds in sweep.bounds.items():
             names = dict.fromkeys(b.impl for b in bounds)
@@ -227,17 +242,16 @@ def run(args: argparse.Namespace) -> int:
         if not any(m.stage != "ceiling" for m in result.measurements):
             for line in [*result.notes, *(f.describe() for f in result.failures)]:
                 print(f"kvswap calibrate: {line}", file=sys.stderr)
-            print("kvswap calibrate: error: no route could be measured; no profile written", file=sys.stderr)
+            print("kvswap: error: no route could be measured; no profile written", file=sys.stderr)
             return 1
 
         fitted = fit.profile_fields(result.measurements, got.interference, dirs, prior, args.knee_tolerance,
-                                    host_cost=got.host_cost, staged=got.staged_section())
+                                    host_cost=got.host_cost, staged=got.staged_section(),
+                                    served=served_directions(host, dev))
         doc = store.make_document(
             dev, fitted,
             measured=measured,
-            # the CPU platform's host copies, timed where there is no accelerator: explain()
-            # must not present them as a device calibration
-            host_reference=result.host_only and dev.platform == "cpu",
+            host_reference=reference,
             timer=result.timer,
             elapsed_s=round(elapsed, 2),
             settings={**settings.to_dict(), **got.settings},
@@ -257,7 +271,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             from .plot import plot_profile
 
-            what = "host memory copies, host reference" if result.host_only else f"{dev.platform} copies"
+            what = "host memory copies, host reference" if reference else f"{dev.platform} copies"
             plot_profile(fitted, plot_path, title=f"{dev.name} ({what})")
             written.append(plot_path)
         except ImportError as e:
@@ -268,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
         print()
         for note in result.notes:
             print(f"note: {note}")
-        if result.host_only:
+        if reference:
             print("measured: HOST MEMORY COPIES (the host reference, no accelerator); these are not device link "
                   "numbers, and explain() says so")
         print(f"profile for {dev.identity} written to {path} (in {duration(elapsed)})")
@@ -284,7 +298,8 @@ def run(args: argparse.Namespace) -> int:
                 also = f", or copy it to {profiles.default_path(dev)}"
             except ImportError:  # a --no-deps install without platformdirs has no user directory
                 also = ""
-            print(f"note: the resolver does not read this file for {dev.identity} (it reads {used or 'no profile'}); "
+            reads = f"it reads {used}" if used else f"it finds no profile for it, and decides by {prior.source}"
+            print(f"note: the resolver does not read this file for {dev.identity} ({reads}); "
                   f"set {profiles.PROFILE_ENV}={path} to use it{also}")
         return 0
     except KeyboardInterrupt:

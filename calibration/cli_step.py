@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kvswap.cli import block_list, file_to_write, link_directions, positive, write_json
-from kvswap.errors import ConfigurationError, KvSwapError
+from kvswap.errors import ConfigurationError, DeviceNotFoundError
 from kvswap.cli.models import DEFAULT_BLOCK_TOKENS, add_shape_arguments, shapes_from_args
 
 
@@ -182,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
     host = plugin_host()
     dev = detect(host, args.device)
     if on_host(dev):
-        raise KvSwapError(f"kvswap bench --model needs a GPU (CUDA or ROCm): the device here is {dev.name!r}, "
+        raise DeviceNotFoundError(f"kvswap bench --model needs a GPU (CUDA or ROCm): the device here is {dev.name!r}, "
                           f"and its numbers are an engine's step on an accelerator")
     settings = StepSettings(blocks=tuple(args.blocks), step_ms=args.step_ms, reps=args.reps,
                             variants=args.variants,

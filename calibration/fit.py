@@ -408,6 +408,7 @@ def profile_fields(
     tolerance: float = TOLERANCE,
     host_cost: Optional[dict[str, HostCost]] = None,
     staged: Optional[dict[str, Any]] = None,
+    served: Optional[set[str]] = None,
 ) -> Fitted:
     """``curves``, ``decisions``, ``ceiling_gbps``, ``slowdown_by_sms`` and ``host_cost``
     of a profile.
@@ -418,7 +419,8 @@ def profile_fields(
 
     Directions not measured in this run, and the slowdown and host cost where they were not
     measured, are carried over from ``prior`` (the calibration in force before), each saying
-    so, so a partial run never leaves a direction with nothing to rank by.
+    so, so a partial run never leaves a direction with nothing to rank by; with ``served``,
+    only the directions named there (those a usable route of the device copies).
     """
     measured = [str(Direction.parse(d)) for d in directions]
     held = host_cost if host_cost else (
@@ -429,7 +431,7 @@ def profile_fields(
     if prior is not None:
         known = {str(c.direction) for c in prior.curves} | set(prior.kernel_sms)
         for d in (str(x) for x in Direction if x.crosses_host or str(x) in known):
-            if d in decisions:
+            if d in decisions or (served is not None and d not in served):
                 continue
             out_curves += [c for c in prior.curves if str(c.direction) == d]
             decisions[d] = carried(prior, d)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import queue
 import sys
 import threading
 import time
@@ -248,20 +249,32 @@ class DeviceRun:
 
 
 def _worker(rank: int, spec: str, settings: MultiSettings, directions: Sequence[str], steps: Sequence[Step],
-            barrier: Any, conn: Any) -> None:
+            barrier: Any, conn: Any, told: Any = None) -> None:
     """A device's process: set up, then time the windows the schedule gives it, meeting the
     other processes at the barrier before and after every window (a process whose setup
-    failed still meets them, so that the others go on)."""
+    failed still meets them, so that the others go on). It tells the parent through
+    ``told`` (a queue) when its setup ends, ``(rank, "setup", seconds or error)``, and rank 0
+    after each window, ``(0, "step", i)``, between windows, never inside one."""
+    from kvswap.errors import DeviceNotFoundError
+
     out: dict[str, Any] = {"rank": rank, "spec": spec, "info": {"spec": spec}, "records": [], "failures": []}
     run = None
+    t0 = time.monotonic()
     try:
         run = DeviceRun(spec, settings, directions)
         out["info"] = run.describe()
         out["failures"] += run.failures
+        setup: Any = round(time.monotonic() - t0, 1)
     except BaseException as e:
-        out["failures"].append({"device": spec, "stage": "setup", "error": f"{type(e).__name__}: {e}"})
+        setup = f"{type(e).__name__}: {e}"
+        out["failures"].append({"device": spec, "stage": "setup", "error": setup,
+                                **({"no_device": True} if isinstance(e, DeviceNotFoundError) else {})})
+    if told is not None:
+        told.put((rank, "setup", setup))
     try:
         for i, step in enumerate(steps):
+            if told is not None and rank == 0 and i:
+                told.put((0, "step", i))
             barrier.wait()
             if run is not None and rank in step.active:
                 try:
@@ -276,27 +289,44 @@ def _worker(rank: int, spec: str, settings: MultiSettings, directions: Sequence[
     except threading.BrokenBarrierError:
         out["failures"].append({"device": spec, "stage": "run",
                                 "error": "another device's process stopped or timed out; the run ended early"})
+    if told is not None and rank == 0:
+        told.put((0, "step", len(steps)))
     conn.send(out)
     conn.close()
 
 
-def run_multi(specs: Sequence[str], settings: MultiSettings, directions: Sequence[str]) -> dict[str, Any]:
-    """Run every device of ``specs`` in its own process and return :func:`aggregate`'s result."""
+def run_multi(specs: Sequence[str], settings: MultiSettings, directions: Sequence[str],
+              progress: Optional[Callable[[int, str, Any], None]] = None) -> dict[str, Any]:
+    """Run every device of ``specs`` in its own process and return :func:`aggregate`'s result.
+
+    :param progress: called in this process as the devices report: ``(rank, "setup",
+        seconds or the error)`` once per device, and ``(0, "step", windows done)``.
+    """
     if len(set(specs)) != len(specs) and not all(s == "cpu" for s in specs):
         raise ConfigurationError(f"--devices names a device twice: {list(specs)}")
     steps = schedule(settings, directions, len(specs))
     ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
     barrier = ctx.Barrier(len(specs), timeout=settings.barrier_s)
+    told = ctx.Queue() if progress is not None else None
     procs = []
     for rank, spec in enumerate(specs):
         recv, send = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_worker, args=(rank, spec, settings, list(directions), steps, barrier, send),
+        p = ctx.Process(target=_worker, args=(rank, spec, settings, list(directions), steps, barrier, send, told),
                         name=f"kvswap-bench-{spec}")
         p.start()
         send.close()
         procs.append((rank, spec, p, recv))
+
+    def hear() -> None:
+        while told is not None and progress is not None:
+            try:
+                progress(*told.get_nowait())
+            except queue.Empty:
+                return
+
     outs: dict[int, dict[str, Any]] = {}
     while len(outs) < len(procs):
+        hear()
         for rank, spec, p, recv in procs:
             if rank in outs:
                 continue
@@ -315,6 +345,7 @@ def run_multi(specs: Sequence[str], settings: MultiSettings, directions: Sequenc
                 {"device": spec, "stage": "process", "error": f"the process exited with status {p.exitcode}"}]}
     for _, _, p, _ in procs:
         p.join()
+    hear()
     return aggregate(list(outs.values()), steps, settings, directions)
 
 
@@ -347,8 +378,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``kvswap bench --devices``."""
-    from kvswap.cli import file_to_write, link_directions, write_json
+    from kvswap.cli import EXIT_FAILED, EXIT_NO_DEVICE, file_to_write, link_directions, write_json
     from kvswap.types import Direction
+
+    from .progress import Progress
 
     if getattr(args, "device", None) is not None:
         raise ConfigurationError("--device and --devices cannot be used together")
@@ -364,7 +397,11 @@ def run(args: argparse.Namespace) -> int:
     steps = schedule(settings, dirs, len(args.devices))
     print(f"kvswap bench --devices {','.join(args.devices)}: {len(steps)} windows of {settings.window_s} s "
           f"(about {len(steps) * settings.window_s / 60:.1f} min after setup)", file=sys.stderr)
-    result = run_multi(args.devices, settings, dirs)
+    bar = Progress.on_stderr("window")
+    try:
+        result = run_multi(args.devices, settings, dirs, progress=progress_of(args.devices, steps, bar))
+    finally:
+        bar.close()
     if result["rows"]:
         print(multi_report(result))
     for f in result["failures"]:
@@ -373,11 +410,44 @@ def run(args: argparse.Namespace) -> int:
         write_json(args.json, result)
     if not result["rows"]:
         print("kvswap: error: no device measured anything (the failures above say why)", file=sys.stderr)
-        return 1
+        missing = all(f.get("no_device") for f in result["failures"] if f.get("stage") == "setup")
+        return EXIT_NO_DEVICE if missing and result["failures"] else EXIT_FAILED
     return 0
+
+
+def part(step: Step, names: Sequence[str]) -> str:
+    """What a window times, in words: the part of the run, and on which device(s)."""
+    who = names[step.active[0]] if len(step.active) == 1 else f"all {len(step.active)} devices"
+    if step.kind == "ceiling":
+        what = "contiguous ceiling"
+    elif step.kind == "numa":
+        what = f"{step.host} NUMA node, {step.block_bytes // 1024} KiB x {step.batch}"
+    else:
+        what = f"{step.route}, {step.block_bytes // 1024} KiB x {step.batch}"
+    return f"{step.direction} {what} on {who}"
+
+
+def progress_of(specs: Sequence[str], steps: Sequence[Step], bar: Any) -> Callable[[int, str, Any], None]:
+    """What the parent does with the devices' reports (:func:`run_multi`'s ``progress``):
+    a line per device when its setup ends, then the bar, window by window, naming the part."""
+    done = [0]
+    names = [s if list(specs).count(s) == 1 else f"{s}#{i}" for i, s in enumerate(specs)]
+
+    def hear(rank: int, kind: str, what: Any) -> None:
+        if kind == "setup":
+            state = f"ready ({what} s of setup)" if isinstance(what, (int, float)) else f"setup failed: {what}"
+            print(f"  {names[rank]}: {state}", file=sys.stderr, flush=True)
+            return
+        if done[0] == 0:
+            bar.add(len(steps))
+        for i in range(done[0], min(what, len(steps))):
+            bar.step(part(steps[i], names))
+        done[0] = max(done[0], what)
+
+    return hear
 
 
 def failure_line(f: dict[str, Any]) -> str:
     """One failure of a device's process, in one line: the device, where, and the error."""
-    where = ", ".join(f"{k} {v}" for k, v in f.items() if k not in ("device", "error", "rank"))
+    where = ", ".join(f"{k} {v}" for k, v in f.items() if k not in ("device", "error", "rank", "no_device"))
     return f"kvswap: {f.get('device', '?')} failed{f' ({where})' if where else ''}: {f.get('error', 'no error recorded')}"

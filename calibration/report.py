@@ -123,9 +123,46 @@ def _ratio(ratio: tuple[Optional[float], Optional[float]], missing: str) -> str:
     return f"{value:.3f}" + (f" ±{2 * se:.3f}" if se is not None and round(2 * se, 3) > 0 else "")
 
 
+def contiguous_text(result: BenchResult, d: str) -> str:
+    """The direction's contiguous copy, called a ceiling only where no measurement beat it
+    (host memory copies of a small pool, say, which the CPU's caches serve)."""
+    gbps = result.ceiling_gbps.get(d)
+    rows = result.rows_of(d)
+    top = max([c.gbps for r in rows for c in r.candidates.values() if c.gbps is not None]
+              + [r.resolved.gbps for r in rows if r.resolved.gbps is not None], default=None)
+    if gbps is None or top is None or top <= gbps:
+        return f"contiguous ceiling {gbps_text(gbps)} GB/s"
+    return f"a contiguous copy {gbps_text(gbps)} GB/s, beaten at {gbps_text(top)}: not a ceiling here"
+
+
+def one_route(result: BenchResult) -> Optional[str]:
+    """The route, where every point had only it to measure (the host reference on a machine
+    without an accelerator, say): nothing to rank it against."""
+    names = {n for r in result.rows for n in r.candidates} | {r.resolved.route for r in result.rows}
+    return next(iter(names)) if len(names) == 1 and not any(r.peer for r in result.rows) else None
+
+
+def one_route_report(result: BenchResult, name: str) -> str:
+    """The one route's GB/s per point, nothing ranked."""
+    out = []
+    for d in result.directions:
+        rows = result.rows_of(d)
+        if not rows:
+            continue
+        out.append(f"{d}: GB/s of {name}, the one route here ({contiguous_text(result, d)})")
+        table = [[human_bytes(r.block_bytes), str(r.batch), gbps_text(r.resolved.gbps)] for r in rows]
+        out += ["  " + line for line in text_grid(["block", "n", name], table)]
+        out.append("")
+    return "\n".join(out)
+
+
 def bench_report(result: BenchResult) -> str:
     """One table per direction: ceiling, each candidate, resolved, peer, and the ratios
-    (± two standard errors; "=" where resolved takes the peer's own route)."""
+    (± two standard errors; "=" where resolved takes the peer's own route); where only one
+    route could be measured, :func:`one_route_report`."""
+    name = one_route(result)
+    if name is not None:
+        return one_route_report(result, name)
     out = []
     for d in result.directions:
         rows = result.rows_of(d)
@@ -141,7 +178,7 @@ def bench_report(result: BenchResult) -> str:
             line += [gbps_text(res.gbps), res.route, gbps_text(peer.gbps) if peer else "n/a", _ratio(r.over_best, "-"),
                      _ratio(r.over_peer, "n/a") + (" =" if peer and peer.same_route else "")]
             table.append(line)
-        out.append(f"{d}: GB/s (contiguous ceiling {gbps_text(result.ceiling_gbps.get(d))} GB/s)")
+        out.append(f"{d}: GB/s ({contiguous_text(result, d)})")
         out += ["  " + line for line in text_grid(header, table)]
         s = result.summary.get(d)
         if s is None:

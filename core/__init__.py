@@ -15,9 +15,11 @@ __version__ = "0.1.0"
 
 from .errors import (  # noqa: E402
     AllocationError,
+    BackendError,
     BlockIdError,
     BlockLayoutError,
     ConfigurationError,
+    DeviceNotFoundError,
     DriverError,
     ForkedProcessError,
     InvalidImplError,
@@ -48,6 +50,7 @@ from .memory.numa import NumaWarning  # noqa: E402
 
 __all__ = [
     "AllocationError",
+    "BackendError",
     "BindContext",
     "BlockIdError",
     "BlockLayoutError",
@@ -57,6 +60,7 @@ __all__ = [
     "CopyImpl",
     "Curve",
     "DeviceInfo",
+    "DeviceNotFoundError",
     "Direction",
     "DriverError",
     "ForkedProcessError",

@@ -14,6 +14,11 @@ class ConfigurationError(KvSwapError, ValueError):
     """A direction, policy, device or option that kvswap cannot accept."""
 
 
+class DeviceNotFoundError(ConfigurationError):
+    """The device asked for is not on this machine: torch sees no GPU, or fewer than the
+    index named (the CLI exits 3 for it)."""
+
+
 class InvalidImplError(ConfigurationError):
     """A CopyImpl or Calibration that contradicts itself; the message names it."""
 
@@ -107,6 +112,19 @@ class DriverError(KvSwapError, RuntimeError):
         if index is not None:
             message += f" [descriptor {index}]"
         super().__init__(message)
+
+
+class BackendError(KvSwapError, RuntimeError):
+    """A copy implementation's own code raised an exception that is not kvswap's (a
+    vendor runtime's ``RuntimeError("DMA queue full")``, say). The message names the
+    implementation; the original exception is chained as ``__cause__``.
+
+    :ivar impl: the implementation's name.
+    """
+
+    def __init__(self, impl: str, cause: str) -> None:
+        self.impl = impl
+        super().__init__(f"{impl} failed: {cause}")
 
 
 class KvSwapWarning(UserWarning):

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import enum
+import math
+import numbers
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Union
@@ -61,6 +63,24 @@ def as_int(value: Any) -> Optional[int]:
     if isinstance(value, (int, np.integer)):
         return int(value)
     return None
+
+
+def whole(value: Any, name: str, minimum: int = 0) -> int:
+    """``value`` as an int where it is a whole number: an int, a numpy integer or an
+    integral float (``8.0``, ``4e9``, as JSON and YAML configurations write numbers), never
+    a bool. Every number an engine or a command line gives kvswap is read this way.
+
+    :raises ConfigurationError: anything else, or below ``minimum``, in one wording.
+    """
+    n = as_int(value)
+    if (n is None and isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+            and math.isfinite(value) and float(value).is_integer()):
+        n = int(value)
+    if n is None or n < minimum:
+        shown = f"{name}={value!r}" if name else repr(value)
+        raise ConfigurationError(f"{shown} must be a whole number >= {minimum}")
+    return n
+
 
 _IDENTITY = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
@@ -133,7 +153,8 @@ class Policy:
     """What the engine is willing to give for speed.
 
     :param max_sms: the most SMs (CUs) a kernel route may occupy; ``0`` forbids kernel
-        routes, ``None`` lets calibration decide.
+        routes, ``None`` lets calibration decide. Numbers are whole numbers, an integral
+        float (``8.0``) included (:func:`whole`).
     :param prefer: ``"throughput"`` ranks by predicted bandwidth alone and runs a kernel
         on more SMs than its knee for the batch sizes where calibration found that faster;
         ``"low_interference"`` discounts each route by the compute slowdown it causes and
@@ -159,10 +180,7 @@ class Policy:
 
     def __post_init__(self) -> None:
         if self.max_sms is not None:
-            n = as_int(self.max_sms)
-            if n is None or n < 0:
-                raise ConfigurationError(f"Policy.max_sms={self.max_sms!r} must be None or an int >= 0")
-            object.__setattr__(self, "max_sms", n)
+            object.__setattr__(self, "max_sms", whole(self.max_sms, "Policy.max_sms"))
         if not isinstance(self.coalesce, bool):
             raise ConfigurationError(f"Policy.coalesce={self.coalesce!r} must be True or False")
         if self.prefer not in PREFERENCES:
@@ -173,7 +191,4 @@ class Policy:
             raise ConfigurationError(f"Policy.force={self.force!r} must be None or an impl name")
         if not isinstance(self.require_pinned, bool):
             raise ConfigurationError(f"Policy.require_pinned={self.require_pinned!r} must be True or False")
-        staging = as_int(self.staging_bytes)
-        if staging is None or staging < 0:
-            raise ConfigurationError(f"Policy.staging_bytes={self.staging_bytes!r} must be an int >= 0 (bytes)")
-        object.__setattr__(self, "staging_bytes", staging)
+        object.__setattr__(self, "staging_bytes", whole(self.staging_bytes, "Policy.staging_bytes"))

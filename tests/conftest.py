@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
+from typing import Any, Iterable
 
 import pytest
 
@@ -43,3 +45,20 @@ def _fresh_plugin_host(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest
     plugins.reset_plugin_host()
     yield
     plugins.reset_plugin_host()
+
+
+def skip_counts(reports: Iterable[Any]) -> list[tuple[int, str]]:
+    """``(count, reason)`` of the skipped tests, most first: one line per reason."""
+    reasons = Counter()
+    for r in reports:
+        reason = r.longrepr[2] if isinstance(r.longrepr, tuple) else str(r.longrepr)
+        reasons[reason.removeprefix("Skipped: ")] += 1
+    return sorted(((n, why) for why, n in reasons.items()), key=lambda t: (-t[0], t[1]))
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    counts = skip_counts(terminalreporter.stats.get("skipped", []))
+    if counts:
+        terminalreporter.section("skipped, by reason", sep="-")
+        for n, why in counts:
+            terminalreporter.line(f"{n:5d}  {why}")

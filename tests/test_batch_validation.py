@@ -327,13 +327,15 @@ def test_an_unmeasured_plugin_impl_never_outranks_a_built_in_route():
 def test_explain_says_why_a_plugin_impl_took_a_route_unmeasured():
     host = create_plugin_host(entry_points=[], env={}, extra=[("acme", Acme())])
     text = kvswap.resolve("h2d", device="acme", host=host).explain()
-    assert re.search(r"acme.copy \(plugin acme\) takes blocks of 4096-\d+ bytes unmeasured", text), text
+    assert ("acme.copy (plugin acme), which takes blocks of 4 KiB to 1 MiB, in multiples of 4096 B, took blocks "
+            "of 4 KiB to ") in text and " unmeasured" in text, text
     assert "no measured or built-in route can copy these sizes" in text
     own = create_plugin_host(entry_points=[], env={}, extra=[("acme", Offer([watching_impl("acme.mine")], Calibration(
         source="acme guesses", platform="cpu", scope="device", calibrated=False,
         curves=(Curve("acme.mine", "h2d", ((1, 1.0),)),))))])
     text = kvswap.resolve("h2d", device="cpu", host=own).explain()
-    assert "acme.mine (plugin acme) takes blocks of 1+ bytes by numbers that are not measured" in text
+    assert ("acme.mine (plugin acme), which takes blocks of 1 B or more, is ranked by numbers that are not "
+            "measured") in text
 
 
 # ---- resolve() refuses block sizes no usable route can copy ---------------------------
@@ -358,8 +360,8 @@ class Acme:
 def test_resolve_refuses_block_sizes_no_route_can_copy_naming_the_limits():
     host = create_plugin_host(entry_points=[], env={}, extra=[("acme", Acme())])
     assert kvswap.resolve("h2d", device="acme", host=host, block_bytes=1 << 20).impls == ("acme.copy",)
-    with pytest.raises(ResolutionError, match=r"blocks of 1300000 bytes .*acme.copy takes 4096 to 1048576 bytes, "
-                                              r"multiples of 4096"):
+    with pytest.raises(ResolutionError, match=r"blocks of 1300000 bytes .*acme.copy takes blocks of 4 KiB to 1 MiB, "
+                                              r"in multiples of 4096 B"):
         kvswap.resolve("h2d", device="acme", host=host, block_bytes=1_300_000)
     with pytest.raises(ResolutionError, match="blocks of 6000 bytes"):
         kvswap.resolve("h2d", device="acme", host=host, block_bytes=[4096, 6000])

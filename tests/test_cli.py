@@ -69,7 +69,7 @@ def test_plugin_raising_on_import_leaves_info_and_resolve_working(third_party):
     out = kvswap("info", "--json", env=third_party)
     assert out.returncode == 0
     json.loads(out.stdout)
-    assert "kvswap plugin 'fragile' (from kvswap-acme 2.5) dropped" in out.stderr
+    assert "kvswap: warning: plugin 'fragile' (from kvswap-acme 2.5) dropped" in out.stderr
     assert "acme firmware missing" in out.stderr
     code = (
         "import numpy as np, kvswap\n"
@@ -99,8 +99,8 @@ def test_explain_json_and_block_bytes():
         ([], "required"),
         (["explain"], "--direction"),
         (["explain", "--direction", "sideways"], "direction='sideways' is not valid"),
-        (["explain", "--direction", "h2d", "--block-bytes", "8k"], "not a comma-separated list"),
-        (["explain", "--direction", "h2d", "--max-sms", "-1"], "must be >= 0"),
+        (["explain", "--direction", "h2d", "--block-bytes", "8k"], "'8k' must be a whole number >= 1"),
+        (["explain", "--direction", "h2d", "--max-sms", "-1"], "must be a whole number >= 0"),
         (["explain", "--direction", "h2d", "--device", "gpu#1"], "device='gpu#1' is not valid"),
         (["frobnicate"], "invalid choice"),
     ],
@@ -111,6 +111,70 @@ def test_bad_arguments_exit_2_with_one_line(args, fragment):
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and fragment in lines[0], out.stderr
     assert out.stdout == ""
+
+
+@pytest.mark.parametrize("argv", [
+    ["explain", "--direction", "h2d", "--device", "cuda:99"],
+    ["info", "--device", "cuda:99"],
+    ["bench", "--device", "cuda:99", "--repeats", "1"],
+    ["bench", "--model", "llama-3.1-8b", "--device", "cuda:99"],
+    ["calibrate", "--quick", "--device", "cuda:99"],
+], ids=["explain", "info", "bench", "bench-model", "calibrate"])
+def test_a_device_that_is_not_here_exits_3_from_every_command(argv, capsys):
+    """One kind of failure, one status: a device that is not on this machine (no GPU, or no
+    99th) is 3 whichever command asks for it, as --help says (bench --devices:
+    tests/test_multi_bench.py)."""
+    from kvswap.cli import main
+
+    assert main(argv) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kvswap: error: device='cuda:99'"), err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="on a GPU machine bench --model runs")
+def test_bench_model_without_a_gpu_exits_3_as_a_missing_device_does(capsys):
+    from kvswap.cli import main
+
+    assert main(["bench", "--model", "llama-3.1-8b"]) == 3
+    assert "needs a GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [
+    ["explain", "--direction", "h2d"], ["explain", "--directions", "h2d"],
+    ["bench", "--direction", "h2d"], ["bench", "--directions", "h2d"],
+    ["calibrate", "--direction", "h2d"], ["calibrate", "--directions", "h2d"],
+])
+def test_every_command_takes_both_spellings_of_the_direction_option(argv):
+    from kvswap.cli import build_parser
+
+    args = build_parser().parse_args(argv)
+    chosen = getattr(args, "directions", None) or [args.direction]
+    assert [str(d) for d in chosen] == ["h2d"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["explain", "--direction", "sideways"],  # argparse's own error, in a subcommand
+    ["explain", "--direction", "h2d", "--device", "gpu#1"],  # kvswap's ConfigurationError
+    ["calibrate", "--directions", "d2d"],
+    ["bench", "--block-bytes", "0"],
+    ["frobnicate"],
+])
+def test_every_error_line_has_one_prefix(argv, capsys):
+    from kvswap.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kvswap: error: "), err
+
+
+def test_calibrate_directions_lists_only_what_it_takes(capsys):
+    from kvswap.cli import main
+
+    assert main(["calibrate", "--directions", "sideways"]) == 2
+    err = capsys.readouterr().err
+    assert "choose one or more of h2d, d2h" in err and "d2d" not in err
+    out = kvswap("calibrate", "--help")
+    assert "h2d,d2h" in out.stdout and "d2d" not in out.stdout
 
 
 def test_help_explains_each_command():
@@ -129,6 +193,7 @@ def test_help_names_the_environment_switches_and_exit_statuses():
     for switch in ("KVSWAP_FORCE_IMPL", "KVSWAP_PROFILE", "KVSWAP_PLUGINS", "KVSWAP_DISABLE_PLUGINS"):
         assert switch in text, switch
     assert "Exit status: 0 done; 1 the work failed; 2 a usage error" in text
+    assert "3 no such device here (no GPU, or fewer than the index named)" in text
 
 
 def test_console_script_is_installed():

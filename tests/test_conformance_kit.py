@@ -317,3 +317,44 @@ def test_a_plugin_that_cannot_load_is_a_usage_error_naming_it(vendor_plugin, pyt
         result = run_kit(pytester, "kit.vendor", *(["--kvswap-device", device] if device else []))
     assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str() + result.stderr.str()
     result.stderr.fnmatch_lines([f"*plugins not loaded: vendor (failed: *{why}*"])
+
+
+def test_the_kit_without_an_impl_is_a_usage_error_that_lists_the_registered_ones(tmp_path):
+    """Loaded on request without --kvswap-impl, in a folder of unrelated files, the kit
+    collects nothing there: it says what to pass, naming the implementations registered."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSWAP_")}
+    (tmp_path / "unrelated").mkdir()
+    (tmp_path / "unrelated" / "test_other.py").write_text("import no_such_module\n")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-p", "kvswap.testing", "-p", "no:cacheprovider"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == pytest.ExitCode.USAGE_ERROR, out.stdout + out.stderr
+    assert "the kvswap conformance kit needs --kvswap-impl NAME: registered for cpu device" in out.stderr
+    assert "host.reference" in out.stderr and "no_such_module" not in out.stdout + out.stderr
+
+
+STREAM_HOOK = BACKENDS.split("@hookimpl")[0] + '''
+@hookimpl
+def kvswap_register_copy_impls(platform, register):
+    if platform == "cpu":
+        register(impl("vendor", good))
+
+
+@hookimpl
+def kvswap_create_stream(platform, device_index):
+    raise RuntimeError("the vendor SDK has no streams")
+'''
+
+
+def test_a_stream_hook_that_raises_fails_the_kit(vendor_plugin, pytester):
+    """On an accelerator kvswap asks for a stream of its own and drops a plugin whose hook
+    raises: the kit asks too, on any device, and fails naming the hook."""
+    vendor_plugin(STREAM_HOOK)
+    result = run_kit(pytester, "kit.vendor", "-rfE", "--tb=line")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["FAILED kvswap/testing/conformance.py::test_stream_hook_answers_a_handle_or_none*"])
+    assert "kvswap_create_stream raised RuntimeError: the vendor SDK has no streams" in result.stdout.str()
+    vendor_plugin(STREAM_HOOK.replace('raise RuntimeError("the vendor SDK has no streams")', "return 'stream 0'"))
+    result = run_kit(pytester, "kit.vendor", "-rfE", "--tb=short")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    assert "vendor's kvswap_create_stream returned 'stream 0': it must return None or a stream handle" in \
+        result.stdout.str()

@@ -4,11 +4,13 @@ repository and its shipped profiles stay small.
 
 * ``python`` blocks of one guide share one namespace and run in this process, in a scratch
   directory; the process environment and ``sys.path`` are restored afterwards.
-* ``bash`` blocks run with ``bash -e`` in the same scratch directory, with this venv's
-  ``python``, ``pip``, ``kvswap`` and ``pytest`` first on PATH. The directory holds a copy of
-  ``examples/`` so that ``pip install ./examples/vendor_backend`` works; pip is configured
-  (through ``PIP_*`` variables) to install offline, without dependencies, into a throwaway
-  folder that is on PYTHONPATH, so the venv is never changed.
+* ``bash`` blocks run with ``bash -e`` in the same scratch directory, as a reader runs them
+  from the clone's root: ``.venv`` there is this venv (the guides name its executables,
+  ``.venv/bin/kvswap``; see "Commands run the clone's own executables" below), and PATH is the
+  reader's. The directory holds a copy of ``examples/`` so that ``.venv/bin/pip install
+  ./examples/vendor_backend`` works; pip is configured (through ``PIP_*`` variables) to install
+  offline, without dependencies, into a throwaway folder that is on PYTHONPATH, so the venv is
+  never changed.
 * ``toml`` blocks must parse; one declaring ``kvswap.backends`` entry points must declare
   what the example distribution's ``pyproject.toml`` does.
 * A block whose info string carries ``gpu`` (```` ```python gpu ````) needs an accelerator:
@@ -75,7 +77,6 @@ def _bash_env(scratch: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSWAP_", "TRITON_INTERPRET"))}
     site = scratch / "site"
     env.update(
-        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
         PYTHONPATH=os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])),
         PIP_TARGET=str(site),
         PIP_NO_DEPS="1",
@@ -95,6 +96,7 @@ def run_guide(doc: str, scratch: Path, monkeypatch: pytest.MonkeyPatch, gpu: boo
 
     shutil.copytree(ROOT / "examples", scratch / "examples",
                     ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    (scratch / ".venv").symlink_to(Path(sys.prefix), target_is_directory=True)
     monkeypatch.chdir(scratch)
     monkeypatch.setenv("XDG_DATA_HOME", str(scratch / "xdg"))
     saved_env, saved_path = dict(os.environ), list(sys.path)
@@ -193,6 +195,21 @@ def test_ci_runs_the_readme_test_command():
     assert FIRST_COMMANDS[1] in run
 
 
+def test_the_test_command_reports_skips_as_a_count_per_reason():
+    """The README's test command lists failures and errors one by one, and skips (dozens of
+    GPU tests on a CPU) as one line per reason (tests/conftest.py)."""
+    from types import SimpleNamespace
+
+    from conftest import skip_counts
+
+    addopts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
+    chars = "".join(a[2:] for a in addopts.split() if a.startswith("-r"))
+    assert chars and set(chars) <= set("fE"), f"addopts {addopts!r}: -r lists only failures and errors"
+    gpu = SimpleNamespace(longrepr=("t.py", 3, "Skipped: needs a GPU"))
+    other = SimpleNamespace(longrepr=("t.py", 9, "Skipped: no vLLM"))
+    assert skip_counts([gpu, other, gpu]) == [(2, "needs a GPU"), (1, "no vLLM")]
+
+
 def test_readme_python_runs(tmp_path, monkeypatch):
     from kvswap.registry.plugins import reset_plugin_host
 
@@ -222,6 +239,108 @@ def test_readme_links_resolve():
         for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text()):
             if "://" not in target:
                 assert (doc.parent / target).exists(), f"docs/{doc.name} links to {target}, which does not exist"
+
+
+# --- Commands run the clone's own executables -----------------------------------------------
+
+# The convention (README, under its two commands): a shell command in the README, in docs/
+# or in an example's README that runs kvswap, pip, pytest or python runs it from the clone's
+# root through the venv .ci/setup makes, by path (.venv/bin/kvswap, .venv/bin/pip,
+# .venv/bin/python -m pytest): .ci/setup activates nothing, and a bare name finds whatever
+# the shell has first (the system's pytest, without kvswap). A block that runs in another
+# environment (an engine's, where kvswap is installed) says so in its prose and carries
+# ``own-env`` in its info string (```` ```bash own-env ````).
+VENV_COMMANDS = {"kvswap", "pip", "pip3", "pytest", "py.test", "python", "python3"}
+SHELL = {"bash", "sh", "shell", "console"}
+OWN_ENV = "own-env"
+
+
+def command_docs() -> list[Path]:
+    """Every page a reader runs commands from: the README, docs/*.md, the examples' READMEs."""
+    return [README, *sorted(DOCS.glob("*.md")), *sorted((ROOT / "examples").glob("*/README.md"))]
+
+
+def bare_commands(code: str) -> list[str]:
+    """The lines of shell ``code`` that run one of :data:`VENV_COMMANDS` by its bare name:
+    as a command, after variable assignments, in a pipeline, a list or a substitution."""
+    out = []
+    for line in code.replace("\\\n", " ").splitlines():
+        line = re.sub(r"(^|\s)#.*$", "", line)
+        for part in re.split(r"\|\|?|&&|;|\$\(|`|\(", line):
+            words = part.split()
+            while words and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", words[0]):
+                words.pop(0)
+            if words and words[0] in VENV_COMMANDS:
+                out.append(line.strip())
+                break
+    return out
+
+
+def looks_like_a_command(line: str) -> bool:
+    words = line.split()
+    return bool(words) and words[0] in VENV_COMMANDS and (
+        words[0] != "kvswap" or len(words) > 1 and (words[1].startswith("-") or words[1].isalpha()))
+
+
+@pytest.mark.parametrize("code, bare", [
+    ("pytest -p kvswap.testing --kvswap-impl acme.copy", True),
+    ("KVSWAP_DISABLE_PLUGINS=acme .venv/bin/kvswap info --json | python -c 'print(1)'", True),
+    ('dest=$(python -c "print(1)")', True),
+    ("bash .ci/setup && kvswap calibrate --quick", True),
+    ("OUT=results \\\n  python tests/bench/fuzz.py", True),
+    ("bash .ci/setup && .venv/bin/python -m pytest -q   # the tests", False),
+    ("KVSWAP_PROFILE=p.json .venv/bin/kvswap explain --direction h2d | grep 'calibration: profile'", False),
+    ("OUT=results tests/bench/step_all.sh", False),
+    ("vllm serve model  # kvswap runs inside", False),
+])
+def test_bare_commands_are_found_wherever_a_shell_runs_them(code, bare):
+    assert bool(bare_commands(code)) is bare
+
+
+def test_every_command_runs_the_venvs_executables():
+    """What failed a newcomer: the vendor quickstart's bare ``pytest`` was the system's, which
+    has no kvswap. Every shell block says .venv/bin/..., or that it runs in an environment
+    of the reader's own; a fence without a shell language holds no command."""
+    report = []
+    for page in command_docs():
+        for b in blocks(page.name, page.parent):
+            where = f"{page.relative_to(ROOT)} line {b.line}"
+            if b.lang in SHELL and OWN_ENV not in b.flags:
+                report += [f"{where}: {cmd!r}" for cmd in bare_commands(b.code)]
+            elif b.lang not in SHELL:
+                report += [f"{where}: a command in a ```{b.lang} fence: {line.strip()!r} (fence it as bash)"
+                           for line in b.code.splitlines() if b.lang in ("", "text") and looks_like_a_command(line)]
+    assert not report, ("run kvswap, pip, pytest and python as .venv/bin/..., or mark a block that runs in another "
+                        "environment ```bash own-env:\n" + "\n".join(report))
+
+
+def test_the_readme_states_the_command_convention_the_suites_time_and_what_setup_installs():
+    text = " ".join(README.read_text().split())
+    assert "`.venv/bin/`" in text and "own environment" in text
+    assert "the tests take about 4 minutes on 2 cores" in text
+    assert "Where only PyPI is reachable, that torch is the CUDA build with its `nvidia-*` wheels" in text
+
+
+def test_the_engine_set_up_stops_a_cuda_torch_saying_how_to_get_a_cpu_one(tmp_path):
+    """Where pip reaches only PyPI, .ci/vllm-setup gets torch's CUDA build; its check says
+    what to do instead of a bare assertion."""
+    import torch
+
+    check = ROOT / ".ci" / "check-cpu-torch.py"
+    assert f'"$VENV/bin/python" .ci/check-cpu-torch.py "$VENV" .ci/vllm-setup' in (ROOT / ".ci" / "vllm-setup").read_text()
+    ok = subprocess.run([sys.executable, str(check), ".venv", ".ci/vllm-setup"], capture_output=True, text=True,
+                        timeout=120)
+    assert ok.returncode == (0 if torch.version.cuda is None else 1), ok.stderr
+    fake = tmp_path / "torch"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("__version__ = '2.13.0'\nfrom . import version\n")
+    (fake / "version.py").write_text("cuda = '12.8'\n")
+    out = subprocess.run([sys.executable, str(check), ".venv-vllm", ".ci/vllm-setup"], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, PYTHONPATH=str(tmp_path)))
+    assert out.returncode == 1
+    said = " ".join(out.stderr.split())
+    assert ".venv-vllm needs torch's CPU build, and torch 2.13.0 is a CUDA build (CUDA 12.8)" in said
+    assert "rm -rf .venv-vllm" in said and "PIP_FIND_LINKS=" in said and "Traceback" not in said
 
 
 # --- The product speaks only of the product -------------------------------------------------

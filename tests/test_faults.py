@@ -410,3 +410,65 @@ def test_a_mover_collected_after_an_interrupted_close_waits_for_its_jobs_first()
     gc.collect()
     assert stream.executed == 3  # it waited before its buffers were freed
     assert dst.matches(expected_after(dst, before, src_before, src, jobs))
+
+
+# -- a backend's own exception -----------------------------------------------------------
+
+class Raising:
+    """A backend's copy that raises what its runtime raised, having copied nothing."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def __call__(self, src, dst, sizes, stream):
+        raise self.error
+
+
+def _install_raising(error: BaseException, alignment: int) -> None:
+    class Plugin:
+        @hookimpl
+        def kvswap_register_copy_impls(self, platform, register):
+            if platform == "cpu":
+                register(CopyImpl(name="test.route", kind="batch", platforms=("cpu",),
+                                  directions=(Direction.H2D, Direction.D2H), factory=lambda ctx: Raising(error),
+                                  alignment=alignment))
+
+    reset_plugin_host(create_plugin_host(entry_points=[], env={}, extra=[("testplugin", Plugin())]))
+
+
+@pytest.mark.parametrize("alignment", [1, 8], ids=["whole-batch", "checked-per-call"])
+@pytest.mark.parametrize("error, kind, says", [
+    (RuntimeError("DMA queue full"), kvswap.BackendError, "test.route failed: RuntimeError: DMA queue full"),
+    (MemoryError("no pages left"), AllocationError,
+     "could not allocate host memory for a copy by test.route: MemoryError: no pages left"),
+    (torch.OutOfMemoryError("CUDA out of memory"), AllocationError,
+     "could not allocate device memory for a copy by test.route: OutOfMemoryError: CUDA out of memory"),
+], ids=["runtime", "host-memory", "device-memory"])
+def test_a_backends_own_exception_names_the_implementation_and_is_chained(error, kind, says, alignment):
+    """Whichever path a SwapFn takes to the copy, the caller gets a kvswap error that names
+    the implementation, with the backend's exception as its cause; and the same on a
+    BlockMover's thread, in the job's result."""
+    _install_raising(error, alignment)
+    fn = kvswap.resolve("h2d", device="cpu", policy=Policy(force="test.route"))
+    src = np.random.default_rng(0).integers(0, 256, 8192, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    with pytest.raises(kind) as caught:
+        fn([src.ctypes.data, src.ctypes.data + 4096], [dst.ctypes.data, dst.ctypes.data + 4096], [4096, 4096])
+    assert str(caught.value) == says and caught.value.__cause__ is error
+    src_pool, dst_pool = _pools("flash", 3)
+    with BlockMover(src_pool.tensors, dst_pool.tensors, "h2d", block_dim=src_pool.layout.block_dim,
+                    policy=Policy(force="test.route"), issuing_thread=True) as mover:
+        job = mover.submit([1, 2], [3, 4])
+        mover.wait(job)
+        (result,) = mover.poll()
+    assert not result.ok and result.error == f"{kind.__name__}: {says}"
+
+
+def test_kvswaps_own_error_from_a_backend_goes_through_as_it_is():
+    error = kvswap.DriverError("acme.batch_copy", 7, "ACME_ERROR_BUSY", "queue full")
+    _install_raising(error, 1)
+    fn = kvswap.resolve("h2d", device="cpu", policy=Policy(force="test.route"))
+    buf = np.zeros(8192, dtype=np.uint8)
+    with pytest.raises(kvswap.DriverError) as caught:
+        fn([buf.ctypes.data], [buf.ctypes.data + 4096], [4096])
+    assert caught.value is error

@@ -237,5 +237,5 @@ def test_update_of_a_part_no_route_here_serves_says_so(tmp_path, capsys, monkeyp
     monkeypatch.setattr(staged, "staged_impl", lambda *args: None)  # no staged route on this device
     assert main(["calibrate", "--only", "staged", "--update", str(out), "--directions", "d2h"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("kvswap calibrate: error: nothing could be measured: no route here serves staged")
+    assert err[-1].startswith("kvswap: error: nothing could be measured: no route here serves staged")
     assert out.read_text() == text

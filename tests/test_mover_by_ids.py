@@ -343,3 +343,58 @@ def test_ids_are_packed_before_the_start_marker_and_launched_after_it(monkeypatc
     assert all(r.ok for r in results)
     assert dst.matches(expected_after(dst, before, src_before, src, jobs))
     assert src.matches(src_before)
+
+
+class FailingByIds(Recording):
+    """A kernel transfer whose by-id call raises its runtime's own exception: where it packs
+    the ids (``at="pack"``) or where it launches (``at="launch"``)."""
+
+    def __init__(self, at: str) -> None:
+        super().__init__()
+        self.at = at
+
+    def by_ids(self, template):
+        at = self.at
+
+        class Failing(ByIdsFn):
+            def __call__(self, src_ids, dst_ids, stream):
+                raise RuntimeError("launch queue full")
+
+            def pack(self, src_ids, dst_ids):
+                if at == "pack":
+                    raise RuntimeError("launch queue full")
+                return super().pack(src_ids, dst_ids)
+
+        return Failing()
+
+
+@pytest.mark.parametrize("at", ["pack", "launch"])
+@pytest.mark.parametrize("threaded", [False, True], ids=["on-submit", "on-the-issuing-thread"])
+def test_a_by_id_launch_that_raises_names_the_implementation(threaded, at):
+    """The mover's by-id path calls the backend's code directly: what it raises reaches the
+    caller (or the job's result) as a BackendError naming the implementation, its own
+    exception chained. In submit, a call refused before anything was enqueued (packing the
+    ids) leaves no job; one that may have enqueued part of it (the launch) fails its job."""
+    _install(FailingByIds(at))
+    src, dst = _pools("mla", 4)
+    before = dst.snapshot()
+    with BlockMover(src.tensors, dst.tensors, "h2d", policy=Policy(force="test.kernel"), device_descriptors=True,
+                    issuing_thread=threaded) as mover:
+        assert mover.id_route(2) == "test.kernel"
+        if threaded:
+            mover.wait(mover.submit([1, 2], [3, 4]))
+            (result,) = mover.poll()
+            assert result.error == "BackendError: test.kernel failed: RuntimeError: launch queue full"
+        else:
+            with pytest.raises(kvswap.BackendError, match="test.kernel failed: RuntimeError: launch queue full") as e:
+                mover.submit([1, 2], [3, 4])
+            assert isinstance(e.value.__cause__, RuntimeError)
+            mover.wait()
+            results = mover.poll()
+            if at == "pack":
+                assert results == [] and mover.in_flight == 0
+                with pytest.raises(kvswap.InvalidTransferError, match="ids so far: 1..0"):
+                    mover.wait(1)  # no job, no id used
+            else:
+                assert [(r.job_id, r.ok) for r in results] == [(1, False)]
+    assert dst.matches(before)

@@ -22,7 +22,9 @@ def test_d2d_is_a_direction_with_no_host_side():
     assert not d.src_is_host and not d.dst_is_host and not d.crosses_host
     assert Direction.H2D.crosses_host and Direction.D2H.crosses_host
     assert parse_direction("d2d") is Direction.D2D
-    assert parse_directions("h2d,d2d") == [Direction.H2D, Direction.D2D]
+    assert parse_directions("h2d,d2h") == [Direction.H2D, Direction.D2H]
+    with pytest.raises(argparse.ArgumentTypeError, match="choose one or more of h2d, d2h"):
+        parse_directions("h2d,d2d")  # the commands that take a list measure the host link
     with pytest.raises(argparse.ArgumentTypeError, match="'h2d', 'd2h', 'd2d'"):
         parse_direction("sideways")
 

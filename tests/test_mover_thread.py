@@ -150,7 +150,7 @@ def test_an_error_on_the_thread_fails_that_job_and_the_next_jobs_still_run():
     assert [r.job_id for r in results] == ids
     assert [r.ok for r in results] == [True, False, True, True, False, True, True]
     for k in (1, 4):
-        assert results[k].bytes == 0 and results[k].error == f"RuntimeError: call {k + 1} refused"
+        assert results[k].bytes == 0 and results[k].error == f"BackendError: test.gated failed: RuntimeError: call {k + 1} refused"
     assert mover._jobs.thread.alive
     copied = [job for k, job in enumerate(jobs) if k not in (1, 4)]
     assert dst.matches(expected_after(dst, before, src_before, src, copied))

@@ -191,8 +191,15 @@ def test_two_host_devices_in_two_processes(tmp_path, capsys):
     out = tmp_path / "multi.json"
     rc = main(["bench", "--devices", "cpu,cpu", "--block-bytes", "4096", "--batches", "4", "--passes", "2",
                "--window", "0.01", "--directions", "h2d", "--json", str(out)])
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
     assert rc == 0, text
+    # What the devices told the parent as they went: each one's setup, then the windows by part.
+    err = captured.err.splitlines()
+    assert sum(line.startswith("  cpu#0: ready (") for line in err) == 1
+    assert sum(line.startswith("  cpu#1: ready (") for line in err) == 1
+    windows = len(multi.schedule(multi.multi_settings(True, [4096], [4], 2, 0.01), ["h2d"], 2))
+    assert any(line.startswith(f"  {windows}/{windows} windows (h2d ") for line in err), err
     result = json.loads(out.read_text())
     assert result["failures"] == []
     assert [d["name"] for d in result["devices"]] == ["cpu#0", "cpu#1"]
@@ -209,6 +216,26 @@ def test_two_host_devices_in_two_processes(tmp_path, capsys):
     assert "wrong NUMA node: not measured" in text and "results written to" in text
 
 
+def test_each_window_is_reported_once_naming_its_part_and_device():
+    steps = multi.schedule(multi.multi_settings(True, [4096], [4], 1, 0.01), ["h2d"], 2)
+    seen = []
+
+    class Bar:
+        def add(self, n):
+            seen.append(("add", n))
+
+        def step(self, what):
+            seen.append(what)
+
+    hear = multi.progress_of(["cuda:0", "cuda:1"], steps, Bar())
+    hear(1, "setup", "DeviceNotFoundError: no such device")
+    for done in (2, 2, len(steps)):  # a report may repeat: nothing is counted twice
+        hear(0, "step", done)
+    assert seen[0] == ("add", len(steps)) and len(seen) == 1 + len(steps)
+    assert seen[1] == "h2d contiguous ceiling on cuda:0" and seen[3] == "h2d contiguous ceiling on all 2 devices"
+    assert any(s.startswith("h2d resolved, 4 KiB x 4 on cuda:1") for s in seen[1:])
+
+
 def test_a_device_that_cannot_be_set_up_lets_the_others_run(tmp_path, capsys):
     result = multi.run_multi(["cpu", "cuda:7"], multi.multi_settings(True, [4096], [4], 1, 0.01), ["d2h"])
     setup = [f for f in result["failures"] if f.get("stage") == "setup"]
@@ -221,7 +248,7 @@ def test_the_command_says_on_stderr_why_no_device_measured(capsys):
     rc = main(["bench", "--devices", "cuda:7", "--block-bytes", "4096", "--batches", "4", "--passes", "1",
                "--window", "0.01", "--directions", "h2d"])
     captured = capsys.readouterr()
-    assert rc == 1 and captured.out == ""
+    assert rc == 3 and captured.out == ""  # no such device here: the status explain and bench --model give too
     err = captured.err.strip().splitlines()
     assert any(line.startswith("kvswap: cuda:7 failed (stage setup): ") for line in err), err
     assert err[-1] == "kvswap: error: no device measured anything (the failures above say why)"

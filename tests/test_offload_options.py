@@ -71,7 +71,7 @@ def test_chunks_for_divides_host_memory_among_workers(host_bytes, want):
 
 @pytest.mark.parametrize("host_bytes", [0, -5, 1.5, "lots", True, None])
 def test_chunks_for_refuses_what_is_not_bytes(host_bytes):
-    with pytest.raises(ConfigurationError, match="positive whole number of bytes"):
+    with pytest.raises(ConfigurationError, match="must be a whole number >= 1"):
         chunks_for(host_bytes, 50, 1)
 
 
@@ -85,9 +85,35 @@ def test_unknown_keys_of_any_type_are_named():
         OffloadOptions.parse({"max_sms": 1, 0: 1, "maxsms": 2}, where=WHERE)
 
 
+def test_integral_floats_are_whole_numbers_everywhere_and_the_rest_refused_in_one_wording(capsys):
+    """JSON writes 8 as 8.0 or 4e9 as often as not: every number kvswap is given (Policy's
+    fields, the offloading options, the CLI's) takes an integral float, and refuses the
+    rest in the same words."""
+    from kvswap.cli import main
+    from kvswap.integrations.offload.options import whole as options_whole
+    from kvswap.types import whole
+
+    assert Policy(max_sms=8.0).max_sms == 8 and Policy(staging_bytes=6.4e7).staging_bytes == 64_000_000
+    got = OffloadOptions.parse({"max_sms": 8.0, "numa_node": 1.0}, where=WHERE)
+    assert (got.policy.max_sms, got.numa_node) == (8, 1)
+    assert host_bytes(4e9, "cpu_bytes_to_use") == 4_000_000_000
+    assert main(["explain", "--direction", "h2d", "--device", "cpu", "--max-sms", "8.0", "--block-bytes", "1.6384e4"]) == 0
+    assert "max_sms=8," in capsys.readouterr().out
+    for bad in (8.5, True, "8", float("nan"), -1.0):
+        words = {re.sub(r"^.*?=", "", str(e.value)) for e in [
+            pytest.raises(ConfigurationError, Policy, max_sms=bad),
+            pytest.raises(ConfigurationError, OffloadOptions.parse, {"numa_node": bad}),
+            pytest.raises(ConfigurationError, whole, bad, "x"),
+            pytest.raises(ConfigurationError, options_whole, bad, "x"),
+        ]}
+        assert words == {f"{bad!r} must be a whole number >= 0"}, words
+    assert main(["explain", "--direction", "h2d", "--max-sms", "8.5"]) == 2
+    assert "argument --max-sms: 8.5 must be a whole number >= 0" in capsys.readouterr().err
+
+
 def test_host_memory_is_refused_by_the_name_the_engine_gives_it():
     key = 'kv_connector_extra_config["cpu_bytes_to_use"]'
-    with pytest.raises(ConfigurationError, match=re.escape(f"{key}='8GB': give a positive whole number of bytes")):
+    with pytest.raises(ConfigurationError, match=re.escape(f"{key}='8GB' must be a whole number >= 1")):
         chunks_for("8GB", 50, 1, where=key)
     with pytest.raises(ConfigurationError, match=re.escape(f"{key}=10 bytes holds no chunk")):
         chunks_for(10, 50, 1, where=key)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import configparser
+import os
 import shutil
 import subprocess
 import sys
@@ -131,3 +132,32 @@ def test_wheel_holds_no_module_the_source_tree_lacks(wheel):
     shipped = {n for n in wheel.namelist() if n.startswith("kvswap/") and n.endswith((".py", ".json"))}
     assert len(shipped) > 50
     assert shipped <= expected, f"the wheel holds files the source tree lacks: {sorted(shipped - expected)}"
+
+
+def test_the_wheel_holds_no_root_init(wheel):
+    """The repository root's ``__init__.py`` serves a clone imported from its parent folder
+    only; no distribution carries it."""
+    assert "__init__.py" not in wheel.namelist()
+    assert all(n.startswith(("kvswap/", "kvswap-")) for n in wheel.namelist())
+
+
+@pytest.mark.parametrize("code, says", [
+    ("import kvswap; print(kvswap.__spec__.origin); print(kvswap.resolve('h2d', device='cpu'))",
+     "<kvswap.SwapFn h2d on cpu: host.reference>"),
+    ("import kvswap.backends.cuda, kvswap.calibration.bench, kvswap.cli; import kvswap; print(kvswap.__spec__.origin);"
+     "print(kvswap.__version__)", "0.1.0"),
+], ids=["resolve", "subpackages"])
+def test_the_clone_is_kvswap_from_the_folder_above_it(tmp_path, code, says):
+    """A clone in a folder named ``kvswap``, Python started in the folder above: the current
+    directory comes first on sys.path, so that folder is what ``import kvswap`` finds; it
+    must be kvswap (the root ``__init__.py``), not an empty namespace package."""
+    (tmp_path / "kvswap").symlink_to(ROOT, target_is_directory=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSWAP_")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    origin, last = out.stdout.strip().splitlines()[0], out.stdout.strip().splitlines()[-1]
+    assert origin == str(tmp_path / "kvswap" / "__init__.py") and last == says
+    cli = subprocess.run([sys.executable, "-m", "kvswap", "--version"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert cli.returncode == 0 and cli.stdout.strip() == "kvswap 0.1.0", cli.stderr

@@ -148,7 +148,7 @@ def test_a_user_profile_folder_that_cannot_be_searched_is_skipped_with_a_warning
         fn = kvswap.resolve("h2d", device="cpu")
     assert fn.plan.calibration["source"] == f"profile {ship}"  # the next place in the lookup order
     assert main(["info"]) == 0  # the CLI prints warnings on stderr, one line each
-    assert f"kvswap skipped calibration profile {user}: " in capsys.readouterr().err
+    assert f"kvswap: warning: skipped calibration profile {user}: " in capsys.readouterr().err
 
 
 def test_a_profile_switch_naming_a_pipe_is_skipped_not_waited_on(tmp_path, monkeypatch, user_profile):
@@ -184,3 +184,32 @@ def test_a_profile_error_is_a_kvswap_error():
 
     assert issubclass(profiles.ProfileError, kvswap.ConfigurationError)
     assert issubclass(profiles.ProfileError, ValueError)
+
+
+def test_a_profile_measured_under_another_driver_says_so_with_both_versions(tmp_path, monkeypatch):
+    """explain() and ``kvswap info`` name both drivers where the profile's differs from the
+    device's, and say nothing of it where they agree or one is unknown."""
+    from kvswap import DeviceInfo, hookimpl
+    from kvswap.cli.inventory import format_report, report
+    from kvswap.registry.plugins import create_plugin_host
+
+    def device(driver: str) -> DeviceInfo:
+        return DeviceInfo(platform="cpu", name="Driven", identity="cpu-driven", compute_units=2,
+                          driver_version=driver, details={"torch_type": "cpu"})
+
+    class Detect:
+        @hookimpl
+        def kvswap_detect_platform(self, device):
+            return device_now if device == "driven" else None
+
+    host = create_plugin_host(env={}, extra=[("driven", Detect())])
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(document(device=device("575.10 / CUDA 12.9"))))
+    monkeypatch.setenv("KVSWAP_PROFILE", str(path))
+    said = "calibration driver: measured under driver 575.10 / CUDA 12.9; this device runs driver 580.159.04"
+    for now, expect in (("580.159.04", True), ("575.10 / CUDA 12.9", False), ("unknown", False)):
+        device_now = device(now)
+        text = kvswap.resolve("h2d", device="driven", host=host).explain()
+        assert f"calibration: profile {path}" in text
+        assert (said in text) is expect, text
+        assert (said in format_report(report(host, "driven"))) is expect

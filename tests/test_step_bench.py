@@ -321,7 +321,7 @@ def test_the_makespan_bar_compares_each_repetitions_ratio_to_its_compute_alone()
 
 def test_bench_model_on_a_cpu_fails_saying_it_needs_a_gpu():
     out = kvswap_cli("bench", "--model", "llama-3.1-8b", "--blocks", "2")
-    assert out.returncode == 1 and "needs a GPU" in out.stderr and "Traceback" not in out.stderr
+    assert out.returncode == 3 and "needs a GPU" in out.stderr and "Traceback" not in out.stderr
     out = kvswap_cli("bench", "--model", "deepseek-v3", "--tp", "8")
     assert out.returncode == 2 and "does not split over 8 ranks" in out.stderr
     out = kvswap_cli("bench", "--model", "nope")

@@ -216,6 +216,6 @@ def test_a_staged_impl_without_a_batch_route_is_unavailable_with_the_reason():
 
 
 def test_policy_staging_bytes_is_checked():
-    with pytest.raises(kvswap.ConfigurationError, match="Policy.staging_bytes=-1 must be an int >= 0"):
+    with pytest.raises(kvswap.ConfigurationError, match="Policy.staging_bytes=-1 must be a whole number >= 0"):
         Policy(staging_bytes=-1)
     assert Policy(staging_bytes=np.int64(1 << 20)).staging_bytes == 1 << 20

@@ -128,3 +128,42 @@ def test_installed_example_is_certified_by_the_kit(site, tmp_path):
     assert "FAILED" not in out.stdout and " passed" in out.stdout
     for label in ("src-misaligned", "dst-misaligned", "size-misaligned", "below-min", "above-max"):
         assert f"test_swapfn_refuses_what_the_impl_declares_it_cannot_copy[h2d-{label}] PASSED" in out.stdout
+
+
+def test_info_and_explain_tell_a_vendor_what_its_device_takes(site, tmp_path):
+    """``kvswap info`` names no Triton backend 'None', says once that the defaults are not
+    measured, and shows the sizes acme.copy takes (8 B to 1 MiB, multiples of 8), as
+    ``kvswap explain`` does for its route, not the size classes the route spans."""
+    out = run(site, ["-m", "kvswap", "info", "--device", "acme"], tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "None backend" not in out.stdout and "Triton has no backend for acme devices" in out.stdout
+    (cal,) = [line for line in out.stdout.splitlines() if line.startswith("calibration:")]
+    assert cal.count("not measured") == 1 and "NOT calibrated: run `kvswap calibrate`" in cal
+    acme = next(line for line in out.stdout.splitlines() if "acme.copy" in line)
+    assert "available; takes blocks of 8 B to 1 MiB, in multiples of 8 B" in acme
+    out = run(site, ["-m", "kvswap", "explain", "--direction", "h2d", "--device", "acme"], tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "8 B <= block <= 1 MiB, multiples of 8 B -> acme.copy" in out.stdout, out.stdout
+    assert "1572863" not in out.stdout and "1.5 MiB" not in out.stdout
+    assert "acme.copy (plugin acme), which takes blocks of 8 B to 1 MiB, in multiples of 8 B," in out.stdout
+    for size in ("2097152", "4100"):  # what the implementation refuses is refused when resolved
+        out = run(site, ["-m", "kvswap", "explain", "--direction", "h2d", "--device", "acme", "--block-bytes",
+                         size], tmp_path)
+        assert out.returncode == 1 and "acme.copy takes blocks of 8 B to 1 MiB, in multiples of 8 B" in out.stderr
+
+
+def test_calibrating_the_example_device_says_what_it_measures(site, tmp_path):
+    """acme's memory is host memory, but it is not the host reference: calibrate says it
+    measures acme, carries over no direction acme.copy does not copy (d2d), and names what
+    the resolver decides by where it reads no profile."""
+    out = run(site, ["-m", "kvswap", "calibrate", "--quick", "--device", "acme", "--out", str(tmp_path / "p.json")],
+              tmp_path, XDG_DATA_HOME=str(tmp_path / "xdg"))
+    assert out.returncode == 0, out.stderr
+    assert "host.reference" not in out.stderr and "HOST MEMORY COPIES" not in out.stdout + out.stderr
+    assert "kvswap calibrate: acme device 'ACME Simulated Accelerator'" in out.stderr
+    assert "h2d: measuring acme.copy" in out.stderr
+    assert "d2d" not in out.stdout
+    assert "it finds no profile for it, and decides by kvswap-acme defaults" in out.stdout
+    assert "reads no profile" not in out.stdout
+    profile = json.loads((tmp_path / "p.json").read_text())
+    assert set(profile["decisions"]) == {"h2d", "d2h"} and profile.get("host_reference") is not True

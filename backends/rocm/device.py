@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 from typing import Callable, Optional
 
-from kvswap.errors import ConfigurationError
+from kvswap.errors import DeviceNotFoundError
 from kvswap.types import DeviceInfo, slug
 
 from .hip import HipApi
@@ -22,7 +22,7 @@ def _index(spec: Optional[str], current: int, count: int) -> Optional[int]:
         return None
     index = current if m.group(2) is None else int(m.group(2))
     if not 0 <= index < count:
-        raise ConfigurationError(f"device={spec!r}: torch sees {count} ROCm device(s), 0..{count - 1}")
+        raise DeviceNotFoundError(f"device={spec!r}: torch sees {count} ROCm device(s), 0..{count - 1}")
     return index
 
 

@@ -40,9 +40,11 @@ def availability(device: DeviceInfo) -> Optional[str]:
         if interpreting():
             return None
         return "the device is a CPU; the Triton kernel runs there only in Triton's interpreter (TRITON_INTERPRET=1)"
+    backend = _TRITON_BACKEND.get(device.platform)
+    if backend is None:
+        return f"Triton has no backend for {device.platform} devices"
     if interpreting():
         return "TRITON_INTERPRET=1 runs Triton kernels on the CPU, which cannot address device memory; unset it"
-    backend = _TRITON_BACKEND.get(device.platform)
     try:
         import triton.backends
     except Exception as e:

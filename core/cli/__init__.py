@@ -1,8 +1,9 @@
 """The ``kvswap`` command: ``info``, ``explain``, ``calibrate``, ``bench``.
 
-Exit status: 0 done; 1 the work failed (a driver error, nothing usable); 2 a usage error
-(bad arguments, a forced implementation that cannot be honoured); 130 interrupted; 141
-(as for SIGPIPE) when whoever reads stdout stops reading, e.g. ``kvswap info | head -1``.
+Exit status (:data:`EXIT_STATUS`): 0 done; 1 the work failed (a driver error, nothing
+usable); 2 a usage error (bad arguments, a forced implementation that cannot be honoured);
+3 no such device here (no GPU, or fewer than the index named); 130 interrupted; 141 (as for
+SIGPIPE) when whoever reads stdout stops reading, e.g. ``kvswap info | head -1``.
 """
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ import warnings
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from .. import __version__
-from ..errors import ConfigurationError, KvSwapError, ResolutionError
-from ..types import Direction, Policy
+from ..errors import ConfigurationError, DeviceNotFoundError, KvSwapError, ResolutionError
+from ..types import Direction, Policy, whole
 
 # Subcommands whose code lives elsewhere: name -> module with HELP, DESCRIPTION,
 # add_arguments(p) and run(args). A command whose module fails to import is still listed,
@@ -28,7 +29,12 @@ EXTERNAL = {
     "bench": "kvswap.calibration.cli_bench",
 }
 FORCE_ENV = "KVSWAP_FORCE_IMPL"
+EXIT_FAILED, EXIT_USAGE, EXIT_NO_DEVICE, EXIT_INTERRUPTED = 1, 2, 3, 130
 EXIT_SIGPIPE = 128 + int(getattr(signal, "SIGPIPE", 13))
+EXIT_STATUS = (f"Exit status: 0 done; {EXIT_FAILED} the work failed; {EXIT_USAGE} a usage error (bad arguments, a "
+               f"forced implementation that cannot be honoured); {EXIT_NO_DEVICE} no such device here (no GPU, or "
+               f"fewer than the index named); {EXIT_INTERRUPTED} interrupted; {EXIT_SIGPIPE} stdout closed by its "
+               "reader.")
 
 
 class UsageError(Exception):
@@ -37,37 +43,44 @@ class UsageError(Exception):
 
 class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse prints usage + message; we print one line
-        raise UsageError(f"{self.prog}: error: {message} (see --help)")
+        raise UsageError(f"kvswap: error: {message} (see `{self.prog} --help`)")
+
+
+def number(text: str, minimum: int) -> int:
+    """``text`` as a whole number >= ``minimum`` (``16384``, ``8.0``, ``4e9``), read as
+    :class:`~kvswap.Policy` reads its fields, and refused in the same words."""
+    text = text.strip()
+    try:
+        value: Any = int(text)
+    except ValueError:
+        try:
+            value = float(text)
+        except ValueError:
+            value = text
+    try:
+        return whole(value, "", minimum)
+    except ConfigurationError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def block_list(text: str) -> list[int]:
-    """An argparse type: comma-separated positive integers (byte counts, batches, degrees)."""
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: name one or more integers; each must be positive")
+    """An argparse type: comma-separated positive whole numbers (byte counts, batches, degrees)."""
+    values = [number(v, 1) for v in text.split(",") if v.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"{text!r}: name one or more whole numbers >= 1, comma-separated")
     return values
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= ``minimum``, else a one-line error."""
-
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if v < minimum:
-            raise argparse.ArgumentTypeError(f"{text!r} must be >= {minimum}")
-        return v
-
-    return parse
+    """An argparse type: a whole number >= ``minimum``, else a one-line error."""
+    return lambda text: number(text, minimum)
 
 
 non_negative = int_at_least(0)
 positive = int_at_least(1)
+
+
+LINK_DIRECTIONS = tuple(d for d in Direction if d.crosses_host)
 
 
 def direction(text: str) -> Direction:
@@ -78,10 +91,21 @@ def direction(text: str) -> Direction:
 
 
 def directions(text: str) -> list[Direction]:
-    try:
-        return [Direction.parse(t.strip()) for t in text.split(",") if t.strip()]
-    except ConfigurationError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    """An argparse type: comma-separated directions across the host link (what ``calibrate``
+    and ``bench`` measure), each once; the choices named are only those."""
+    names = [t.strip().lower() for t in text.split(",") if t.strip()]
+    valid = [str(d) for d in LINK_DIRECTIONS]
+    if not names or not set(names) <= set(valid):
+        raise argparse.ArgumentTypeError(f"{text!r}: choose one or more of {', '.join(valid)}, comma-separated")
+    return list(dict.fromkeys(Direction.parse(n) for n in names))
+
+
+def add_directions(p: argparse.ArgumentParser, also: str = "") -> None:
+    """``--directions`` (also spelt ``--direction``, as ``explain`` spells it) of a command
+    that measures the host link."""
+    p.add_argument("--directions", "--direction", dest="directions", type=directions,
+                   default=list(LINK_DIRECTIONS), metavar="h2d,d2h",
+                   help=f"directions to measure, comma-separated (default both){also}")
 
 
 def link_directions(dirs: Iterable[Direction]) -> list[Direction]:
@@ -172,9 +196,7 @@ def build_parser() -> Parser:
         "measure this device (calibrate) and compare routes (bench).",
         epilog="Environment: KVSWAP_FORCE_IMPL=IMPL uses one implementation for everything (as explain "
         "--force); KVSWAP_PROFILE=FILE is the calibration profile tried first; KVSWAP_PLUGINS=a,b loads only these "
-        "plugins, KVSWAP_DISABLE_PLUGINS=a,b none of these. Exit status: 0 done; 1 the work failed; 2 a usage "
-        "error (bad arguments, a forced implementation that cannot be honoured); 130 interrupted; 141 stdout "
-        "closed by its reader.",
+        "plugins, KVSWAP_DISABLE_PLUGINS=a,b none of these. " + EXIT_STATUS,
     )
     parser.add_argument("--version", action="version", version=f"kvswap {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
@@ -191,8 +213,8 @@ def build_parser() -> Parser:
     p = sub.add_parser("explain", help="how a transfer would be routed, and why",
                        description="Resolve a swap function as an engine would and print its decision trace: "
                        "candidates, rejections with reasons, calibration source, route per block-size class.")
-    p.add_argument("--direction", required=True, type=direction, metavar="h2d|d2h|d2d",
-                   help="h2d (host to device), d2h (device to host) or d2d (within one device)")
+    p.add_argument("--direction", "--directions", dest="direction", required=True, type=direction,
+                   metavar="h2d|d2h|d2d", help="h2d (host to device), d2h (device to host) or d2d (within one device)")
     p.add_argument("--block-bytes", type=block_list, metavar="N[,N...]",
                    help="block sizes the engine will copy, e.g. 8192,16384 (default: a route per block-size "
                    "class, as resolve() decides without them)")
@@ -228,13 +250,16 @@ def add_external(sub: Any, name: str, module: str) -> None:
 def unavailable(why: str) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         print(f"kvswap: error: {why}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
 
     return run
 
 
 def _one_line_warning(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
-    print(f"kvswap: warning: {message}", file=sys.stderr if file is None else file)
+    text = str(message)
+    # A library warning names kvswap for an engine's log; here the prefix already does.
+    text = text[len("kvswap "):] if text.startswith("kvswap ") else text
+    print(f"kvswap: warning: {text}", file=sys.stderr if file is None else file)
 
 
 def forced(args: Optional[argparse.Namespace]) -> Optional[str]:
@@ -255,18 +280,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return status
     except UsageError as e:
         print(e, file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    except DeviceNotFoundError as e:
+        print(f"kvswap: error: {e}", file=sys.stderr)
+        return EXIT_NO_DEVICE
     except ConfigurationError as e:
         print(f"kvswap: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     except ResolutionError as e:
         # A forced implementation that cannot be honoured is a mistake in the flag or switch.
         flag = "--force: " if getattr(args, "force", None) else ""
         print(f"kvswap: error: {flag}{e}", file=sys.stderr)
-        return 2 if forced(args) else 1
+        return EXIT_USAGE if forced(args) else EXIT_FAILED
     except KvSwapError as e:
         print(f"kvswap: error: {e}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     except BrokenPipeError:
         # The reader went away (``| head``): say nothing, and keep the interpreter's final
         # flush of stdout from failing again.
@@ -276,9 +304,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return EXIT_SIGPIPE
     except OSError as e:  # a result that could not be written (disk full, no permission)
         print(f"kvswap: error: {e}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     except KeyboardInterrupt:
         print("kvswap: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 

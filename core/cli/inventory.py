@@ -8,6 +8,7 @@ from ..memory import numa
 from ..registry.platform import detect
 from ..registry.plugins import PluginHost
 from ..resolution.lookup import find_calibration
+from ..resolution.plan import calibration_lines, sizes_taken
 from ..resolution.resolver import collect_impls
 from ..types import DeviceInfo
 
@@ -62,7 +63,7 @@ def format_report(info: dict[str, Any]) -> str:
         f"platform: {info['platform']}",
         f"device:   {d['name']} (identity {d['identity']}, {d['compute_units']} compute units, "
         f"arch {d['arch']}, link {d['link']})",
-        f"calibration: {cal['source']}" + ("" if cal["calibrated"] else " — not measured; run `kvswap calibrate`"),
+        *calibration_lines(cal, DeviceInfo(**d)),
         *numa.format_gpu_rows(info.get("gpus", [])),
         "plugins:",
     ]
@@ -74,5 +75,8 @@ def format_report(info: dict[str, Any]) -> str:
     for r in info["impls"]:
         mark = "+" if r["available"] else "-"
         status = "available" if r["available"] else f"unavailable: {r['reason']}"
+        c = r["constraints"]
+        if c["alignment"] > 1 or c["min_block_bytes"] > 1 or c["max_block_bytes"] is not None:
+            status += f"; takes {sizes_taken(c)}"
         lines.append(f"  {mark} {r['name']:<{width}} {r['kind']:<6} {','.join(r['directions']):<8} {status}")
     return "\n".join(lines)

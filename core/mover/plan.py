@@ -101,13 +101,14 @@ class Plan:
         self.templates = self.descriptors.templates
         self.checks = self.descriptors.checks
 
-    def by_ids(self, ids: list[BlockIds]) -> Optional[ByIdsFn]:
-        """The by-id transfer a job of these checked ids takes whole, or None (descriptors)."""
+    def by_ids(self, ids: list[BlockIds]) -> tuple[Optional[ByIdsFn], str]:
+        """The by-id transfer a job of these checked ids takes whole and its implementation's
+        name, or ``(None, "")`` (descriptors)."""
         steps = self.ids
         n = len(ids[0].src)
         if steps is None or not n:
-            return None
-        return steps.at(n * self.templates[0].count)[0]
+            return None, ""
+        return steps.at(n * self.templates[0].count)
 
     def issues_here(self, ids: list[BlockIds], thread_idle: bool) -> bool:
         """Whether a job of these ids is issued on the caller's thread on a threaded mover
@@ -119,5 +120,5 @@ class Plan:
         n = len(ids[0].src)
         if n * self.templates[0].count < self.here_from:
             return False
-        fn = self.by_ids(ids)
+        fn, _ = self.by_ids(ids)
         return fn is not None and fn.launch_only(n)

@@ -7,7 +7,7 @@ import re
 from functools import lru_cache
 from typing import Any, Optional
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, DeviceNotFoundError
 from ..types import DeviceInfo, slug
 from .plugins import PluginHost
 
@@ -77,7 +77,7 @@ def torch_device(spec: Optional[str]) -> DeviceInfo:
         )
     kind = torch_platform()
     if kind == "cpu":
-        raise ConfigurationError(f"device={spec!r}: torch sees no CUDA or ROCm device here")
+        raise DeviceNotFoundError(f"device={spec!r}: torch sees no CUDA or ROCm device here")
     count = torch.cuda.device_count()
     index = torch.cuda.current_device()
     if spec is not None:
@@ -85,7 +85,7 @@ def torch_device(spec: Optional[str]) -> DeviceInfo:
         if m.group(2) is not None:
             index = int(m.group(2))
     if not 0 <= index < count:
-        raise ConfigurationError(f"device={spec!r}: torch sees {count} device(s), 0..{count - 1}")
+        raise DeviceNotFoundError(f"device={spec!r}: torch sees {count} device(s), 0..{count - 1}")
     p = torch.cuda.get_device_properties(index)
     arch = getattr(p, "gcnArchName", "") if kind == "rocm" else f"sm_{p.major}{p.minor}"
     runtime = getattr(torch.version, "hip" if kind == "rocm" else "cuda", None) or "unknown"

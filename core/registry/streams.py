@@ -76,6 +76,11 @@ def _give_back(device_index: int, handle: int) -> None:
         _free.setdefault(device_index, []).append(handle)
 
 
+def valid_handle(handle: Any) -> bool:
+    """Whether an answer of ``kvswap_create_stream`` is a stream handle: an int > 0."""
+    return isinstance(handle, int) and not isinstance(handle, bool) and handle > 0
+
+
 def _create(device_index: int, host: Any, platform: Optional[str]) -> Optional[int]:
     from ..errors import KvSwapWarning
     from .platform import torch_platform
@@ -86,7 +91,7 @@ def _create(device_index: int, host: Any, platform: Optional[str]) -> Optional[i
     for plugin, handle in host.call_each("kvswap_create_stream", platform=platform, device_index=device_index):
         if handle is None:
             continue
-        if isinstance(handle, bool) or not isinstance(handle, int) or handle <= 0:
+        if not valid_handle(handle):
             host.drop(plugin, f"kvswap_create_stream returned {handle!r}, not a stream handle")
             continue
         return handle

@@ -142,6 +142,8 @@ class Calibration:
     :param calibrated: False for guesses; ``explain()`` then says how to calibrate.
     :param host_reference: measured host memory copies (the host reference, on a machine
         without an accelerator), not a device: ``explain()`` says so.
+    :param driver_version: the driver the numbers were measured under, where known;
+        ``explain()`` and ``kvswap info`` say so when the device runs another.
     """
 
     source: str
@@ -160,6 +162,7 @@ class Calibration:
     calibrated: bool = True
     identity: Optional[str] = None
     host_reference: bool = False
+    driver_version: Optional[str] = None
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> InvalidImplError:
@@ -314,6 +317,7 @@ class Calibration:
             "identity": self.identity,
             "host_reference": self.host_reference,
             "host_cost": bool(self.host_cost),
+            "driver_version": self.driver_version,
         }
 
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from ..types import DeviceInfo, Direction, Policy
 from .profiles import is_shipped
@@ -125,6 +125,32 @@ def human_bytes(n: Optional[int]) -> str:
     return f"{n} B"
 
 
+def sizes_taken(c: Mapping[str, Any]) -> str:
+    """The block sizes an implementation takes, from its constraints
+    (:meth:`kvswap.CopyImpl.constraints`), in words: ``blocks of 8 B to 1 MiB, in
+    multiples of 8 B``."""
+    lo, hi, a = c.get("min_block_bytes", 1), c.get("max_block_bytes"), c.get("alignment", 1)
+    span = f"{human_bytes(lo)} or more" if hi is None else f"{human_bytes(lo)} to {human_bytes(hi)}"
+    return f"blocks of {span}" + (f", in multiples of {a} B" if a > 1 else "")
+
+
+def _span(p: Plan, r: Route) -> str:
+    """The block sizes route ``r`` copies: its size classes, narrowed to what its
+    implementations take together (the smallest and largest block, and an alignment they
+    all need)."""
+    names = [n for n in (r.impl, r.small_batch_impl, *r.fallbacks) if n]
+    cons = [next((c.constraints for c in p.candidates if c.name == n), {}) for n in names]
+    lo = max(r.min_bytes, min(c.get("min_block_bytes", 1) for c in cons))
+    tops = [c.get("max_block_bytes") for c in cons]
+    hi = None if None in tops else max(tops)
+    if hi is not None and (r.max_bytes is None or hi < r.max_bytes):
+        upper = f" <= {human_bytes(hi)}"
+    else:
+        upper = "" if r.max_bytes is None else f" < {human_bytes(r.max_bytes + 1)}"
+    align = min(c.get("alignment", 1) for c in cons)
+    return f"{human_bytes(lo)} <= block{upper}" + (f", multiples of {align} B" if align > 1 else "")
+
+
 def _us(us: float) -> str:
     """Microseconds as a person reads them: 85 us, 1.2 ms."""
     return f"{us:.0f} µs" if us < 1000 else f"{us / 1000:.3g} ms"
@@ -136,6 +162,22 @@ def _constrained(p: Plan, impl: str) -> bool:
     return c.get("alignment", 1) > 1 or c.get("min_block_bytes", 1) > 1 or c.get("max_block_bytes") is not None
 
 
+def calibration_lines(cal: Mapping[str, Any], device: DeviceInfo) -> list[str]:
+    """Where the calibration comes from and what it is worth here, in words
+    (``Calibration.summary()``): what ``explain()`` and ``kvswap info`` both say."""
+    state = "measured" if cal.get("calibrated") else "NOT calibrated: run `kvswap calibrate` on this device"
+    if cal.get("calibrated") and is_shipped(str(cal.get("source"))):
+        state = "measured on another machine of this kind, shipped with kvswap: `kvswap calibrate` measures this one"
+    if cal.get("calibrated") and cal.get("host_reference"):
+        state = "host reference: host memory copies timed on a machine without an accelerator, not a device calibration"
+    lines = [f"calibration: {cal.get('source')} ({state})"]
+    then, now = cal.get("driver_version"), device.driver_version
+    if then and now and "unknown" not in (then, now) and then != now:
+        lines.append(f"calibration driver: measured under driver {then}; this device runs driver {now}, so its "
+                     "numbers may not hold (`kvswap calibrate` measures it under this one)")
+    return lines
+
+
 def _explain_lines(p: Plan) -> list[str]:
     d = p.device
     lines = [
@@ -145,12 +187,7 @@ def _explain_lines(p: Plan) -> list[str]:
         f"  policy: prefer={p.policy.prefer}, max_sms={p.policy.max_sms}, force={p.policy.force}",
     ]
     cal = p.calibration
-    state = "measured" if cal.get("calibrated") else "NOT calibrated: run `kvswap calibrate` on this device"
-    if cal.get("calibrated") and is_shipped(str(cal.get("source"))):
-        state = "measured on another machine of this kind, shipped with kvswap: `kvswap calibrate` measures this one"
-    if cal.get("calibrated") and cal.get("host_reference"):
-        state = "host reference: host memory copies timed on a machine without an accelerator, not a device calibration"
-    lines.append(f"  calibration: {cal.get('source')} ({state})")
+    lines += ["  " + line for line in calibration_lines(cal, d)]
     if not p.forced and not cal.get("host_cost"):
         lines.append("  host thread time per call: unmeasured, so no route is excluded by it "
                      "(`kvswap calibrate --only host-cost --update PROFILE` measures it)")
@@ -170,8 +207,7 @@ def _explain_lines(p: Plan) -> list[str]:
         lines.append(f"    {mark} {c.name:<{width}}  {c.kind:<6} (plugin {c.plugin}) {status}{extra}")
     lines.append("  routes by block size:")
     for r in p.routes:
-        upper = "" if r.max_bytes is None else f" < {human_bytes(r.max_bytes + 1)}"
-        span = f"{human_bytes(r.min_bytes)} <= block{upper}"
+        span = _span(p, r)
         pred = ", ".join(f"{n} {g:.1f}" if g is not None else f"{n} ?" for n, g in r.predicted)
         line = f"    {span:<28} -> {r.impl}"
         if pred:

@@ -154,6 +154,7 @@ def to_calibration(doc: Any, source: str) -> Calibration:
             staged_chunks=int((doc.get("staged") or {}).get("chunks_per_block", 0)),
             identity=identity,
             host_reference=doc.get("host_reference") is True,
+            driver_version=str(device["driver_version"]) if device.get("driver_version") else None,
         )
     except ProfileError:
         raise

@@ -9,7 +9,7 @@ from ..errors import ConfigurationError, ResolutionError, UnknownImplError
 from ..registry.failures import describe
 from ..registry.impl import BindContext, CopyImpl, same_addresses
 from .lookup import find_calibration
-from .plan import Candidate, Plan, Route
+from .plan import Candidate, Plan, Route, human_bytes, sizes_taken
 from .routing import knee_sms, routes as build_routes, tiers_at
 from ..registry.platform import detect
 from ..registry.plugins import PluginHost, collect_impls, plugin_host
@@ -68,31 +68,29 @@ def _bind_tiers(
     return routes, tiered
 
 
-def _limits(impl: CopyImpl) -> str:
-    """The block sizes ``impl`` takes, in words."""
-    top = "" if impl.max_block_bytes is None else f" to {impl.max_block_bytes}"
-    step = f", multiples of {impl.alignment}" if impl.alignment > 1 else ""
-    return f"takes {impl.min_block_bytes}{top or ' or more'} bytes{step}"
-
-
 def _unmeasured_notes(routes: tuple[Route, ...], candidates: list[Candidate], builtin: frozenset[str],
                       cal: Calibration) -> list[str]:
     """Why another plugin's implementation took a route without a measurement: where
     nothing predicts it, it ranks below every predicted and every built-in route, so only
     where none of them can copy; where only guesses predict it, they said so."""
-    plugin = {c.name: c.plugin for c in candidates}
+    known = {c.name: c for c in candidates}
     out = []
     for r in routes:
         if r.impl in builtin:
             continue
-        span = f"{r.min_bytes}-{r.max_bytes} bytes" if r.max_bytes is not None else f"{r.min_bytes}+ bytes"
-        who = f"{r.impl} (plugin {plugin.get(r.impl)}) takes blocks of {span}"
+        c = known[r.impl]
+        who = f"{r.impl} (plugin {c.plugin}), which takes {sizes_taken(c.constraints)},"
         if dict(r.predicted).get(r.impl) is None:
-            out.append(f"{who} unmeasured: no calibration predicts it, and no measured or built-in route "
-                       f"can copy these sizes")
+            out.append(f"{who} took {_span_words(r)} unmeasured: no calibration predicts it, and no measured or "
+                       f"built-in route can copy these sizes")
         elif not cal.calibrated:
-            out.append(f"{who} by numbers that are not measured ({cal.source})")
+            out.append(f"{who} is ranked by numbers that are not measured ({cal.source})")
     return out
+
+
+def _span_words(r: Route) -> str:
+    top = "" if r.max_bytes is None else f" to {human_bytes(r.max_bytes)}"
+    return f"blocks of {human_bytes(r.min_bytes)}{top or ' or more'}"
 
 
 def _link_for(usable: list[CopyImpl], bound: dict[str, Any], builtin: frozenset[str],
@@ -242,7 +240,7 @@ def resolve(
             )
         refused = [s for s in sizes if not any(i.accepts_size(s) for i in usable)]
         if refused:
-            limits = "; ".join(f"{i.name} {_limits(i)}" for i in usable)
+            limits = "; ".join(f"{i.name} takes {sizes_taken(i.constraints())}" for i in usable)
             raise ResolutionError(
                 f"no usable implementation can copy blocks of {', '.join(map(str, refused))} bytes "
                 f"{direction} on {dev.platform} device {dev.name!r} ({limits})"

@@ -8,6 +8,7 @@ import numpy as np
 
 from ..addressing.descriptors import merge_runs, run_starts, validate
 from ..errors import DriverError, InvalidTransferError
+from ..registry.failures import copy_failure
 from ..registry.impl import CopyImpl, TransferFn
 from ..registry.thresholds import Calibration
 from .plan import Plan, Route
@@ -173,8 +174,11 @@ class SwapFn:
             if steps.plain[i]:
                 try:
                     steps.fns[i](src, dst, n, stream)
-                except DriverError as e:
-                    raise _callers_index(e, None, given) from e
+                except Exception as e:
+                    out = _raised(e, steps.keys[i][0], None, given)
+                    if out is e:
+                        raise
+                    raise out from e
                 return
         try:
             parts = self.assign(src, dst, n)
@@ -193,8 +197,11 @@ class SwapFn:
                     fn(src, dst, n, stream)
                 else:
                     fn(src[sel], dst[sel], n[sel], stream)
-            except DriverError as e:
-                raise _callers_index(e, sel, given) from e
+            except Exception as e:
+                out = _raised(e, name, sel, given)
+                if out is e:
+                    raise
+                raise out from e
 
     def _merged(self, src: np.ndarray, dst: np.ndarray, n: np.ndarray) -> Optional[tuple[np.ndarray, ...]]:
         """The batch with contiguous runs merged, or None where that does not pay: fewer
@@ -320,6 +327,13 @@ class SwapFn:
         idx = np.arange(len(sizes)) if sel is None else sel
         for size in np.unique(sizes):
             out.append((impl.name, sms, idx[sizes == size]))
+
+
+def _raised(e: Exception, impl: str, sel: Optional[np.ndarray], given: Optional[tuple]) -> Exception:
+    """What the caller gets for ``e``, raised by ``impl``'s copy (:func:`copy_failure`): a
+    DriverError with its descriptor index turned into the caller's (:func:`_callers_index`)."""
+    out = copy_failure(e, impl)
+    return _callers_index(out, sel, given) if isinstance(out, DriverError) else out
 
 
 def _callers_index(e: DriverError, sel: Optional[np.ndarray], given: Optional[tuple]) -> DriverError:

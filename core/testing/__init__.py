@@ -4,11 +4,11 @@ Load it on request; it is never loaded into other projects' test runs::
 
     pytest -p kvswap.testing --kvswap-impl NAME [--kvswap-device DEVICE] [--kvswap-seed N]
 
-Given ``--kvswap-impl``, the run collects only the kit's own suite
-(:mod:`kvswap.testing.conformance`), from any directory and without the caller's test
-files (paths given with it are a usage error). A name that no loaded plugin registers for the
-device's platform is a usage error (exit status 4). Without ``--kvswap-impl`` the plugin
-does nothing.
+The run collects only the kit's own suite (:mod:`kvswap.testing.conformance`), from any
+directory and without the caller's test files (paths given with it are a usage error). A
+name that no loaded plugin registers for the device's platform is a usage error (exit
+status 4), and so is a run without ``--kvswap-impl``: both say which implementations are
+registered for the device.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import pytest
 
-from .target import KitUsageError, Target, find_target
+from .target import KitUsageError, Target, find_target, registered_here
 
 __all__ = ["SUITE", "Target", "get_target"]
 
@@ -46,9 +46,9 @@ def pytest_configure(config: pytest.Config) -> None:
     name: Optional[str] = config.getoption("kvswap_impl")
     device: Optional[str] = config.getoption("kvswap_device")
     if not name:
-        if device:
-            raise pytest.UsageError("--kvswap-device needs --kvswap-impl NAME")
-        return
+        # Loaded on request (-p kvswap.testing), the kit certifies one implementation: run
+        # without one, it would collect whatever lies in the current directory.
+        raise pytest.UsageError(f"the kvswap conformance kit needs --kvswap-impl NAME: {registered_here(device)}")
     if config.args_source == pytest.Config.ArgsSource.ARGS:
         raise pytest.UsageError(f"--kvswap-impl runs the kit's own suite; drop the paths {config.args}")
     try:

@@ -17,6 +17,7 @@ import pytest
 import kvswap
 from kvswap import BindContext, Direction, InvalidTransferError, Policy, ResolutionError
 from kvswap.cli.inventory import KNOWN_PLATFORMS
+from kvswap.registry import streams
 from kvswap.resolution.resolver import collect_impls, host_translator
 from kvswap.testing import Target, get_target
 from kvswap.testing.memory import Transfer, adjacent_runs, make_transfer
@@ -130,6 +131,33 @@ def test_plugin_stays_loaded_through_a_resolve(kit: Target) -> None:
         except ResolutionError:
             pass  # nothing usable for this direction: the hooks were called all the same
     _alive(kit)
+
+
+def test_stream_hook_answers_a_handle_or_none(kit: Target) -> None:
+    """On an accelerator, kvswap asks every plugin for a stream of its own
+    (``kvswap_create_stream``) when a mover or route first needs one; a hook that raises or
+    answers anything but None or a stream handle drops the whole plugin. Asked for this
+    device, the plugin's hook answers; a handle it gives is a stream that runs work."""
+    index = kit.device.index or 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        answers = [h for plugin, h in kit.host.call_each("kvswap_create_stream", platform=kit.device.platform,
+                                                         device_index=index) if plugin == kit.plugin]
+    _alive(kit)
+    for handle in answers:
+        assert handle is None or streams.valid_handle(handle), (
+            f"{kit.plugin}'s kvswap_create_stream returned {handle!r}: it must return None or a stream handle "
+            "(an int > 0); kvswap drops a plugin that answers otherwise")
+        if handle is not None and kit.memory == "accelerator":
+            import torch
+
+            stream = torch.cuda.ExternalStream(handle, device=kit.torch_device)
+            x = torch.arange(1 << 16, device=kit.torch_device)
+            with torch.cuda.stream(stream):
+                y = x * 3
+            stream.synchronize()
+            assert torch.equal(y, torch.arange(1 << 16, device=kit.torch_device) * 3), (
+                f"work enqueued on the stream {kit.plugin}'s kvswap_create_stream created gave wrong results")
 
 
 def test_registered_only_for_platforms_it_serves(kit: Target) -> None:

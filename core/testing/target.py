@@ -142,6 +142,18 @@ def not_loaded(host: PluginHost) -> str:
     return f"; plugins not loaded: {'; '.join(idle)}" if idle else ""
 
 
+def registered_here(device: Optional[str]) -> str:
+    """What ``--kvswap-impl`` may name on ``device``, in words (a usage error's advice)."""
+    host = plugin_host()
+    try:
+        dev = detect(host, device)
+    except ConfigurationError as e:
+        return f"--kvswap-device={device!r}: {e}{not_loaded(host)}"
+    names = sorted(i.name for _, i in collect_impls(host, dev.platform))
+    return (f"registered for {dev.platform} device {dev.name!r}: {', '.join(names) or 'none'} (pass "
+            f"--kvswap-device for a device of another platform){not_loaded(host)}")
+
+
 def find_target(name: str, device: Optional[str]) -> Target:
     """The impl called ``name`` on ``device`` (None: the current accelerator, else the CPU).
 

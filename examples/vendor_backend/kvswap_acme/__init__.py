@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from kvswap import Calibration, CopyImpl, Curve, DeviceInfo, Direction, hookimpl
+from kvswap import Calibration, CopyImpl, Curve, DeviceInfo, hookimpl
 
 from .copy import ACME_COPY, PLATFORM
 
@@ -56,6 +56,6 @@ def kvswap_register_calibrations(device: DeviceInfo, register: Callable[[Calibra
         source="kvswap-acme defaults (illustrative numbers, not measured)",
         platform=PLATFORM,
         scope="platform",
-        curves=tuple(Curve("acme.copy", d, ((4096, 2.0), (65536, 6.0), (1 << 20, 8.0))) for d in Direction),
+        curves=tuple(Curve("acme.copy", d, ((4096, 2.0), (65536, 6.0), (1 << 20, 8.0))) for d in ACME_COPY.directions),
         calibrated=False,
     ))

@@ -330,12 +330,16 @@ class StagedByIds(ByIdsFn):
                      f"{slots} block(s) per slice")
 
     def __call__(self, src_ids: np.ndarray, dst_ids: np.ndarray, stream: Any = None) -> None:
-        """Copy the blocks: every slice prepared (its ids packed for its gather or scatter,
-        its link runs merged and spread over the link streams), then all issued at once
-        (:class:`Pipeline`)."""
-        if not len(src_ids):
-            return
+        """Copy the blocks: :meth:`pack`, then its launch."""
+        self.pack(src_ids, dst_ids)(stream)
+
+    def pack(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> Job:
+        """Every slice of a job prepared (its ids packed for its gather or scatter, its link
+        runs merged and spread over the link streams); the returned launch issues them all
+        at once (:class:`Pipeline`). A BlockMover packs before the job's start marker."""
         st, r, per = self.staged, self.runs, self.slots
+        if not len(src_ids):
+            return Job(st, [])
         host_ids, dev_ids = (dst_ids, src_ids) if st.to_host else (src_ids, dst_ids)
         order = np.argsort(host_ids, kind="stable")
         host_ids, dev_ids = host_ids[order], dev_ids[order]
@@ -353,19 +357,39 @@ class StagedByIds(ByIdsFn):
         a, b, z, bounds = _merged(staged, host, sizes, firsts) if st.to_host else \
             _merged(host, staged, sizes, firsts)
         streams = halves.streams
-        slices: list[Slice] = []
+        job = Job(st, [])
         try:
             for k in range(count):
                 h = (first + k) % 2
                 dev, slots = dev_ids[k * per:(k + 1) * per], self.slot_ids[:min(per, n - k * per)]
                 device = self.kernels[h].pack(dev, slots) if st.to_host else self.kernels[h].pack(slots, dev)
                 m0, m1 = bounds[k], bounds[k + 1]
-                slices.append(Slice(h, device, _parts(a[m0:m1], b[m0:m1], z[m0:m1], streams)))
+                job.slices.append(Slice(h, device, _parts(a[m0:m1], b[m0:m1], z[m0:m1], streams)))
         except BaseException:
-            for sl in slices:
-                sl.device.cancel()
+            job.cancel()
             raise
-        halves.issue(slices, st.to_host, stream, st.link)
+        return job
+
+
+class Job:
+    """A staged job's slices, prepared: ``job(stream)`` issues them all at once;
+    ``job.cancel()`` where it never will (what each slice packed goes back)."""
+
+    __slots__ = ("staged", "slices")
+
+    def __init__(self, staged: StagedCopy, slices: list[Slice]) -> None:
+        self.staged, self.slices = staged, slices
+
+    def __call__(self, stream: Any = None) -> None:
+        slices, self.slices = self.slices, []
+        if slices:
+            st = self.staged
+            st.halves().issue(slices, st.to_host, stream, st.link)
+
+    def cancel(self) -> None:
+        slices, self.slices = self.slices, []
+        for sl in slices:
+            sl.device.cancel()
 
 
 class _SlotTemplate:

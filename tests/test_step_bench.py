@@ -544,7 +544,9 @@ def test_render_prints_the_grid_of_kvswap_bench_as_it_ran(tmp_path):
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].endswith("— `kvswap bench --device cpu`") and lines[2] == "```text"
-    assert lines[3].startswith("h2d: GB/s (contiguous ceiling ")
+    # On a host the scattered copies can beat the contiguous one measured beside them; the
+    # header then says so instead of calling it a ceiling (either is right here).
+    assert lines[3].startswith(("h2d: GB/s (contiguous ceiling ", "h2d: GB/s (a contiguous copy "))
     rows = [line.split()[:3] for line in lines
             if line.strip().startswith(("4 KiB", "64 KiB")) and line.split()[2].isdigit()]  # not "... x 16:"
     assert rows == [["4", "KiB", "16"], ["4", "KiB", "64"], ["64", "KiB", "16"], ["64", "KiB", "64"]]

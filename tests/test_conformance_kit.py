@@ -273,17 +273,22 @@ def vendor_plugin(tmp_path, monkeypatch):
     forget_modules(module)
 
 
-VENDOR = BACKENDS.split("@hookimpl")[0] + '''
+def vendor_with(hook: str) -> str:
+    """A plugin that registers the good ``kit.vendor`` on the CPU, plus ``hook`` (source)."""
+    return BACKENDS.split("@hookimpl")[0] + '''
 @hookimpl
 def kvswap_register_copy_impls(platform, register):
     if platform == "cpu":
         register(impl("vendor", good))
 
+''' + hook
 
+
+VENDOR = vendor_with('''
 @hookimpl
 def kvswap_register_calibrations(device, register):
     raise RuntimeError("calibration table missing")
-'''
+''')
 
 
 def test_a_plugin_dropped_by_another_of_its_hooks_fails_the_kit_naming_the_hook(vendor_plugin, pytester):
@@ -332,17 +337,11 @@ def test_the_kit_without_an_impl_is_a_usage_error_that_lists_the_registered_ones
     assert "host.reference" in out.stderr and "no_such_module" not in out.stdout + out.stderr
 
 
-STREAM_HOOK = BACKENDS.split("@hookimpl")[0] + '''
-@hookimpl
-def kvswap_register_copy_impls(platform, register):
-    if platform == "cpu":
-        register(impl("vendor", good))
-
-
+STREAM_HOOK = vendor_with('''
 @hookimpl
 def kvswap_create_stream(platform, device_index):
     raise RuntimeError("the vendor SDK has no streams")
-'''
+''')
 
 
 def test_a_stream_hook_that_raises_fails_the_kit(vendor_plugin, pytester):

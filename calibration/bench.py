@@ -2,8 +2,9 @@
 
 At each (direction, block size, batch) point, in one process and interleaved in rounds:
 every available impl bound exactly as the resolver binds it, the SwapFn ``resolve()``
-returns for that block size, and the policy of the original Triton fast path in vLLM as a
-peer baseline. Ratios: resolved / best candidate (1.0 = no regret) and resolved / peer, each
+returns for that block size, and vLLM's policy as a peer baseline: on a CUDA device as vLLM
+ships it (:mod:`.peer`: what each of its calls costs included), elsewhere on kvswap's
+routes. Ratios: resolved / best candidate (1.0 = no regret) and resolved / peer, each
 from the rounds in which the two were timed together (:func:`~.timing.paired`).
 
 Then every point under a bar (:data:`BAR_BEST`; :data:`BAR_PEER` where the peer takes
@@ -21,6 +22,8 @@ from kvswap.registry.platform import detect
 from kvswap.registry.plugins import PluginHost, plugin_host
 
 from .binding import bound_at
+from .peer import PEER_BATCH, PEER_KERNEL, PEER_MAX_BLOCK, PEER_MIN_BATCH, PEER_SMS, SHIPPED, on_routes, \
+    peer_route, shipped
 from .bench_records import (BenchFailure, BenchResult, BenchRow, CandidateTiming, Confirm, PeerTiming, Ratios,
                             ResolvedTiming, Summary)
 from .progress import Progress
@@ -29,19 +32,10 @@ from .workload import Batch, Pools
 
 KiB, MiB = 1024, 1 << 20
 
-# The peer: vLLM's original Triton fast path (H100-tuned): kernel on 12 SMs for blocks
-# under 28 KiB in batches of at least 16 descriptors, batch DMA otherwise; d2h always DMA.
-PEER_KERNEL, PEER_BATCH = "triton.kernel", "cuda.batch"
-PEER_SMS, PEER_MAX_BLOCK, PEER_MIN_BATCH = 12, 28 * KiB, 16
+# The peer: vLLM's Triton fast path (H100-tuned): kernel on 12 SMs for blocks under 28 KiB in
+# batches of at least 16 descriptors, batch DMA otherwise; d2h always DMA.
 PEER_POLICY = (f"h2d: {PEER_KERNEL} on {PEER_SMS} SMs when block < {PEER_MAX_BLOCK // KiB} KiB and batch >= "
                f"{PEER_MIN_BATCH}, else {PEER_BATCH}; d2h: always {PEER_BATCH}")
-
-
-def peer_route(direction: str, block_bytes: int, batch: int) -> tuple[str, Optional[int]]:
-    """The impl (and SM count) the peer policy uses at this point."""
-    if direction == "h2d" and block_bytes < PEER_MAX_BLOCK and batch >= PEER_MIN_BATCH:
-        return PEER_KERNEL, PEER_SMS
-    return PEER_BATCH, None
 
 
 @dataclass(frozen=True)
@@ -147,12 +141,15 @@ def run_bench(device: Any, settings: BenchSettings, directions: Sequence[Any], *
         resolved = {b: resolve(d, device=device, host=host, block_bytes=b) for b in settings.block_sizes}
         out.calibration[d] = next(iter(resolved.values())).plan.calibration
         cands = _candidates(d, dev, device, host, resolved, out)
-        peer: dict[tuple[str, Optional[int]], Any] = {}
-        if {PEER_KERNEL, PEER_BATCH} <= {fn.plan.forced for fn, _ in cands.values()}:
-            # Its own functions, as a peer engine would hold: never a candidate's object.
-            peer[(PEER_KERNEL, PEER_SMS)] = bound_at(d, dev, device, host, PEER_KERNEL, PEER_SMS)
-            peer[(PEER_BATCH, None)] = resolve(d, device=device, host=host, policy=Policy(force=PEER_BATCH))
-        elif len(cands) > 1:  # one route alone is held against nothing
+        # As shipped where it can run so (its calls' own costs are what it is measured by, so it
+        # never does the very work resolved does), else on kvswap's routes.
+        peer = shipped(d, dev, device, host, settings.block_sizes)
+        same_work = peer is None
+        if peer is not None:
+            out.peer_policy = f"{PEER_POLICY} ({SHIPPED})"
+        else:
+            peer = on_routes(d, dev, device, host, {fn.plan.forced for fn, _ in cands.values()})
+        if peer is None and len(cands) > 1:  # one route alone is held against nothing
             out.notes.append(f"{d}: peer baseline not applicable here: it needs {PEER_KERNEL} and {PEER_BATCH}")
         for b in settings.block_sizes:
             for n in settings.batch_sizes:
@@ -164,14 +161,14 @@ def run_bench(device: Any, settings: BenchSettings, directions: Sequence[Any], *
             b, n = point
             progress.step(f"{d} grid" + (f" (pass {i + 1} of {passes})" if passes > 1 else ""))
             drawn[point] = batch = pools.batch(d, b, n)
-            return _time_point(d, pools, timer, settings, batch, _contenders(d, b, n, cands, resolved[b], peer),
+            return _time_point(d, pools, timer, settings, batch, _contenders(b, n, cands, resolved[b], peer),
                                passes, out)
 
         times = in_passes(grid, passes, time_point)
         rows = {}
         for b, n in grid:  # a contender that failed a check at a point in any pass has no timing there
             rows[(b, n)] = _row(d, drawn[(b, n)], _passed(d, b, n, times[(b, n)], out), cands, resolved[b],
-                                bool(peer), out)
+                                peer is not None, same_work, out)
         suspects = [p for p, r in rows.items() if _suspect(r)] if settings.confirm else []
         if suspects:
             progress.add(settings.confirm * len(suspects))
@@ -184,7 +181,7 @@ def run_bench(device: Any, settings: BenchSettings, directions: Sequence[Any], *
                 if r.best is not None:
                     who.append((r.best, cands[r.best][0]))
                 if _suspect(r, best=False):
-                    who.append(("peer", peer[peer_route(d, b, n)]))
+                    who.append(("peer", peer(b, n)))
                 return _time_point(d, pools, timer, settings, pools.batch(d, b, n), who, settings.confirm, out)
 
             again = in_passes(suspects, settings.confirm, time_again)
@@ -294,13 +291,13 @@ def same_work(rows: Sequence[BenchRow]) -> list[float]:
     return out
 
 
-def _contenders(d: str, block_bytes: int, n: int, cands: dict[str, tuple[Any, Any]], resolved: Any,
-                peer: dict[tuple[str, Optional[int]], Any]) -> list[tuple[str, Any]]:
+def _contenders(block_bytes: int, n: int, cands: dict[str, tuple[Any, Any]], resolved: Any,
+                peer: Optional[Callable[[int, int], Any]]) -> list[tuple[str, Any]]:
     """What one point times: every candidate, the resolved function and the peer's route."""
     out: list[tuple[str, Any]] = [(name, fn) for name, (fn, _) in sorted(cands.items())]
     out.append(("resolved", resolved))
-    if peer:
-        out.append(("peer", peer[peer_route(d, block_bytes, n)]))
+    if peer is not None:
+        out.append(("peer", peer(block_bytes, n)))
     return out
 
 
@@ -326,7 +323,7 @@ def _time_point(d: str, pools: Pools, timer: Any, s: BenchSettings, batch: Batch
 
 
 def _row(d: str, batch: Batch, times: dict[str, list[list[float]]], cands: dict[str, tuple[Any, Any]],
-         resolved: Any, has_peer: bool, out: BenchResult) -> BenchRow:
+         resolved: Any, has_peer: bool, same_work: bool, out: BenchResult) -> BenchRow:
     """A point's row from its contenders' timings over the passes (``batch``: its last draw).
     GB/s from each contender's own timings (:func:`~.timing.pooled`); every ratio to the
     resolved function from the rounds they were timed in together (:func:`~.timing.paired`),
@@ -350,7 +347,7 @@ def _row(d: str, batch: Batch, times: dict[str, list[list[float]]], cands: dict[
         *over_best, *over_peer,
         direction=d, block_bytes=block_bytes, batch=n, ceiling_gbps=out.ceiling_gbps[d], candidates=cand, best=best,
         resolved=ResolvedTiming(gbps.get("resolved"), route),
-        peer=PeerTiming(gbps["peer"], label(*peer_key), label(*peer_key) == route)
+        peer=PeerTiming(gbps["peer"], label(*peer_key), same_work and label(*peer_key) == route)
         if peer_key and "peer" in gbps else None,
         repeats=sum(map(len, times["resolved"])) if "resolved" in times else 0,
     )

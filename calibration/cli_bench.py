@@ -1,4 +1,4 @@
-"""``kvswap bench``: the resolved route against every candidate and vLLM's original policy."""
+"""``kvswap bench``: the resolved route against every candidate and vLLM's policy."""
 from __future__ import annotations
 
 import argparse
@@ -13,9 +13,10 @@ HELP = "compare the resolved route with every candidate and a peer policy over a
 DESCRIPTION = (
     "In one process, for a grid of block sizes x batch sizes in both directions, measure the "
     "contiguous ceiling, every available implementation (bound as the resolver binds it), the "
-    "SwapFn resolve() returns, and the policy of vLLM's original Triton fast path as a peer "
-    "baseline (kernel on 12 SMs for blocks under 28 KiB in batches of at least 16, batch DMA "
-    "otherwise; device to host always batch DMA). Prints GB/s, resolved/best-candidate "
+    "SwapFn resolve() returns, and vLLM's policy as a peer baseline (kernel on 12 SMs for "
+    "blocks under 28 KiB in batches of at least 16, batch DMA otherwise; device to host always "
+    "batch DMA), on a CUDA device as vLLM PR 42212 ships it: the kernel's descriptors packed by "
+    "numpy and uploaded by torch on every call, the batch DMA one unchecked driver call. Prints GB/s, resolved/best-candidate "
     "(regret) and resolved/peer, and writes them as JSON with --json. On a machine without an "
     "accelerator it measures the host reference's host memory copies."
 )
@@ -40,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "time, the rounds above shared among the passes (default on a GPU: 3; on the host: 1)")
     p.add_argument("--confirm", type=non_negative, metavar="N",
                    help="after the grid, time each point under a bar (resolved under 0.97 x the best candidate, "
-                   "or under 1.0 x the peer where the peer takes another route) N passes more on fresh draws, "
+                   "or under 1.0 x the peer where it is not the same code) N passes more on fresh draws, "
                    "against the same best candidate, and report those ratios beside the grid's: the worst of many "
                    "points is mostly the draw that came out lowest (default on a GPU: 3; on the host: 1; 0: off)")
     from .multi import add_arguments as add_multi

@@ -95,9 +95,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--reps", type=positive, default=STEP_ONLY["reps"], metavar="N",
                    help="repetitions per case, contenders interleaved; numbers are medians (default 7)")
     g.add_argument("--variants", action="store_true",
-                   help="also run the default with one older mechanism taken away each: without `within`, "
-                   "without its issuing thread, sending descriptors instead of ids, and with the CUDA issuer "
-                   "thread on (what each still gains shows against the default)")
+                   help="also run the default with one older mechanism taken away each: without its issuing "
+                   "thread, without launching large by-id jobs in submit, and sending descriptors instead of ids "
+                   "(what each still gains shows against the default, beside a second run of the default, whose "
+                   "spread is the noise)")
     g.add_argument("--plot", type=Path, metavar="FILE.png", help="also draw the results (needs matplotlib)")
     g.add_argument("--render", type=Path, nargs="+", metavar="FILE.json",
                    help="measure nothing: print as markdown the JSON file(s) of one device that kvswap bench "

@@ -21,7 +21,6 @@ into :attr:`kvswap.Calibration.host_cost`. Run it alone with
 from __future__ import annotations
 
 import argparse
-from bisect import bisect_right
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -161,10 +160,10 @@ def measure(env: Any, dev: DeviceInfo, directions: Sequence[Direction], settings
     """One record per direction, route of ``kinds`` and descriptor count: the median of
     ``reps`` calls' held microseconds (``held_us``), each call on fresh random block ids,
     over a host side of ``host_layout``. A staged route is called by ids, as a BlockMover
-    calls it (:func:`kvswap.mover.descriptors.by_ids_steps`); the others on descriptors.
+    calls it (:func:`kvswap.mover.plan.bind_ids`); the others on descriptors.
 
     :param spec: the device as the caller named it (default ``dev.torch_device``)."""
-    from kvswap.mover.descriptors import by_ids_steps
+    from kvswap.mover.plan import bind_ids
 
     from .step_workload import StepPools
 
@@ -189,13 +188,13 @@ def measure(env: Any, dev: DeviceInfo, directions: Sequence[Direction], settings
             progress.add(len(routes) * len(counts))
         for impl, kind, sms, fn in routes:
             expect = 0.0
-            ids_steps = by_ids_steps(fn, template) if kind == "staged" else None
+            ids_steps = bind_ids(fn, template) if kind == "staged" else None
             for blocks in counts:
                 def draw() -> tuple[np.ndarray, np.ndarray, Any]:
                     sid, did = pools.draw(rng, blocks)
                     if ids_steps is not None:
-                        by_ids = ids_steps[1][bisect_right(ids_steps[0], blocks * per_block) - 1]
-                        return sid, did, lambda stream: by_ids(sid, did, stream)
+                        by_ids, _ = ids_steps.at(blocks * per_block)
+                        return sid, did, lambda stream: by_ids.pack(sid, did)(stream)
                     m = template.fill(sid, did, buf)
                     s, t, z = (np.ascontiguousarray(buf[i, :m]) for i in range(3))
                     return sid, did, lambda stream: fn.call_validated(s, t, z, stream=stream)

@@ -12,11 +12,7 @@ beside a compute load on the compute stream (bf16 GEMMs sized to the step's leng
   step's compute;
 * device to host (an offload) waits for the work queued before the step (the writes of
   the blocks it copies), as the default ordering does for a job submitted at the start of
-  a step, and runs beside the step's compute too;
-* the submit says how long the copy has beside the compute (``within``: the compute's
-  time alone in the same repetition), as an engine that times its steps can: a job may
-  then take the route that uses no SMs where that is predicted to end the step sooner.
-  The table's route names that route "beside compute" where it differs.
+  a step, and runs beside the step's compute too.
 
 Each contender (:mod:`.step_contenders`) is a :class:`~kvswap.Policy` (or a kernel bound at
 exactly 12 SMs) given to a BlockMover over the same tensors. Beside them runs the reference,
@@ -50,8 +46,8 @@ from kvswap import BlockMover, TransferResult
 from kvswap.types import DeviceInfo, Direction, Policy
 
 from .progress import Progress
-from .step_contenders import (CONTENDERS, KERNEL_SMS, VARIANTS, VLLM_POLICY, Contender, Routes, beside_label,
-                              bind, contenders_for, exact_sms_calibration, is_staged, make_mover, route_label,
+from .step_contenders import (CONTENDERS, KERNEL_SMS, VARIANTS, VLLM_POLICY, Contender, Routes, bind,
+                              contenders_for, exact_sms_calibration, is_staged, make_mover, route_label,
                               routes_available)
 from .step_contiguous import CONTIGUOUS, ContiguousBuffers, ContiguousCopy
 from .step_workload import HOST_LAYOUTS, DeviceEnv, HostEnv, StepPools, WrongBytes
@@ -141,10 +137,8 @@ def _ms(values: Sequence[float]) -> Optional[float]:
 
 
 def one_step(env: Any, pools: StepPools, mover: BlockMover, direction: Direction, sid: np.ndarray,
-              did: np.ndarray, within: Optional[float] = None) -> tuple[float, float, float, float]:
-    """Launch the compute, then submit: ``(submit s, transfer s, compute s, makespan s)``.
-    ``within``: what the engine tells the mover about the time the copy has beside the
-    compute (the step's compute time, for both a load the next step reads and an offload)."""
+             did: np.ndarray) -> tuple[float, float, float, float]:
+    """Launch the compute, then submit: ``(submit s, transfer s, compute s, makespan s)``."""
     pools.poison(direction)
     with env.context():
         env.sync()
@@ -153,7 +147,7 @@ def one_step(env: Any, pools: StepPools, mover: BlockMover, direction: Direction
         env.launch_compute()
         c1 = env.mark()
         h0 = time.perf_counter()
-        job = env.submit(mover, sid, did, None if direction.src_is_host else written, within)
+        job = env.submit(mover, sid, did, None if direction.src_is_host else written)
         h1 = time.perf_counter()
         mover.wait_issued(job)  # the job's copy is on the transfer stream before t1 is
         t1 = env.mark(mover.stream)
@@ -208,7 +202,7 @@ def run_case(env: Any, pools: StepPools, dev: DeviceInfo, direction: Direction, 
     if buffers is None:
         buffers = ContiguousBuffers(env, nbytes, pools.seed)
     copy = ContiguousCopy(buffers, direction, cache.block_bytes)
-    reference = Contender(CONTIGUOUS, Policy(), within=False)  # no mover is built for it
+    reference = Contender(CONTIGUOUS, Policy())  # no mover is built for it
     measured = [reference] + [c for c in contenders if c.same_as is None]
     movers: dict[str, Any] = {CONTIGUOUS: copy}
     sides: dict[str, Any] = {c.name: copy if c is reference else pools for c in measured}  # what poisons, checks
@@ -216,7 +210,6 @@ def run_case(env: Any, pools: StepPools, dev: DeviceInfo, direction: Direction, 
     runs = {c.name: Runs() for c in measured}
     routes: dict[str, str] = {CONTIGUOUS: copy.label(blocks)}
     staged: dict[str, bool] = {}
-    beside_routes: dict[str, Optional[str]] = {}
     sid, did = pools.draw(rng, blocks)
     # The link's ceiling: the faster of a contiguous copy timed before the case and after
     # it, so that a moment when the machine was slow does not flatter the contenders.
@@ -245,9 +238,7 @@ def run_case(env: Any, pools: StepPools, dev: DeviceInfo, direction: Direction, 
                 try:
                     got.alone.append(transfer_alone(env, side, m, direction, sid, did))
                     got.bytes_checked += side.check(direction, sid, did)
-                    s, t, comp, span = one_step(env, side, m, direction, sid, did, alone_c if c.within else None)
-                    if c.within:
-                        beside_routes.setdefault(c.name, beside_label(m, cache, blocks, alone_c, staged[c.name]))
+                    s, t, comp, span = one_step(env, side, m, direction, sid, did)
                     got.bytes_checked += side.check(direction, sid, did)
                 except Exception as e:
                     errors[c.name] = f"{type(e).__name__}: {e}"
@@ -272,8 +263,6 @@ def run_case(env: Any, pools: StepPools, dev: DeviceInfo, direction: Direction, 
         who = c.same_as or c.name
         got = runs[who]
         route = routes.get(who, "?")
-        if beside_routes.get(who):
-            route = f"{route}; {beside_routes[who]} beside compute"
         res = ContenderResult(c.name, route, c.same_as, staged=staged.get(who, False), error=errors.get(who))
         if got.makespan:
             alone, beside = median(got.alone), median(got.beside)

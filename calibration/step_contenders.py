@@ -2,8 +2,6 @@
 routes available to them here, and the route each one's job took, as the tables name it."""
 from __future__ import annotations
 
-import os
-import re
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -14,7 +12,8 @@ from kvswap import BlockMover
 from kvswap.registry.thresholds import Calibration
 from kvswap.types import DeviceInfo, Direction, Policy
 
-from .bench import PEER_KERNEL, PEER_MAX_BLOCK, PEER_MIN_BATCH, PEER_SMS, label, peer_route
+from .bench import label
+from .peer import PEER_KERNEL, PEER_MAX_BLOCK, PEER_MIN_BATCH, PEER_SMS, peer_route
 
 KiB = 1024
 KERNEL_SMS = PEER_SMS  # "kernel only": the SMs vLLM's Triton path runs its copy on
@@ -24,9 +23,7 @@ VLLM_POLICY = (f"vLLM's Triton path: h2d chunks under {PEER_MAX_BLOCK // KiB} Ki
 CONTENDERS = ("default", "low_interference", "batch", f"kernel@{KERNEL_SMS}", "staged", "vllm")
 # The default with one of kvswap's older mechanisms taken away (``kvswap bench --model
 # --variants``): what each still gains shows against the default's step.
-VARIANTS = ("default/no-within", "default/no-thread", "default/descriptors", "default/issuer", "default/rerun")
-# How BlockMover.explain() names the staged route a mover takes by itself.
-STAGED_NOTE = re.compile(r"note: staged: (\S+) moves")
+VARIANTS = ("default/no-thread", "default/thread-only", "default/descriptors", "default/rerun")
 
 
 @dataclass(frozen=True)
@@ -34,16 +31,13 @@ class Contender:
     """One way to resolve the mover. ``exact_sms`` binds the forced kernel at exactly that
     many SMs (not the calibrated knee capped by it); ``same_as`` names the contender whose
     mover (and measurements) this one shares in a case. ``options``: further BlockMover
-    arguments; ``env``: environment variables set while the mover is built; ``within``:
-    whether its submits say how long the step's compute runs."""
+    arguments."""
 
     name: str
     policy: Policy
     exact_sms: Optional[int] = None
     same_as: Optional[str] = None
     options: tuple = ()
-    env: tuple = ()
-    within: bool = True
 
     @property
     def key(self) -> tuple[Policy, Optional[int]]:
@@ -59,14 +53,14 @@ class Routes(NamedTuple):
 
 
 def variants() -> list[Contender]:
-    """:data:`VARIANTS`: the default without ``within``, without its issuing thread (every
-    job built and launched in ``submit``), sending descriptors instead of ids to the device,
-    and with the CUDA issuer thread on; and the default again on a mover of its own
+    """:data:`VARIANTS`: the default without its issuing thread (every job built and
+    launched in ``submit``), without launching large by-id jobs in ``submit`` (every job
+    through the thread: ``issuing_thread=True``), and sending descriptors instead of ids
+    to the device; and the default again on a mover of its own
     (``default/rerun``), whose spread against the default is the run's noise."""
-    return [Contender("default/no-within", Policy(), within=False),
-            Contender("default/no-thread", Policy(), options=(("issuing_thread", False),)),
+    return [Contender("default/no-thread", Policy(), options=(("issuing_thread", False),)),
+            Contender("default/thread-only", Policy(), options=(("issuing_thread", True),)),
             Contender("default/descriptors", Policy(), options=(("device_descriptors", False),)),
-            Contender("default/issuer", Policy(), env=(("KVSWAP_CUDA_ISSUER", "on"),)),
             Contender("default/rerun", Policy())]
 
 
@@ -130,16 +124,7 @@ def bind(contender: Contender, dev: DeviceInfo, target: Callable[..., Any], *arg
 def make_mover(src: list, dst: list, direction: Direction, block_dim: int, contender: Contender,
                dev: DeviceInfo) -> BlockMover:
     """A BlockMover for ``contender`` over these tensors."""
-    saved = {k: os.environ.get(k) for k, _ in contender.env}
-    os.environ.update(dict(contender.env))
-    try:
-        return bind(contender, dev, BlockMover, src, dst, direction, block_dim=block_dim, **dict(contender.options))
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return bind(contender, dev, BlockMover, src, dst, direction, block_dim=block_dim, **dict(contender.options))
 
 
 def _kinds(mover: BlockMover) -> dict[str, str]:
@@ -147,13 +132,10 @@ def _kinds(mover: BlockMover) -> dict[str, str]:
 
 
 def staged_by_itself(mover: BlockMover, sid: np.ndarray, did: np.ndarray) -> Optional[str]:
-    """The staged route this job takes where the mover chose one by itself (a host side in
-    long runs, :meth:`BlockMover.explain` says so), by name; else None."""
-    m = STAGED_NOTE.search(mover.explain())
-    if m is None:
-        return None
-    ids = [(np.asarray(sid, dtype=np.int64), np.asarray(did, dtype=np.int64))]
-    return m.group(1) if mover._desc.by_ids(ids) is not None else None  # the staged route's by-id step
+    """The staged route this job takes by id (a mover on a host side in long runs chooses
+    it by itself, :meth:`BlockMover.explain` says so), by name; else None."""
+    name = mover.id_route(len(sid))
+    return name if name is not None and _kinds(mover).get(name) == "staged" else None
 
 
 def route_label(mover: BlockMover, sid: np.ndarray, did: np.ndarray) -> str:
@@ -175,13 +157,3 @@ def is_staged(mover: BlockMover, route: str) -> bool:
     """Whether ``route`` (:func:`route_label`'s) names a staged-kind implementation."""
     kinds = _kinds(mover)
     return any(kinds.get(name.split("@")[0]) == "staged" for name in route.split("+"))
-
-
-def beside_label(mover: BlockMover, cache: KVCache, blocks: int, within: float, staged: bool = False) -> Optional[str]:
-    """The route a job of ``blocks`` takes beside ``within`` seconds of compute where that is
-    not the mover's resolved route (:meth:`kvswap.SwapFn.quieter`), else None; None for a
-    job on a staged route, which a mover keeps beside compute."""
-    if staged:
-        return None
-    n = blocks * cache.descriptors_per_block
-    return mover.swap_fn.quieter(cache.chunk_bytes, n, blocks * cache.block_bytes, within)

@@ -24,7 +24,7 @@ the link's speed.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -104,9 +104,8 @@ class ContiguousCopy:
 
     # -- a job's calls ----------------------------------------------------------------------
 
-    def submit(self, sid: Any, did: Any, after: Any = None, within: Optional[float] = None) -> int:
-        """Enqueue the copy on the buffers' stream, after ``after`` (an event) where given.
-        ``within`` is taken as a job takes it and ignored: a copy has no route to choose."""
+    def submit(self, sid: Any, did: Any, after: Any = None) -> int:
+        """Enqueue the copy on the buffers' stream, after ``after`` (an event) where given."""
         env, b = self.env, self.buffers
         nbytes = len(sid) * self.block_bytes
         src, dst = b.sides(self.direction)

@@ -82,9 +82,8 @@ class HostEnv:
     def sync(self) -> None:
         pass
 
-    def submit(self, mover: BlockMover, sid: np.ndarray, did: np.ndarray, after: Any,
-               within: Optional[float] = None) -> int:
-        return mover.submit(sid, did, within=within)
+    def submit(self, mover: BlockMover, sid: np.ndarray, did: np.ndarray, after: Any) -> int:
+        return mover.submit(sid, did)
 
     def context(self) -> Any:
         return contextlib.nullcontext()
@@ -200,11 +199,9 @@ class DeviceEnv:
     def sync(self) -> None:
         self.torch.cuda.synchronize(self.device)
 
-    def submit(self, mover: BlockMover, sid: np.ndarray, did: np.ndarray, after: Any,
-               within: Optional[float] = None) -> int:
-        """``after``: None (wait for nothing) or an event to wait for; ``within``: the
-        seconds the copy has beside the compute."""
-        return mover.submit(sid, did, after=after, within=within)
+    def submit(self, mover: BlockMover, sid: np.ndarray, did: np.ndarray, after: Any) -> int:
+        """``after``: None (wait for nothing) or an event to wait for."""
+        return mover.submit(sid, did, after=after)
 
     def context(self) -> Any:
         stack = contextlib.ExitStack()

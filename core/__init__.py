@@ -44,7 +44,7 @@ from .resolution.resolver import resolve  # noqa: E402
 from .resolution.swapfn import SwapFn  # noqa: E402
 from .mover.handler import BlockMover  # noqa: E402
 from .mover.types import GroupLayout, KVGroup, TransferResult  # noqa: E402
-from .memory.staging import PageableMemoryWarning  # noqa: E402
+from .memory.bounce import PageableMemoryWarning  # noqa: E402
 from .memory.host_memory import host_empty  # noqa: E402
 from .memory.block_major import HostCache, host_cache  # noqa: E402
 from .memory.numa import NumaWarning  # noqa: E402

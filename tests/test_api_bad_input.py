@@ -31,7 +31,7 @@ ROUTES = [
         not (HAS_TRITON and interpreting()), reason="the Triton interpreter (TRITON_INTERPRET=1, without a GPU)")),
 ]
 SRC_BLOCKS, DST_BLOCKS = 320, 336
-# The Triton interpreter declares that it needs pinned memory: its movers stage the host side.
+# The Triton interpreter declares that it needs pinned memory: its movers bounce the host side.
 pytestmark = pytest.mark.filterwarnings("ignore::kvswap.PageableMemoryWarning")
 
 

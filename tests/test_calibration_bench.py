@@ -331,3 +331,47 @@ def test_confirmation_passes_default_to_three_on_a_gpu_and_reach_the_bench_from_
     assert seen == [0, 1]
     assert main(args + ["--confirm", "-1"]) == 2 and len(seen) == 2
     assert "--confirm" in capsys.readouterr().err
+
+
+def test_the_peer_as_shipped_runs_the_policys_kernel_with_its_descriptors_packed_per_call():
+    """The shipped peer's kernel route: the descriptors packed by numpy on every call (here
+    read from host memory by Triton's interpreter; on a GPU uploaded by torch), every byte
+    where the batch says, and nothing outside the blocks touched."""
+    import numpy as np
+
+    pytest.importorskip("triton")
+    from kvswap.backends.triton_generic.launch import interpreting
+    from kvswap.calibration.peer import UploadingKernel
+
+    if not interpreting():
+        pytest.skip("runs the kernel in Triton's CPU interpreter")
+    rng = np.random.default_rng(7)
+    block, n = 4 * KiB, 24
+    src = np.frombuffer(rng.bytes(64 * block), dtype=np.uint8).copy()
+    dst = np.frombuffer(rng.bytes(64 * block), dtype=np.uint8).copy()
+    before = dst.copy()
+    so, do = rng.permutation(64)[:n] * block, rng.permutation(64)[:n] * block
+    sizes = np.full(n, block, dtype=np.int64)
+    sizes[::5] = 1000  # a part of some blocks: the rest stays as it was
+    UploadingKernel("h2d", None)(src.ctypes.data + so, dst.ctypes.data + do, sizes)
+    expect = before.copy()
+    for a, b, z in zip(so, do, sizes):
+        expect[b:b + z] = src[a:a + z]
+    assert np.array_equal(dst, expect)
+
+
+def test_a_peer_as_shipped_never_counts_as_identical_work(peer_named_device, monkeypatch):
+    """Where the peer runs as shipped, its calls cost what the policy's cost: even on the
+    resolved route it is not the same work, so the bar applies at every point and no pair
+    counts toward the run's noise floor."""
+    from kvswap.calibration import peer as peer_module
+
+    monkeypatch.setattr(bench_module, "shipped", lambda d, dev, device, host, sizes: peer_module.on_routes(
+        d, dev, device, host, {"triton.kernel", "cuda.batch"}))
+    s = BenchSettings(block_sizes=(4 * KiB, 64 * KiB), batch_sizes=(1, 16), pool_bytes=32 * MiB, ceiling_bytes=MiB,
+                      repeats=2, warmup=0, confirm=0)
+    out = run_bench("modelplat:0", s, ["h2d"])
+    assert "as vLLM PR 42212 ships it" in out.peer_policy
+    assert out.rows and all(r.peer is not None and not r.peer.same_route for r in out.rows)
+    assert any(r.peer.route == r.resolved.route for r in out.rows)  # on the same route, still not identical work
+    assert out.summary["h2d"].under_peer_same_route == 0

@@ -20,7 +20,7 @@ import torch
 import kvswap
 from kvswap import AllocationError, BlockMover, CopyImpl, Direction, ForkedProcessError, Policy, hookimpl
 from kvswap.memory import pinned_pool
-from kvswap.mover.submit import INTERRUPTED
+from kvswap.mover.jobs import INTERRUPTED
 from kvswap.registry.plugins import create_plugin_host, reset_plugin_host
 from kvswap.registry.reference import host_copy
 from fakes import DeferredStream
@@ -131,17 +131,17 @@ def test_a_job_that_cannot_get_a_descriptor_buffer_fails_alone(monkeypatch, thre
     assert dst.matches(expected_after(dst, before, src_before, src, [small, last]))
 
 
-def test_a_staging_buffer_that_cannot_be_allocated_fails_the_submit_before_any_byte_moves(monkeypatch):
+def test_a_bounce_buffer_that_cannot_be_allocated_fails_the_submit_before_any_byte_moves(monkeypatch):
     _install(lambda s, d, n, stream: host_copy(s, d, n), requires_pinned=True)
     rng = np.random.default_rng(5)
     src, dst = _pools("mla", 6)
     before, src_before = dst.snapshot(), src.snapshot()
     with pytest.warns(kvswap.PageableMemoryWarning):
         mover = BlockMover(src.tensors, dst.tensors, "h2d", policy=Policy(force="test.route"))
-    assert mover.stages_host_memory
-    oom = OutOfMemory(fail_from=1 << 20)  # the staging pool's buffers are 1 MiB and up
+    assert mover.bounces_host_memory
+    oom = OutOfMemory(fail_from=1 << 20)  # the bounce pool's buffers are 1 MiB and up
     monkeypatch.setattr(pinned_pool, "new_host_array", oom)
-    with pytest.raises(AllocationError, match="staging buffer for pageable host memory"):
+    with pytest.raises(AllocationError, match="bounce buffer for pageable host memory"):
         mover.submit(*random_ids(rng, 4, src, dst))
     assert dst.matches(before) and mover.poll() == [] and mover.pool.in_use == 0
     monkeypatch.setattr(pinned_pool, "new_host_array", oom.real)
@@ -303,7 +303,7 @@ def _deferred_mover(stream: DeferredStream, src, dst, threaded: bool = False) ->
     _install(stream.enqueue)
     mover = BlockMover(src.tensors, dst.tensors, "h2d", block_dim=src.layout.block_dim,
                        policy=Policy(force="test.route"), issuing_thread=threaded)
-    mover._completion = stream  # before the first submit starts the thread
+    mover._plan.completion = stream  # before the first submit starts the thread
     return mover
 
 

@@ -48,7 +48,8 @@ def _install_kernel(by_ids: bool) -> None:
         def kvswap_register_copy_impls(self, platform, register):
             if platform == "cpu":
                 register(CopyImpl(name="test.kernel", kind="kernel", platforms=("cpu",),
-                                  directions=(Direction.H2D, Direction.D2H), factory=lambda ctx: Transfer()))
+                                  directions=(Direction.H2D, Direction.D2H), factory=lambda ctx: Transfer(),
+                                  by_ids=True))
 
     reset_plugin_host(create_plugin_host(entry_points=[], env={}, extra=[("testplugin", Plugin())]))
 

@@ -182,7 +182,7 @@ def test_many_jobs_in_flight_keep_their_buffers_until_complete():
     src, dst = _pools("flash", 8, src_blocks=64, dst_blocks=80)
     before, src_before = dst.snapshot(), src.snapshot()
     mover = BlockMover(src.tensors, dst.tensors, "h2d", block_dim=1, policy=Policy(force="test.deferred"))
-    mover._completion = stream
+    mover._plan.completion = stream
     jobs = []
 
     def submit(k: int) -> list[int]:

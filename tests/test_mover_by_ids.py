@@ -1,5 +1,6 @@
-"""BlockMover's by-id path on the host: a route whose transfer offers ``by_ids``
-(kvswap.registry.impl.ByIdsFn) gets the template once and only block ids per submit.
+"""BlockMover's by-id path on the host: a route that declares ``CopyImpl.by_ids`` (its
+transfer's ``by_ids`` returns a kvswap.registry.impl.ByIdsFn) gets the template once and
+only block ids per submit.
 
 The route here is a throwaway plugin whose transfer is the Triton kernel in its CPU
 interpreter (``TRITON_INTERPRET=1``), so the whole path runs: the mover's choice, the
@@ -9,7 +10,6 @@ template bound once, the kernel deriving every address. Checks cover whole alloc
 from __future__ import annotations
 
 import threading
-import types
 from typing import Any
 
 import numpy as np
@@ -17,6 +17,8 @@ import pytest
 
 import kvswap
 from kvswap import BlockMover, CopyImpl, Direction, Policy, hookimpl
+from kvswap.mover.plan import LAUNCH_HERE_FROM, IdSteps
+from kvswap.registry.impl import ByIdsFn
 from kvswap.registry.plugins import create_plugin_host, reset_plugin_host
 from mover_layouts import Pool, expected_after, layouts, pool_pair
 
@@ -26,6 +28,20 @@ from kvswap.backends.triton_generic.launch import interpreting  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not interpreting(), reason="runs the kernel in Triton's CPU interpreter")
 LAYOUTS = layouts()
+
+
+class Ids(ByIdsFn):
+    """A by-id transfer that tells ``note`` of each call, then lets ``inner`` copy."""
+
+    def __init__(self, inner: ByIdsFn, note: Any, launch_only: Any = None) -> None:
+        self.inner, self.note, self._launch_only = inner, note, launch_only
+
+    def __call__(self, src_ids, dst_ids, stream):
+        self.note(len(src_ids))
+        return self.inner(src_ids, dst_ids, stream)
+
+    def launch_only(self, n):
+        return self._launch_only is not None and self._launch_only(n)
 
 
 class Recording:
@@ -46,13 +62,7 @@ class Recording:
         self.templates.append(template)
         if not self.offer:
             return None
-        inner = self.kernel.by_ids(template)
-
-        def fn(src_ids, dst_ids, stream):
-            self.id_calls.append(len(src_ids))
-            return inner(src_ids, dst_ids, stream)
-
-        return fn
+        return Ids(self.kernel.by_ids(template), self.id_calls.append)
 
 
 def _install(transfer: Any, **impl_kw: Any) -> None:
@@ -62,7 +72,7 @@ def _install(transfer: Any, **impl_kw: Any) -> None:
             if platform == "cpu":
                 register(CopyImpl(name="test.kernel", kind="kernel", platforms=("cpu",),
                                   directions=(Direction.H2D, Direction.D2H), factory=lambda ctx: transfer,
-                                  **impl_kw))
+                                  **{"by_ids": True, **impl_kw}))
 
     reset_plugin_host(create_plugin_host(entry_points=[], env={}, extra=[("testplugin", Plugin())]))
 
@@ -96,6 +106,18 @@ def test_submits_send_ids_and_every_byte_lands(name, direction):
     assert src.matches(src_before)
 
 
+def _as_left_to_kvswap(mover: BlockMover, ids_from_blocks: int = 0) -> None:
+    """What a device mover built with ``issuing_thread`` left out decides, on this host
+    mover with a thread: a launch-only by-id job of ``LAUNCH_HERE_FROM`` descriptors or
+    more is issued in submit while the thread is idle; with ``ids_from_blocks``, jobs take
+    ids only from that many blocks on (descriptors below)."""
+    plan = mover._plan
+    plan.here_from = kvswap.mover.plan.LAUNCH_HERE_FROM  # as monkeypatched
+    if ids_from_blocks:
+        fns, names = plan.ids.fns, plan.ids.names
+        plan.ids = IdSteps((0, ids_from_blocks * mover.chunks_per_block), (None, fns[0]), (names[0], names[0]))
+
+
 def test_a_transfer_that_declines_the_template_keeps_the_descriptor_path():
     t = Recording(offer=False)
     _install(t)
@@ -103,11 +125,21 @@ def test_a_transfer_that_declines_the_template_keeps_the_descriptor_path():
     src, dst = _pools("mla", 2)
     before, src_before = dst.snapshot(), src.snapshot()
     with BlockMover(src.tensors, dst.tensors, "h2d", policy=Policy(force="test.kernel"), device_descriptors=True) as mover:
-        assert mover._ids_steps is None
+        assert mover.id_route(12) is None
         sid, did = rng.integers(0, 40, 12).astype(np.int64), rng.permutation(56)[:12].astype(np.int64)
         mover.submit(sid, did)
     assert t.descriptor_calls == 1 and t.id_calls == [] and len(t.templates) == 1
     assert dst.matches(expected_after(dst, before, src_before, src, [(sid, did)]))
+
+
+def test_a_route_that_does_not_declare_by_ids_is_never_asked():
+    t = Recording()
+    _install(t, by_ids=False)
+    src, dst = _pools("flash", 3)
+    with BlockMover(src.tensors, dst.tensors, "h2d", block_dim=1, policy=Policy(force="test.kernel")) as mover:
+        assert mover.id_route(2) is None
+        mover.submit([1, 2], [3, 4])
+    assert t.templates == [] and t.descriptor_calls == 1
 
 
 def test_constrained_transfers_are_not_asked():
@@ -119,42 +151,6 @@ def test_constrained_transfers_are_not_asked():
     assert t.templates == [] and t.descriptor_calls == 1
 
 
-def test_a_failure_reported_after_submit_fails_its_job():
-    from kvswap.registry import deferred
-
-    pending: list = []
-
-    def transfer(src, dst, sizes, stream):
-        # Returns at once; the first job's work then fails on "another thread", before
-        # the stream passes it (as the issuer sets a ticket's error before its flag).
-        error = kvswap.DriverError("cuMemcpyBatchAsync", 1, "CUDA_ERROR_INVALID_VALUE") if not pending else None
-        ticket = types.SimpleNamespace(error=error, reported=False)
-        deferred.report(ticket)
-        pending.append(ticket)
-
-    _install(transfer)
-    src, dst = _pools("mla", 4)
-    mover = BlockMover(src.tensors, dst.tensors, "h2d", policy=Policy(force="test.kernel"), device_descriptors=True)
-    first = mover.submit([1], [2])  # no exception: the failure comes later
-    second = mover.submit([3], [4])
-    results = {r.job_id: r for r in mover.poll()}
-    assert not results[first].ok and "CUDA_ERROR_INVALID_VALUE" in results[first].error
-    assert results[first].bytes == 0 and pending[0].reported
-    assert results[second].ok and not pending[1].reported
-    mover.close()
-
-
-def test_arrays_are_promised_stable_inside_submit():
-    from kvswap.registry import deferred
-
-    seen = []
-    _install(lambda src, dst, sizes, stream: seen.append((deferred.arrays_stable(), threading.get_ident())))
-    src, dst = _pools("mla", 5)
-    with BlockMover(src.tensors, dst.tensors, "h2d", policy=Policy(force="test.kernel"), device_descriptors=True) as mover:
-        mover.submit([1], [2])
-    assert seen == [(True, threading.get_ident())] and deferred.arrays_stable() is False
-
-
 def test_by_default_a_route_that_offers_it_gets_ids():
     t = Recording()
     _install(t)
@@ -164,7 +160,7 @@ def test_by_default_a_route_that_offers_it_gets_ids():
     jobs = [(rng.permutation(40)[:n].astype(np.int64), rng.permutation(56)[:n].astype(np.int64)) for n in (3, 11)]
     with BlockMover(src.tensors, dst.tensors, "h2d", block_dim=src.layout.block_dim,
                     policy=Policy(force="test.kernel")) as mover:
-        assert mover._ids_steps is not None
+        assert mover.id_route(3) == "test.kernel"
         for job in jobs:
             mover.submit(*job)
         mover.wait()
@@ -183,7 +179,7 @@ def test_without_device_descriptors_the_mover_builds_and_coalesces_descriptors()
     jobs = [(np.arange(4, 20, dtype=np.int64), np.arange(30, 46, dtype=np.int64))]
     with BlockMover(src.tensors, dst.tensors, "h2d", block_dim=src.layout.block_dim,
                     policy=Policy(force="test.kernel"), device_descriptors=False) as mover:
-        assert mover._ids_steps is None
+        assert mover.id_route(16) is None
         mover.submit(*jobs[0])
         mover.wait()
         (result,) = mover.poll()
@@ -215,13 +211,7 @@ class Gated(Recording):
 
     def by_ids(self, template):
         inner = super().by_ids(template)
-
-        def fn(src_ids, dst_ids, stream):
-            self._note("ids")
-            return inner(src_ids, dst_ids, stream)
-
-        fn.launch_only = lambda n: n not in self.uploads
-        return fn
+        return Ids(inner, lambda n: self._note("ids"), lambda n: n not in self.uploads)
 
 
 def test_with_the_thread_idle_a_by_id_job_launches_in_submit_and_behind_a_queued_job_it_waits(monkeypatch):
@@ -229,7 +219,7 @@ def test_with_the_thread_idle_a_by_id_job_launches_in_submit_and_behind_a_queued
     while the thread holds nothing and the call is only a launch; while an earlier job
     still waits there, the by-id job goes behind it, so the copies run in submission order
     (they write the same blocks); a call that uploads first goes to the thread too."""
-    monkeypatch.setattr("kvswap.mover.submit.LAUNCH_HERE_MIN_DESCRIPTORS", 0)  # these jobs are small
+    monkeypatch.setattr("kvswap.mover.plan.LAUNCH_HERE_FROM", 0)  # these jobs are small
     t = Gated()
     _install(t)
     rng = np.random.default_rng(12)
@@ -241,13 +231,12 @@ def test_with_the_thread_idle_a_by_id_job_launches_in_submit_and_behind_a_queued
     jobs = [(rng.permutation(40)[:n].astype(np.int64), did[:n]) for n in sizes]
     with BlockMover(src.tensors, dst.tensors, "h2d", block_dim=1, policy=Policy(force="test.kernel"),
                     issuing_thread=True) as mover:
-        _, fns, names = mover._ids_steps
-        mover._ids_steps = ((0, 7 * mover.chunks_per_block), (None, fns[0]), (names[0], names[0]))
+        _as_left_to_kvswap(mover, ids_from_blocks=7)
         first = mover.submit(*jobs[0])  # by id, thread idle: launched here
         assert t.threads == [("ids", me)] and t.id_calls == [8]
         mover.submit(*jobs[1])  # descriptors: to the thread, where it waits for the gate
         third = mover.submit(*jobs[2])  # by id, but job 2 is not issued yet: behind it
-        assert t.id_calls == [8] and mover._inflight[-1].end is None
+        assert t.id_calls == [8] and mover._jobs.inflight[-1].end is None
         t.gate.set()
         mover.wait_issued(third)
         fourth = mover.submit(*jobs[3])  # the thread is idle again: launched here
@@ -273,7 +262,8 @@ def test_a_by_id_job_below_the_launch_minimum_goes_to_the_thread():
     jobs = [(np.arange(8, dtype=np.int64), np.arange(8, 16, dtype=np.int64))]
     with BlockMover(src.tensors, dst.tensors, "h2d", block_dim=1, policy=Policy(force="test.kernel"),
                     issuing_thread=True) as mover:
-        assert 8 * mover.chunks_per_block < kvswap.mover.submit.LAUNCH_HERE_MIN_DESCRIPTORS
+        _as_left_to_kvswap(mover)
+        assert 8 * mover.chunks_per_block < LAUNCH_HERE_FROM
         mover.submit(*jobs[0])
         mover.wait()
         assert all(r.ok for r in mover.poll())
@@ -281,21 +271,21 @@ def test_a_by_id_job_below_the_launch_minimum_goes_to_the_thread():
     assert dst.matches(expected_after(dst, before, src_before, src, jobs))
 
 
-def test_a_by_id_launch_that_fails_in_submit_raises_and_fails_its_job(monkeypatch):
-    monkeypatch.setattr("kvswap.mover.submit.LAUNCH_HERE_MIN_DESCRIPTORS", 0)
+def test_a_by_id_launch_that_fails_in_submit_raises_and_fails_its_job():
+    class Refused(ByIdsFn):
+        def __call__(self, src_ids, dst_ids, stream):
+            raise RuntimeError("launch refused")
+
     class Broken(Recording):
         def by_ids(self, template):
-            def fn(src_ids, dst_ids, stream):
-                raise RuntimeError("launch refused")
-            fn.launch_only = lambda n: True
-            return fn
+            return Refused()
 
     t = Broken()
     _install(t)
     src, dst = _pools("flash", 14)
     before = dst.snapshot()
     with BlockMover(src.tensors, dst.tensors, "h2d", block_dim=1, policy=Policy(force="test.kernel"),
-                    issuing_thread=True) as mover:
+                    issuing_thread=False) as mover:
         with pytest.raises(RuntimeError, match="launch refused"):
             mover.submit([1, 2], [3, 4])
         mover.wait()
@@ -304,80 +294,93 @@ def test_a_by_id_launch_that_fails_in_submit_raises_and_fails_its_job(monkeypatc
     assert dst.matches(before)
 
 
-class Staging(Recording):
-    """A by-id transfer that offers ``stage``: the log shows when the mover staged the ids,
-    recorded its markers and launched."""
+class Packing(Recording):
+    """A by-id transfer that packs its ids apart from the launch: the log shows when the
+    mover packed the ids, recorded its markers and launched."""
 
     def __init__(self, log: list) -> None:
         super().__init__()
         self.log = log
 
     def by_ids(self, template):
-        inner = self.kernel.by_ids(template)
-        log = self.log
+        inner, log = self.kernel.by_ids(template), self.log
 
-        def fn(src_ids, dst_ids, stream):  # the whole call: never taken where stage is offered
-            log.append("whole")
-            return inner(src_ids, dst_ids, stream)
+        class Logged(ByIdsFn):
+            def __call__(self, src_ids, dst_ids, stream):  # the whole call: never taken, pack is offered
+                log.append("whole")
+                return inner(src_ids, dst_ids, stream)
 
-        def stage(src_ids, dst_ids):
-            log.append("stage")
-            launch = inner.stage(src_ids, dst_ids)
-            src_ids[:] = -1  # the caller's arrays may change once staged: the launch reads its copy
-            return lambda stream: (log.append("launch"), launch(stream))[1]
+            def pack(self, src_ids, dst_ids):
+                log.append("pack")
+                launch = inner.pack(src_ids, dst_ids)
+                src_ids[:] = -1  # the caller's arrays may change once packed: the launch reads its copy
+                return lambda stream: (log.append("launch"), launch(stream))[1]
 
-        fn.stage = stage
-        fn.launch_only = lambda n: True
-        return fn
+        return Logged()
 
 
 @pytest.mark.parametrize("issuing_thread", [False, True])
-def test_ids_are_staged_before_the_start_marker_and_launched_after_it(monkeypatch, issuing_thread):
-    """A job's time is the device's: where the route stages its ids apart from the launch,
-    the mover stages them before it records the job's start marker (on the caller's path
-    and when it launches in submit), and every byte still lands."""
-    monkeypatch.setattr("kvswap.mover.submit.LAUNCH_HERE_MIN_DESCRIPTORS", 0)
+def test_ids_are_packed_before_the_start_marker_and_launched_after_it(monkeypatch, issuing_thread):
+    """A job's time is the device's: where the route packs its ids apart from the launch,
+    the mover packs them before it records the job's start marker (on the caller's thread
+    and on the issuing thread), and every byte still lands."""
     log: list = []
-    _install(Staging(log))
+    _install(Packing(log))
     src, dst = _pools("flash", 16)
     before, src_before = dst.snapshot(), src.snapshot()
     rng = np.random.default_rng(16)
     jobs = [(rng.permutation(40)[:n].astype(np.int64), rng.permutation(56)[:n].astype(np.int64)) for n in (9, 5)]
     with BlockMover(src.tensors, dst.tensors, "h2d", block_dim=1, policy=Policy(force="test.kernel"),
                     issuing_thread=issuing_thread) as mover:
-        c = mover._completion
+        c = mover._plan.completion
         mark = c.mark
         monkeypatch.setattr(c, "mark", lambda: (log.append("mark"), mark())[1])
         for sid, did in jobs:
             mover.submit(sid.copy(), did)
             mover.wait()
         results = mover.poll()
-    assert log == ["stage", "mark", "launch", "mark"] * 2
+    assert log == ["pack", "mark", "launch", "mark"] * 2
     assert all(r.ok for r in results)
     assert dst.matches(expected_after(dst, before, src_before, src, jobs))
     assert src.matches(src_before)
 
 
 class FailingByIds(Recording):
-    """A kernel transfer whose by-id launch raises its runtime's own exception."""
+    """A kernel transfer whose by-id call raises its runtime's own exception: where it packs
+    the ids (``at="pack"``) or where it launches (``at="launch"``)."""
+
+    def __init__(self, at: str) -> None:
+        super().__init__()
+        self.at = at
 
     def by_ids(self, template):
-        def fn(src_ids, dst_ids, stream):
-            raise RuntimeError("launch queue full")
+        at = self.at
 
-        return fn
+        class Failing(ByIdsFn):
+            def __call__(self, src_ids, dst_ids, stream):
+                raise RuntimeError("launch queue full")
+
+            def pack(self, src_ids, dst_ids):
+                if at == "pack":
+                    raise RuntimeError("launch queue full")
+                return super().pack(src_ids, dst_ids)
+
+        return Failing()
 
 
+@pytest.mark.parametrize("at", ["pack", "launch"])
 @pytest.mark.parametrize("threaded", [False, True], ids=["on-submit", "on-the-issuing-thread"])
-def test_a_by_id_launch_that_raises_names_the_implementation(threaded):
+def test_a_by_id_launch_that_raises_names_the_implementation(threaded, at):
     """The mover's by-id path calls the backend's code directly: what it raises reaches the
-    caller (or the job's result) as a BackendError naming the implementation."""
-    _install(FailingByIds())
+    caller (or the job's result) as a BackendError naming the implementation, its own
+    exception chained. In submit, a call refused before anything was enqueued (packing the
+    ids) leaves no job; one that may have enqueued part of it (the launch) fails its job."""
+    _install(FailingByIds(at))
     src, dst = _pools("mla", 4)
     before = dst.snapshot()
     with BlockMover(src.tensors, dst.tensors, "h2d", policy=Policy(force="test.kernel"), device_descriptors=True,
                     issuing_thread=threaded) as mover:
-        assert mover._ids_steps is not None
+        assert mover.id_route(2) == "test.kernel"
         if threaded:
             mover.wait(mover.submit([1, 2], [3, 4]))
             (result,) = mover.poll()
@@ -386,4 +389,12 @@ def test_a_by_id_launch_that_raises_names_the_implementation(threaded):
             with pytest.raises(kvswap.BackendError, match="test.kernel failed: RuntimeError: launch queue full") as e:
                 mover.submit([1, 2], [3, 4])
             assert isinstance(e.value.__cause__, RuntimeError)
+            mover.wait()
+            results = mover.poll()
+            if at == "pack":
+                assert results == [] and mover.in_flight == 0
+                with pytest.raises(kvswap.InvalidTransferError, match="ids so far: 1..0"):
+                    mover.wait(1)  # no job, no id used
+            else:
+                assert [(r.job_id, r.ok) for r in results] == [(1, False)]
     assert dst.matches(before)

@@ -48,9 +48,9 @@ def test_layouts_both_directions_on_each_route(name, direction, route, by_ids):
     policy = Policy(force=route) if route else None
     with BlockMover(src.tensors, dst.tensors, direction, block_dim=src.layout.block_dim, policy=policy,
                     device_descriptors=by_ids) as mover:
-        assert by_ids or mover._ids_steps is None
+        assert by_ids or mover.id_route(1) is None
         # Whether the last job (a run) goes as ids, the kernel deriving its addresses.
-        ids_path = mover._desc.by_ids([jobs[-1]]) is not None
+        ids_path = mover.id_route(len(jobs[-1][0])) is not None
         if route:
             assert mover.swap_fn.impls == (route,)
         assert mover.pool.pinned and mover.stream is not None
@@ -119,7 +119,7 @@ def test_jobs_in_flight_keep_pinned_buffers_until_their_events_complete():
     assert mover.poll() == []
     mover.wait_issued()                                    # the issuing thread holds the buffers now
     assert (mover.in_flight, mover.pool.in_use, mover.pool.allocated) == (64, 64, max(64, warm))
-    assert all(job.buffer.owner.is_pinned() for job in mover._inflight)
+    assert all(job.buffer.owner.is_pinned() for job in mover._jobs.inflight)
     mover.wait()
     results = mover.poll()
     assert [r.job_id for r in results] == ids and all(r.ok for r in results)
@@ -168,8 +168,8 @@ def test_movers_and_staged_links_never_share_a_stream_with_torchs_pool():
             # forced: the streams are under test here, not the mover's choice of route
             m = BlockMover(src, dst, "d2h" if i % 2 else "h2d", block_dim=0, policy=Policy(force="triton.staged"))
             m.wait(m.submit([1, 2, 3], [4, 5, 6]))
-            fn = m._desc.by_ids([(np.array([1]), np.array([2]))])
-            assert hasattr(fn, "staged"), "a forced staged mover moves by ids through the staged route"
+            assert m.id_route(1) == "triton.staged", "a forced staged mover moves by ids through the staged route"
+            fn = m._plan.ids.at(m.chunks_per_block)[0]
             seen += [m.stream.cuda_stream, *(s.cuda_stream for s in fn.staged.halves().links)]
             live.append(m)
         assert not set(seen) & pooled, "a mover queues on a pooled stream"

@@ -32,11 +32,11 @@ def _mover(*args, pinned: bool, **kw) -> BlockMover:
         with warnings.catch_warnings():
             warnings.simplefilter("error", PageableMemoryWarning)
             mover = BlockMover(*args, **kw)
-        assert not mover.stages_host_memory
+        assert not mover.bounces_host_memory
         return mover
     with pytest.warns(PageableMemoryWarning):
         mover = BlockMover(*args, **kw)
-    assert mover.stages_host_memory
+    assert mover.bounces_host_memory
     return mover
 
 

@@ -1,6 +1,6 @@
-"""Pageable host memory through staging buffers, and what a job waits for (``after=``),
+"""Pageable host memory through bounce buffers, and what a job waits for (``after=``),
 on the host: a stand-in route that declares it needs pinned memory makes a host-only
-mover stage its pageable tensors exactly as a GPU mover does."""
+mover carry its pageable tensors through bounce buffers exactly as a GPU mover does."""
 from __future__ import annotations
 
 import contextlib
@@ -68,7 +68,7 @@ def test_pageable_host_tensors_are_staged_with_one_warning(direction):
     with pytest.warns(PageableMemoryWarning, match="3 of the 3 host tensor\\(s\\) of this .* are pageable") as got:
         mover = BlockMover(src.tensors, dst.tensors, direction, block_dim=[1, 0, 0],
                            policy=Policy(force="test.pinned"))
-    assert len(got) == 1 and mover.stages_host_memory and mover.block_size_factor == 3
+    assert len(got) == 1 and mover.bounces_host_memory and mover.block_size_factor == 3
     jobs = []
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once, at construction: never per submit
@@ -83,10 +83,10 @@ def test_pageable_host_tensors_are_staged_with_one_warning(direction):
     assert dst.matches(expected_after(src, src_before, dst, before, jobs))
     assert src.matches(src_before)
     host_row = 0 if direction == "h2d" else 1
-    for call in route.calls:  # the route only ever saw staging addresses on the host side
+    for call in route.calls:  # the route only ever saw bounce addresses on the host side
         assert not _inside(call[host_row], host.flats).any()
         assert _inside(call[1 - host_row], device.flats).all()
-    assert mover._stager.pool.in_use == 0
+    assert mover._plan.bounce.pool.in_use == 0
 
 
 class Gate:
@@ -137,7 +137,7 @@ def test_a_device_to_host_job_completes_only_once_its_bytes_are_in_pageable_memo
     before, src_before = host.snapshot(), device.snapshot()
     with pytest.warns(PageableMemoryWarning):
         mover = BlockMover(device.tensors, host.tensors, "d2h", block_dim=1, policy=Policy(force="test.pinned"))
-    gate = route.gate = mover._completion = Gate()
+    gate = route.gate = mover._plan.completion = Gate()
     job = mover.submit([3, 0, 7], [1, 11, 4])
     assert mover.poll() == [] and host.matches(before) and mover.in_flight == 1
     gate.open()
@@ -158,13 +158,13 @@ def test_strict_policy_refuses_pageable_memory_and_checks_its_type():
         Policy(require_pinned=1)
 
 
-def test_a_host_only_mover_with_the_reference_route_needs_no_staging():
+def test_a_host_only_mover_with_the_reference_route_needs_no_bounce_buffers():
     gen = torch.Generator().manual_seed(54)
     host, device = Side([KINDS["mla"]], 6, TOKENS, gen), Side([KINDS["mla"]], 6, TOKENS, gen)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         mover = BlockMover(host.tensors, device.tensors, "h2d")
-    assert not mover.stages_host_memory
+    assert not mover.bounces_host_memory
 
 
 # -- after= ------------------------------------------------------------------------------
@@ -202,10 +202,10 @@ def test_after_that_cannot_be_honoured_is_refused_before_any_byte_moves():
     assert dst.matches(before) and mover.in_flight == 0 and mover.poll() == []
 
 
-def test_staging_copies_split_over_threads_move_every_byte(monkeypatch):
-    from kvswap.memory import staging
+def test_bounce_copies_split_over_threads_move_every_byte(monkeypatch):
+    from kvswap.memory import bounce
 
-    monkeypatch.setattr(staging, "PARALLEL_BYTES", 1 << 14)
+    monkeypatch.setattr(bounce, "PARALLEL_BYTES", 1 << 14)
     rng = np.random.default_rng(57)
     n, size = 300, 4096 + 64
     src = rng.integers(0, 256, n * size, dtype=np.uint8)
@@ -215,7 +215,7 @@ def test_staging_copies_split_over_threads_move_every_byte(monkeypatch):
     sizes = rng.integers(1, size + 1, 200).astype(np.int64)
     s = (src.ctypes.data + perm[:200] * size).astype(np.int64)
     d = (dst.ctypes.data + 256 + slots * size).astype(np.int64)
-    staging.host_memmove(s, d, sizes, threads=4)
+    bounce.host_memmove(s, d, sizes, threads=4)
     expected = before.copy()
     for i in range(200):
         a, b = perm[i] * size, 256 + slots[i] * size

@@ -173,7 +173,8 @@ def test_sub_blocks_never_take_a_by_id_route():
         def kvswap_register_copy_impls(self, platform, register):
             if platform == "cpu":
                 register(CopyImpl(name="test.by_ids", kind="kernel", platforms=("cpu",),
-                                  directions=(Direction.H2D, Direction.D2H), factory=lambda ctx: Transfer()))
+                                  directions=(Direction.H2D, Direction.D2H), factory=lambda ctx: Transfer(),
+                                  by_ids=True))
 
     reset_plugin_host(create_plugin_host(entry_points=[], env={}, extra=[("p", Plugin())]))
     gen, rng = torch.Generator().manual_seed(37), np.random.default_rng(37)

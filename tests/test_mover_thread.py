@@ -85,7 +85,7 @@ def test_a_host_mover_copies_in_submit_unless_asked_for_the_thread():
     with BlockMover(src.tensors, dst.tensors, "h2d") as mover:
         assert not mover.issuing_thread
         mover.submit([1], [2])
-        assert mover._issuer is None
+        assert mover._jobs.thread is None
     with BlockMover(src.tensors, dst.tensors, "h2d", issuing_thread=True) as mover:
         assert mover.issuing_thread
     with pytest.raises(ConfigurationError, match="issuing_thread='yes' must be None, True or False"):
@@ -151,11 +151,11 @@ def test_an_error_on_the_thread_fails_that_job_and_the_next_jobs_still_run():
     assert [r.ok for r in results] == [True, False, True, True, False, True, True]
     for k in (1, 4):
         assert results[k].bytes == 0 and results[k].error == f"BackendError: test.gated failed: RuntimeError: call {k + 1} refused"
-    assert mover._issuer.alive
+    assert mover._jobs.thread.alive
     copied = [job for k, job in enumerate(jobs) if k not in (1, 4)]
     assert dst.matches(expected_after(dst, before, src_before, src, copied))
     mover.close()
-    assert not mover._issuer.alive
+    assert not mover._jobs.thread.alive
 
 
 def test_close_issues_every_queued_job_then_stops_the_thread():
@@ -169,7 +169,7 @@ def test_close_issues_every_queued_job_then_stops_the_thread():
     timer = _open_later(route)
     mover.close()                      # returns only once all twenty have been copied
     assert dst.matches(expected_after(dst, before, src_before, src, jobs))
-    assert [r.job_id for r in mover.poll()] == ids and not mover._issuer.alive
+    assert [r.job_id for r in mover.poll()] == ids and not mover._jobs.thread.alive
     assert mover.in_flight == 0 and mover.pool.in_use == 0
     timer.join()
 
@@ -182,14 +182,14 @@ def test_wait_on_a_job_the_thread_has_not_issued_yet():
     mover = _gated_mover(src, dst, route)
     jobs = [random_ids(rng, 5, src, dst) for _ in range(4)]
     ids = [mover.submit(*job) for job in jobs]
-    assert all(job.end is None for job in mover._inflight)  # none issued: the gate is shut
+    assert all(job.end is None for job in mover._jobs.inflight)  # none issued: the gate is shut
     timer = _open_later(route)
     mover.wait(ids[1])
     first = mover.poll()
     assert [r.job_id for r in first] == ids[:len(first)] and len(first) >= 2
     assert all(r.ok for r in first)
     mover.wait_issued()
-    assert all(job.end is not None for job in mover._inflight)
+    assert all(job.end is not None for job in mover._jobs.inflight)
     mover.wait()
     rest = mover.poll()
     assert [r.job_id for r in first + rest] == ids      # each job reported once
@@ -208,7 +208,7 @@ def test_descriptor_buffers_stay_with_their_jobs_until_the_copy_ran():
     before, src_before = dst.snapshot(), src.snapshot()
     mover = BlockMover(src.tensors, dst.tensors, "h2d", block_dim=1, policy=Policy(force="test.gated"),
                        issuing_thread=True)
-    mover._completion = stream         # before the first submit starts the thread
+    mover._plan.completion = stream         # before the first submit starts the thread
     jobs = [random_ids(rng, int(rng.integers(1, 9)), src, dst) for _ in range(40)]
     first = [mover.submit(*job) for job in jobs[:30]]
     mover.wait_issued()
@@ -238,7 +238,7 @@ def test_bad_ids_raise_in_submit_and_queue_nothing():
         mover.submit([1, 2], [3, 3])
     with pytest.raises(BlockIdError, match=r"src_block_ids\[0\]=-1 is out of range"):
         mover.submit([-1], [3])
-    assert mover.in_flight == 0 and mover._issuer is None
+    assert mover.in_flight == 0 and mover._jobs.thread is None
     route.gate.set()
     job = mover.submit(np.array([4, 5]), np.array([6, 7]))
     assert job == 1
@@ -254,7 +254,7 @@ def test_a_mover_nobody_closed_is_collected_and_its_thread_ends():
     jobs = [random_ids(rng, 6, src, dst) for _ in range(5)]
     for job in jobs:
         mover.submit(*job)
-    thread = mover._issuer._thread
+    thread = mover._jobs.thread._thread
     gone = weakref.ref(mover)
     del mover
     gc.collect()
@@ -301,9 +301,9 @@ def test_waiting_on_the_issuing_thread_itself_raises_instead_of_hanging():
     seen: list = []
 
     def copy(s, d, n, stream):
-        (job,) = [j for j in mover._inflight if j.end is None]
+        (job,) = [j for j in mover._jobs.inflight if j.end is None]
         try:
-            mover._issuer.wait_issued(job)
+            mover._jobs.thread.wait_issued(job)
         except RuntimeError as e:
             seen.append(str(e))
         host_copy(s, d, n)

@@ -83,21 +83,24 @@ def test_by_id_launches_in_submit_and_jobs_on_the_thread_keep_submission_order(d
     import kvswap
     from kvswap.calibration.step import exact_sms_calibration
 
-    monkeypatch.setattr("kvswap.mover.submit.LAUNCH_HERE_MIN_DESCRIPTORS", 0)  # these jobs are small
+    from kvswap.mover.plan import IdSteps
+
+    monkeypatch.setattr("kvswap.mover.plan.LAUNCH_HERE_FROM", 0)  # these jobs are small
     rng = np.random.default_rng(zlib.crc32(f"mixed/{direction}".encode()))
     src, dst = _pair("flash", direction, seed=5, dst_blocks=24)
     # 32 SMs: the kernel reads the ids where submit staged them, so a call is only a launch.
     mover = BlockMover(src.tensors, dst.tensors, direction, block_dim=src.layout.block_dim,
                        policy=Policy(force="triton.kernel", max_sms=32),
                        calibration=exact_sms_calibration(kvswap.resolve(direction).plan.device, 32))
-    starts, fns, names = mover._ids_steps
-    assert fns[0] is not None and fns[0].launch_only(16) and not fns[0].launch_only(0)
-    mover._ids_steps = ((0, 8 * mover.chunks_per_block), (None, fns[0]), (names[0], names[0]))
+    ids = mover._plan.ids
+    fn = ids.fns[0]
+    assert fn is not None and fn.launch_only(16) and not fn.launch_only(0) and mover._plan.here_from == 0
+    mover._plan.ids = IdSteps((0, 8 * mover.chunks_per_block), (None, fn), (ids.names[0], ids.names[0]))
     _fifo_behind_a_spin(mover, src, dst, rng)
     # With the thread idle, a by-id job is on the stream when submit returns.
     sid, did = random_ids(rng, 16, src, dst)
     job = mover.submit(sid, did, after=None)
-    assert mover._inflight[-1].job_id == job and mover._inflight[-1].end is not None
+    assert mover._jobs.inflight[-1].job_id == job and mover._jobs.inflight[-1].end is not None
     mover.wait()
     assert all(r.ok for r in mover.poll())
     mover.close()
@@ -208,7 +211,7 @@ def test_without_the_thread_the_caller_issues_as_before(direction):
     jobs = [random_ids(rng, n, src, dst) for n in (3, 17, 33)]
     for job in jobs:
         mover.submit(*job)
-    assert mover._issuer is None and all(j.end is not None for j in mover._inflight)
+    assert mover._jobs.thread is None and all(j.end is not None for j in mover._jobs.inflight)
     mover.close()
     assert all(r.ok for r in mover.poll())
     assert dst.matches(expected_after(dst, before, src_before, src, jobs))

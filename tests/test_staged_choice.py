@@ -1,6 +1,5 @@
 """Whether a device mover takes the staged route: by predicted makespan where the
-calibration measured it, by rule where it did not, never on a per-layer host; and how
-``within`` ranks the staged route, the kernel and the batch route per job (hand-built
+calibration measured it, by rule where it did not, never on a per-layer host (hand-built
 calibrations, a batch route, a kernel and ``triton.staged`` registered for the CPU, the
 staged kernels in Triton's interpreter)."""
 from __future__ import annotations
@@ -8,14 +7,12 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
-import numpy as np
 import pytest
 import torch
 
 import kvswap
 from kvswap import BlockMover, Calibration, Curve, Direction, Policy
-from kvswap.mover.staged import MIN_RUN_BYTES, REFERENCE_BLOCKS, staged_choice
-from kvswap.mover.within import StagedRanking
+from kvswap.mover.route_choice import MIN_RUN_BYTES, REFERENCE_BLOCKS, staged_choice
 from kvswap.registry.plugins import create_plugin_host, reset_plugin_host
 from kvswap.resolution.routing import step_cost
 
@@ -72,7 +69,7 @@ def _mover(block_major: bool, seed: int, layers: int = LAYERS) -> BlockMover:
 
 def _choose(host, cal, block_major=True, policy=Policy(), seed=0, layers=LAYERS):
     mover = _mover(block_major, seed, layers)
-    t = mover._templates[0]
+    t = mover._plan.templates[0]
     assert t.chunk_sizes == (CHUNK,)
     args = dict(device="cpu", block_bytes=list(t.chunk_sizes), calibration=cal, host=host)
     fn = kvswap.resolve("d2h", policy=policy, **args)
@@ -86,13 +83,13 @@ def _t(gbps: float, a_us: float, n: int = REFERENCE_BLOCKS) -> float:
     return n * 16 * CHUNK / (gbps * 1e9) + (a_us + 0.01 * n * 16) * 1e-6
 
 
-MAKESPAN = f"predicted step makespan max(within + slowdown x transfer, transfer), within = the quickest transfer"
+MAKESPAN = "predicted step makespan max(compute + slowdown x transfer, transfer), compute = the quickest transfer"
 
 
 def test_the_mover_takes_the_staged_route_where_it_is_predicted_faster(host):
     choice, fn, t, _ = _choose(host, calibration(staged_gbps=50.0))
     assert fn.plan.routes[0].impl == "acme.kern"  # the resolved route: 45 GB/s against 5
-    assert choice.steps is not None and choice.fn is not None
+    assert choice.steps is not None
     note = choice.note
     assert note.startswith("staged: triton.staged moves each block as 1 host run(s) of 65536+ bytes")
     assert f"{MAKESPAN} for a job of {REFERENCE_BLOCKS} blocks (test calibration)" in note
@@ -110,7 +107,6 @@ def test_the_mover_keeps_its_resolved_route_where_the_staged_route_is_predicted_
     assert choice.steps is None
     assert choice.note.startswith(f"staged route not used: {MAKESPAN}")
     assert "acme.kern" in choice.note.split("<- chosen")[0].rsplit(";", 1)[-1]
-    assert choice.fn is not None  # bound: a job with ``within`` may still take it
 
 
 def test_a_route_as_fast_that_slows_the_compute_loses_to_the_staged_route(host):
@@ -124,42 +120,19 @@ def test_a_route_as_fast_that_slows_the_compute_loses_to_the_staged_route(host):
     assert quiet.steps is not None
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_within_takes_the_staged_route_where_the_kernels_slowdown_would_end_the_step_later(host, seed):
-    # Staged at 30 GB/s leaves the compute alone; the kernel at 45 takes 30% of it.
-    choice, fn, t, args = _choose(host, calibration(staged_gbps=30.0), seed=seed)
-    assert choice.steps is None  # beside a compute as short as the copy, the kernel ends sooner
-    rank = StagedRanking(choice, fn, Direction.D2H, Policy(), args, t)
-    n = int(np.random.default_rng(seed).integers(256, 1024))
-    nbytes, count = n * t.block_bytes, n * t.count
-    t_kern = nbytes / 45e9 + (30 + 0.01 * count) * 1e-6
-    t_staged = nbytes / 30e9 + (40 + 0.01 * count) * 1e-6
-    within = 4 * t_kern  # a long compute: the kernel's slowdown outweighs the staged route's slower copy
-    assert step_cost(t_staged, 0.01, within) < step_cost(t_kern, 0.3, within)
-    assert rank(n, within) is choice.fn
-    assert rank(n, 0.0) is None  # no compute beside it: the kernel, the mover's own, ends it sooner
-
-
-def test_within_moves_a_staged_mover_to_the_kernel_where_the_kernel_ends_the_step_sooner(host):
-    choice, fn, t, args = _choose(host, calibration(staged_gbps=42.0, kern_slow=0.05), policy=Policy())
-    assert choice.steps is None  # kernel 45 at 5% slowdown vs staged 42: the kernel
-    choice, fn, t, args = _choose(host, calibration(staged_gbps=46.0, kern_slow=0.05))
+def test_the_build_time_choice_weighs_each_routes_slowdown_with_its_copy(host):
+    choice, _, _, _ = _choose(host, calibration(staged_gbps=42.0, kern_slow=0.05))
+    assert choice.steps is None  # the kernel at 45 GB/s, 5% slowdown, against staged at 42
+    choice, _, _, _ = _choose(host, calibration(staged_gbps=46.0, kern_slow=0.05))
     assert choice.steps is not None
-    rank = StagedRanking(choice, fn, Direction.D2H, Policy(), args, t)
-    assert rank(512, 0.0) is None  # alone, staged is quicker: the mover's own
-    # The staged route slowing the compute by 20% and the kernel by 5%: already at build time
-    # the kernel ends the step sooner, and beside 1 ms of compute too.
-    choice, fn, t, args = _choose(host, calibration(staged_gbps=46.0, staged_slow=0.2, kern_slow=0.05))
+    # The staged route slowing the compute by 20% and the kernel by 5%: the kernel ends the step sooner.
+    choice, _, _, _ = _choose(host, calibration(staged_gbps=46.0, staged_slow=0.2, kern_slow=0.05))
     assert choice.steps is None
-    rank = StagedRanking(choice, fn, Direction.D2H, Policy(), args, t)
-    assert rank(512, 0.001) is None  # the kernel, the mover's own
-    # Beside 50 ms of it, the batch route's copy ends within the compute and slows nothing.
-    assert rank(512, 0.05).plan.forced == "acme.dma"
 
 
 def test_without_staged_measurements_the_rule_decides_and_explain_says_so(host):
     choice, _, _, _ = _choose(host, calibration())  # runs of 64 KiB: the rule takes it
-    assert choice.steps is not None and choice.staged is None
+    assert choice.steps is not None
     assert "chosen by rule: host runs of 64 KiB or more (the calibration holds no staged measurement)" in choice.note
     assert MIN_RUN_BYTES == 64 * KiB
 
@@ -168,11 +141,11 @@ def test_runs_under_the_rules_length_take_the_staged_route_where_a_measurement_p
     # 4 layers: one run of 32 KiB a block, under MIN_RUN_BYTES. Without a staged measurement the
     # rule leaves it; with one, the predicted step decides (50 GB/s against the kernel's 45 and 30%).
     ruled, _, _, _ = _choose(host, calibration(), layers=4)
-    assert ruled.steps is None and ruled.staged is None
+    assert ruled.steps is None
     assert ruled.note.startswith("staged route not used (by rule: the calibration holds no staged measurement): "
                                  "the host side holds a block as 1 run(s) of 32768+ bytes")
     measured, _, _, _ = _choose(host, calibration(staged_gbps=50.0), layers=4)
-    assert measured.steps is not None and measured.staged is not None
+    assert measured.steps is not None
     assert measured.note.startswith("staged: triton.staged moves each block as 1 host run(s) of 32768+ bytes")
     assert "triton.staged" in measured.note.split("<- chosen")[0].rsplit(";", 1)[-1]
 
@@ -185,55 +158,15 @@ def test_host_runs_shorter_than_measured_scale_the_staged_curve_by_what_the_link
     scale = fast.predict("acme.dma", "batch", Direction.D2H, 64 * KiB) / 50.0
     assert scale == pytest.approx(0.7)
     choice, _, _, _ = _choose(host, fast)
-    assert choice.steps is None and choice.staged[1] == pytest.approx(50.0 * scale)
+    assert choice.steps is None and f"triton.staged {_t(50.0 * scale, 40) * 1e3:.3g} ms," in choice.note
     assert "the staged curve scaled by 0.70: host runs of 65536 bytes, shorter than the 64 chunks" in choice.note
     same, _, _, _ = _choose(host, calibration(staged_gbps=50.0, staged_chunks=16, kern_slow=0.1))  # runs as long
-    assert same.steps is not None and same.staged[1] == 50.0 and "scaled" not in same.note
+    assert same.steps is not None and "scaled" not in same.note
+    assert f"triton.staged {_t(50.0, 40) * 1e3:.3g} ms," in same.note
 
 
 def test_a_per_layer_host_never_takes_the_staged_route_even_where_predicted_faster(host):
     choice, _, _, _ = _choose(host, calibration(staged_gbps=500.0), block_major=False)
-    assert choice.steps is None and choice.staged is None
+    assert choice.steps is None
     assert choice.note.startswith("staged route not used: the host side holds a block as 16 run(s) of 4096+ bytes, "
                                   "every chunk apart (a per-layer host cache)")
-
-
-def test_the_staged_route_a_within_job_takes_moves_every_byte(host):
-    choice, fn, t, args = _choose(host, calibration(staged_gbps=40.0), seed=3)
-    rng = np.random.default_rng(3)
-    gen = torch.Generator().manual_seed(3)
-    device = [torch.randn(2, 8, 16, 2, 64, generator=gen).to(torch.float16) for _ in range(LAYERS)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", kvswap.NumaWarning)
-        cache = kvswap.host_cache(device, 8, block_dim=1)
-    cache.buffer.fill_(0xA5)  # poison
-    with BlockMover(device, list(cache.views), "d2h", block_dim=1, issuing_thread=False) as mover:
-        sid, did = rng.choice(8, 3, replace=False), rng.choice(8, 3, replace=False)
-        buf, m = mover._desc.build([(sid, did)])
-        choice.fn.call_validated(buf.array[0, :m], buf.array[1, :m], buf.array[2, :m])
-        for layer, view in enumerate(cache.views):
-            assert torch.equal(view[:, did], device[layer][:, sid])
-        rest = np.setdiff1d(np.arange(8), did)
-        assert bool((cache.buffer.view(8, -1)[rest] == 0xA5).all())
-
-
-def test_a_job_leaves_the_staged_route_for_a_noisier_one_only_where_it_is_predicted_clearly_sooner(host):
-    """The staged route is the mover's own; the kernel slows the compute more. With no compute
-    beside the copy, only the copies' lengths count: a kernel predicted 2% quicker does not
-    take the job (the prediction leaves out the copy's own slowdown beside compute), one
-    predicted 10% quicker does."""
-    from kvswap.mover.within import SWITCH_MARGIN
-
-    for staged_gbps, moves in ((44.0, False), (40.5, True)):
-        choice, fn, t, args = _choose(host, calibration(staged_gbps=staged_gbps, kern_slow=0.3))
-        assert choice.steps is not None  # beside a compute as long as the copy, staged ends the step sooner
-        rank = StagedRanking(choice, fn, Direction.D2H, Policy(), args, t)
-        n = 512
-        t_kern = n * t.block_bytes / 45e9 + (30 + 0.01 * n * t.count) * 1e-6
-        t_staged = n * t.block_bytes / staged_gbps / 1e9 + (40 + 0.01 * n * t.count) * 1e-6
-        assert t_kern < t_staged  # the kernel's copy is predicted quicker either way
-        assert (t_kern * (1 + SWITCH_MARGIN) < t_staged) is moves
-        got = rank(n, 0.0)
-        assert (got is None) is not moves
-        if moves:
-            assert got is fn and fn.plan.routes[0].impl == "acme.kern"  # the resolved route

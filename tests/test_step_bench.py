@@ -412,25 +412,24 @@ def test_variants_run_beside_the_default_every_byte_checked_and_stay_out_of_the_
     assert all(v in step_report.text_table(doc) for v in step.VARIANTS)
 
 
-def test_a_variants_mover_options_and_environment_apply_while_it_is_built(monkeypatch):
+def test_a_variants_mover_options_apply(monkeypatch):
     from kvswap.calibration import step_contenders
 
-    monkeypatch.delenv("KVSWAP_CUDA_ISSUER", raising=False)
     seen = {}
 
     def mover(*args, **kwargs):
-        seen.update(kwargs, env=os.environ.get("KVSWAP_CUDA_ISSUER"))
+        seen.clear()
+        seen.update(kwargs)
         return "mover"
 
     monkeypatch.setattr(step_contenders, "BlockMover", mover)
     by = {c.name: c for c in step_contenders.variants()}
-    assert step_contenders.make_mover([], [], Direction.H2D, 0, by["default/issuer"], cpu()) == "mover"
-    assert seen["env"] == "on" and "KVSWAP_CUDA_ISSUER" not in os.environ  # set while built, then restored
-    step_contenders.make_mover([], [], Direction.H2D, 0, by["default/no-thread"], cpu())
-    assert seen["issuing_thread"] is False and seen["env"] is None
+    assert step_contenders.make_mover([], [], Direction.H2D, 0, by["default/no-thread"], cpu()) == "mover"
+    assert seen["issuing_thread"] is False and "device_descriptors" not in seen
+    step_contenders.make_mover([], [], Direction.H2D, 0, by["default/thread-only"], cpu())
+    assert seen["issuing_thread"] is True and "device_descriptors" not in seen
     step_contenders.make_mover([], [], Direction.H2D, 0, by["default/descriptors"], cpu())
     assert seen["device_descriptors"] is False
-    assert by["default/no-within"].within is False and all(c.within for n, c in by.items() if n != "default/no-within")
 
 
 def _scripted_spans(monkeypatch, spans, fail=None):
@@ -514,23 +513,6 @@ def test_the_contiguous_copy_moves_a_jobs_bytes_in_pieces_of_its_buffer_and_chec
     assert copy.check(direction, np.arange(5), np.arange(5)) == 1000 and torch.equal(dst, buffers.want)
     assert torch.equal(src, buffers.want)  # the source untouched
     assert copy.label(3) == "contiguous copy"
-
-
-def test_the_no_within_variant_submits_without_within():
-    class Recording(HostEnv):
-        def submit(self, mover, sid, did, after, within=None):
-            self.withins.append(within)
-            return super().submit(mover, sid, did, after, within)
-
-    env = Recording(lambda: sum(range(500)))
-    env.withins = []
-    cache = TINY_FLASH.at(2)
-    pools = StepPools(env, cache, 64)
-    contenders = [Contender("default", Policy()), Contender("default/no-within", Policy(), within=False)]
-    case = step.run_case(env, pools, cpu(), Direction.H2D, 4, contenders, 3, np.random.default_rng(0))
-    assert all(c.error is None for c in case.contenders)
-    # per repetition: each contender alone (no within), then beside compute (within: the default's only)
-    assert sum(w is not None for w in env.withins) == 3 and all(w > 0 for w in env.withins if w is not None)
 
 
 def test_render_prints_the_grid_of_kvswap_bench_as_it_ran(tmp_path):

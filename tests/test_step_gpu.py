@@ -10,7 +10,7 @@ import pytest
 
 from kvswap.cli import models
 from kvswap.calibration import step, step_report
-from kvswap.mover.staged import MIN_RUN_BYTES
+from kvswap.mover.route_choice import MIN_RUN_BYTES
 from kvswap.registry.platform import detect
 from kvswap.registry.plugins import plugin_host
 from kvswap.types import Direction

@@ -121,10 +121,10 @@ def test_rows_measured_at_block_sizes_answer_by_the_nearest_size():
     assert both.slowdown_at("triton.kernel", "kernel", "h2d", 6, 64 * KiB) == pytest.approx(0.5)
 
 
-def test_within_weighs_the_batch_route_at_the_block_size_it_was_measured_at():
+def test_rates_weigh_the_batch_route_at_the_block_size_it_was_measured_at():
     """The same job shape at 16 and 32 KiB blocks: the copy engines' slowdown measured at
     each decides whether the route that takes no SMs ends the step sooner."""
-    from kvswap.resolution.routing import costs_at, quiet_rates, quieter_route
+    from kvswap.resolution.routing import rates, step_cost
 
     class Impl:
         def __init__(self, name, kind):
@@ -142,10 +142,13 @@ def test_within_weighs_the_batch_route_at_the_block_size_it_was_measured_at():
     c = cal({"h2d": [["cuda.batch", 0, 0.3, 16 * KiB], ["cuda.batch", 0, 0.005, 32 * KiB], ["kernel", 8, 0.3]]})
     kernel, batch = Impl("triton.kernel", "kernel"), Impl("cuda.batch", "batch")
     n = 2048
-    for size, want in ((16 * KiB, None), (32 * KiB, "cuda.batch")):
-        costs = costs_at(quiet_rates(Route(), kernel, 8, [kernel, batch], c, Direction.H2D, size), n, n * size)
-        assert costs[1][0][2] == (0.3 if size == 16 * KiB else 0.005)
-        assert quieter_route(costs, 0.020) == want
+    for size, want in ((16 * KiB, "triton.kernel"), (32 * KiB, "cuda.batch")):
+        got = rates(Route(), kernel, 8, [kernel, batch], c, Direction.H2D, size)
+        assert [r.name for r in got] == ["triton.kernel", "cuda.batch"]
+        assert got[1].slowdown == (0.3 if size == 16 * KiB else 0.005)
+        assert got[1].seconds(n, n * size) == pytest.approx(n * size / 40e9 + 100e-6)
+        ends = {r.name: step_cost(r.seconds(n, n * size), r.slowdown, 0.020) for r in got}
+        assert min(ends, key=ends.get) == want
 
 
 def test_low_interference_uses_slowdown_by_sms():

@@ -15,7 +15,7 @@ from kvswap import BlockMover, Direction, Policy
 from kvswap.cli import models
 from kvswap.calibration import step, step_contenders, step_interference
 from kvswap.calibration.step import HostEnv, StepSettings
-from kvswap.mover.staged import MIN_RUN_BYTES, staged_steps
+from kvswap.mover.route_choice import MIN_RUN_BYTES, staged_choice
 from kvswap.registry.platform import detect
 from kvswap.registry.plugins import plugin_host
 from fakes import install_staged_on_cpu
@@ -63,9 +63,9 @@ def _long_run_mover() -> tuple[BlockMover, tuple, str]:
         warnings.simplefilter("ignore", kvswap.NumaWarning)
         cache = kvswap.host_cache(device, 8, block_dim=1)
     mover = BlockMover(device, list(cache.views), "d2h", block_dim=1, issuing_thread=False)
-    t = mover._templates[0]
+    t = mover._plan.templates[0]
     fn = kvswap.resolve("d2h", device="cpu", block_bytes=t.chunk_sizes)
-    steps, note = staged_steps(fn, t, Direction.D2H, Policy(), dict(device="cpu"))
+    steps, note = staged_choice(fn, t, Direction.D2H, Policy(), dict(device="cpu"))
     assert steps is not None
     return mover, steps, note
 
@@ -77,7 +77,7 @@ def test_a_mover_that_stages_by_itself_is_labelled_with_the_staged_route(staged_
     plan = mover.explain()
     monkeypatch.setattr(mover, "explain", lambda: f"{plan}\n  note: {note}")
     assert step.route_label(mover, sid, did) == "host.reference"  # the note, but no staged by-id step
-    mover._desc.ids_steps = steps
+    mover._plan.ids = steps
     label = step.route_label(mover, sid, did)
     assert label == "triton.staged" and step_contenders.is_staged(mover, label)
     mover.close()

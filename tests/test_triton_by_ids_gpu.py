@@ -97,7 +97,7 @@ def test_block_mover_on_the_kernel_route_sends_only_ids(direction):
     src, dst = _pair("flash", direction, seed=3, src_blocks=1024, dst_blocks=1024)
     src_before = src.snapshot()
     with BlockMover(src.tensors, dst.tensors, direction, block_dim=1, policy=Policy(force="triton.kernel"), device_descriptors=True) as mover:
-        assert mover._ids_steps is not None and all(f is not None for f in mover._ids_steps[1])
+        assert mover.id_route(1) == "triton.kernel" and all(f is not None for f in mover._plan.ids.fns)
         sid = rng.integers(0, 1024, 700).astype(np.int64)
         did = rng.permutation(1024)[:700].astype(np.int64)
         torch.cuda._sleep(SPIN)  # the compute stream is busy

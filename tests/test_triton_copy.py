@@ -296,33 +296,34 @@ class _Event:
 def _fake_pool(monkeypatch: pytest.MonkeyPatch):
     import torch
 
-    from kvswap.backends.triton_generic import staging
+    from kvswap.backends.triton_generic import launch_buffers
 
-    pool = staging.StagingPool(0)
+    pool = launch_buffers.LaunchBufferPool(0)
     made = []
 
-    def new(count: int) -> staging.Staging:
-        entry = staging.Staging(torch.empty(max(count, 16), dtype=torch.int64), 4096 * (len(made) + 1), _Event())
+    def new(count: int) -> launch_buffers.LaunchBuffer:
+        entry = launch_buffers.LaunchBuffer(torch.empty(max(count, 16), dtype=torch.int64), 4096 * (len(made) + 1),
+                                            _Event())
         made.append(entry)
         return entry
 
     monkeypatch.setattr(pool, "_new", new)
-    return pool, made, staging
+    return pool, made, launch_buffers
 
 
-def test_launchers_of_one_device_share_one_staging_pool() -> None:
-    from kvswap.backends.triton_generic import staging
+def test_launchers_of_one_device_share_one_launch_buffer_pool() -> None:
+    from kvswap.backends.triton_generic import launch_buffers
 
     def translate(addrs):
         return addrs + 1
 
-    assert staging.shared_pool(0) is staging.shared_pool(0)
-    assert staging.shared_pool(1) is not staging.shared_pool(0)
-    assert staging.shared_pool(0, translate) is staging.shared_pool(0, translate)
-    assert staging.shared_pool(0, translate) is not staging.shared_pool(0)  # mapped buffers apart
-    assert staging.shared_pool(0, translate)._translate is translate
+    assert launch_buffers.shared_pool(0) is launch_buffers.shared_pool(0)
+    assert launch_buffers.shared_pool(1) is not launch_buffers.shared_pool(0)
+    assert launch_buffers.shared_pool(0, translate) is launch_buffers.shared_pool(0, translate)
+    assert launch_buffers.shared_pool(0, translate) is not launch_buffers.shared_pool(0)  # mapped buffers apart
+    assert launch_buffers.shared_pool(0, translate)._translate is translate
     # a pool mapped through a translator goes with it (plugins may make one per resolve)
-    mapped = staging.shared_pool(0, lambda addrs: addrs + 2)
+    mapped = launch_buffers.shared_pool(0, lambda addrs: addrs + 2)
     ref = weakref.ref(mapped)
     del mapped
     gc.collect()
@@ -340,8 +341,8 @@ def test_the_identity_translation_costs_a_kernel_route_nothing_per_call() -> Non
     assert mapped._translate_dst is not None and mapped._translate_src is None
 
 
-def test_staging_buffer_reused_only_after_its_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    pool, made, staging = _fake_pool(monkeypatch)
+def test_a_launch_buffer_is_reused_only_after_its_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool, made, launch_buffers = _fake_pool(monkeypatch)
     a = pool.take(30)
     pool.give(a)  # its kernel is still queued
     b = pool.take(30)
@@ -363,15 +364,15 @@ def test_staging_buffer_reused_only_after_its_kernel(monkeypatch: pytest.MonkeyP
     assert big.capacity >= 10_000 and big not in made[:-1]
 
 
-def test_staging_probes_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    pool, made, staging = _fake_pool(monkeypatch)
+def test_launch_buffer_probes_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool, made, launch_buffers = _fake_pool(monkeypatch)
     for _ in range(10):
         pool.give(pool.take(8))
     queries = []
     for e in made:
         e.done.query = lambda e=e: queries.append(e) or False
     pool.take(8)
-    assert len(queries) == staging.PROBES  # a busy pool costs a few driver queries, not one each
+    assert len(queries) == launch_buffers.PROBES  # a busy pool costs a few driver queries, not one each
 
 
 def test_direct_launch_arguments_follow_the_kernel_signature() -> None:

@@ -1,5 +1,5 @@
 """triton.kernel on a GPU: both directions between pinned host memory and device memory,
-the resolve() path, the SM budget, streams, and staging buffers under pressure.
+the resolve() path, the SM budget, streams, and launch buffers under pressure.
 
 Every case is ``gpu``-marked: skipped with a reason on machines without a GPU, where
 ``test_triton_copy.py`` runs the same kernel in Triton's interpreter.
@@ -131,8 +131,8 @@ def test_sm_budget_bounds_the_grid(gpu, direction: Direction) -> None:
 
 @pytest.mark.parametrize("host_tiles", [0, 1_000_000], ids=["uploaded", "read-from-host"])
 @pytest.mark.parametrize("direction", DIRECTIONS, ids=str)
-def test_staging_buffers_survive_a_busy_stream(gpu, direction: Direction, host_tiles: int) -> None:
-    """40 launches enqueued while the stream is held up by a long kernel: each staging
+def test_launch_buffers_survive_a_busy_stream(gpu, direction: Direction, host_tiles: int) -> None:
+    """40 launches enqueued while the stream is held up by a long kernel: each launch
     buffer (pinned, and its device twin where the descriptors are uploaded) must stay
     untouched until its own kernel ran, or blocks land in wrong places. 40 calls are more
     than the pool keeps, so the wait for the oldest buffer runs too."""

@@ -15,7 +15,7 @@ import torch
 
 import kvswap
 from kvswap import BlockMover, Direction, Policy
-from kvswap.mover.staged import MIN_RUN_BYTES, staged_steps
+from kvswap.mover.route_choice import MIN_RUN_BYTES, staged_choice
 from kvswap.addressing.runs import SLOT_ALIGN, host_runs
 from fakes import install_staged_on_cpu
 from mover_layouts import Pool, expected_after, layouts
@@ -128,8 +128,7 @@ def test_mover_blocks_through_the_staging_buffer(host_name, direction, dtype, li
     jobs = []
     with BlockMover(src.tensors, dst.tensors, direction, block_dim=1, device_descriptors=True,
                     policy=Policy(force="triton.staged", staging_bytes=6 * block)) as mover:
-        (_, fns), = [mover._desc.ids_steps[:2]]
-        staged = fns[0]
+        staged = mover._plan.ids.fns[0]
         assert staged is not None and staged.slots == 3  # three blocks a half: slices of three
         assert staged.runs.count == (1 if host_name == "cross_views" else 6)
         for n in (1, 7, 20, 0, 3):
@@ -165,7 +164,7 @@ def test_host_runs_merge_pieces_adjacent_on_the_host():
     per_layer, block_major = Pool(LAYOUTS["flash"], 12, gen), Pool(LAYOUTS["cross_views"], 12, gen)
     for host, runs_per_block in ((block_major, 1), (per_layer, 6)):
         mover = BlockMover(device.tensors, host.tensors, "d2h", block_dim=1, issuing_thread=False)
-        t = mover._templates[0]
+        t = mover._plan.templates[0]
         runs = host_runs(t, host_is_src=False)
         assert runs.count == runs_per_block and int(runs.size.sum()) == t.block_bytes
         assert runs.slot_bytes % SLOT_ALIGN == 0 and runs.slot_bytes >= t.block_bytes
@@ -185,8 +184,8 @@ def test_a_mover_stages_only_a_host_side_of_long_runs(link_calls):
     policy = Policy()
     for host, staged in ((list(cache.views), True), (per_layer, False)):
         mover = BlockMover(device, host, "d2h", block_dim=1, issuing_thread=False)
-        fn = kvswap.resolve("d2h", device="cpu", block_bytes=mover._templates[0].chunk_sizes)
-        steps, note = staged_steps(fn, mover._templates[0], Direction.D2H, policy, dict(device="cpu"))
+        fn = kvswap.resolve("d2h", device="cpu", block_bytes=mover._plan.templates[0].chunk_sizes)
+        steps, note = staged_choice(fn, mover._plan.templates[0], Direction.D2H, policy, dict(device="cpu"))
         assert (steps is not None) == staged
         assert note.startswith("staged: triton.staged moves each block as 1 host run") if staged else \
             "a block-major host cache (kvswap.host_cache) holds each block as one run" in note
@@ -194,7 +193,7 @@ def test_a_mover_stages_only_a_host_side_of_long_runs(link_calls):
     off = Policy(staging_bytes=0)
     fn = kvswap.resolve("d2h", device="cpu", policy=off)
     mover = BlockMover(device, list(cache.views), "d2h", block_dim=1, issuing_thread=False)
-    steps, note = staged_steps(fn, mover._templates[0], Direction.D2H, off, dict(device="cpu"))
+    steps, note = staged_choice(fn, mover._plan.templates[0], Direction.D2H, off, dict(device="cpu"))
     assert steps is None and "Policy.staging_bytes=0" in note
     mover.close()
 
@@ -220,30 +219,3 @@ def test_policy_staging_bytes_is_checked():
     with pytest.raises(kvswap.ConfigurationError, match="Policy.staging_bytes=-1 must be a whole number >= 0"):
         Policy(staging_bytes=-1)
     assert Policy(staging_bytes=np.int64(1 << 20)).staging_bytes == 1 << 20
-
-
-def test_the_link_copies_its_arrays_and_its_deferred_work_reaches_the_job(monkeypatch):
-    """The staged route's link descriptors live for one call: a link that issues later
-    is told they are not stable, and the work it reports still reaches the caller's job."""
-    import types
-
-    import kvswap.registry.reference as reference
-    from kvswap.registry import deferred
-
-    seen = []
-    plain = reference.host_copy
-
-    def link(src, dst, sizes, stream=None):
-        seen.append(deferred.arrays_stable())
-        deferred.report(types.SimpleNamespace(error=None, reported=False))
-        return plain(src, dst, sizes, stream)
-
-    monkeypatch.setattr(reference, "host_copy", link)
-    install_staged_on_cpu()
-    src = np.frombuffer(np.random.default_rng(1).bytes(1 << 14), dtype=np.uint8).copy()
-    dst = np.zeros(1 << 14, dtype=np.uint8) + 7
-    swap = kvswap.resolve("h2d", device="cpu", policy=Policy(force="triton.staged", staging_bytes=1 << 13))
-    with deferred.collect(stable=True) as issued:
-        swap(src.ctypes.data + np.array([0, 4096]), dst.ctypes.data + np.array([8192, 0]), np.array([4096, 4096]))
-    assert seen == [False, False] and len(issued) == 2  # two slices: a half holds one descriptor
-    assert np.array_equal(dst[8192:12288], src[:4096]) and np.array_equal(dst[:4096], src[4096:8192])

@@ -6,8 +6,7 @@ the bound ``batch_chunk``) becomes several calls, enqueued in order on the same 
 Where the batch call cannot serve — a driver older than 12.8, or the legacy default
 stream, which it rejects — each descriptor becomes one ``cuMemcpyAsync``: correct, just
 slower (each copy pays the driver's fixed cost), and the callable's ``note`` says so in
-``explain()``. The factory hands batches too large for the caller's thread to the
-device's issuer thread (issuer.py), in the caller's stream order.
+``explain()``.
 """
 from __future__ import annotations
 
@@ -211,14 +210,10 @@ def bind(driver: drv.Driver, direction: Direction, device_index: int, chunk: int
 def _factory(ctx: BindContext) -> Any:
     import torch
 
-    from .issuer import issued
-
     chunk = chunk_size(ctx.params)
     torch.cuda.init()  # torch creates the primary context bind() then retains
     index = ctx.device.index if ctx.device.index is not None else torch.cuda.current_device()
-    driver = drv.get()
-    # Large batches are issued from the device's issuer thread (issuer.py).
-    return issued(bind(driver, ctx.direction, index, chunk), driver)
+    return bind(drv.get(), ctx.direction, index, chunk)
 
 
 CUDA_BATCH = CopyImpl(

@@ -7,7 +7,7 @@ Its one hook registers ``triton.kernel`` and ``triton.staged``; where each part 
 * :mod:`.copy` — :func:`copy`, the public launcher: the same kernel as a plain function
   with an explicit SM budget, for callers that do not go through ``resolve()``;
 * :mod:`.launch` — the bound callable (:class:`KernelCopy`) and the launch shapes
-  (:class:`TilePlan`, :class:`Tile`); :mod:`.staging` and :mod:`.compiled` — its pinned
+  (:class:`TilePlan`, :class:`Tile`); :mod:`.launch_buffers` and :mod:`.compiled` — its pinned
   descriptor buffers and directly launched compiled variants;
 * :mod:`.jit` — the Triton kernel itself (it and :mod:`.by_ids_jit` are the modules that
   import Triton at the top);

@@ -4,7 +4,7 @@ A BlockMover's descriptors are ``base[p] + id * stride[p]`` for every piece ``p`
 contiguous chunk of one tensor pair) and every id. Building them on the host costs time
 proportional to pieces x ids (layers x K/V x blocks) before the kernel can start; here
 the template (bases, strides, sizes per piece) is uploaded once, when the capability is
-bound, and a transfer sends only its two id arrays: packed into a pinned staging buffer
+bound, and a transfer sends only its two id arrays: packed into a pinned launch buffer
 of the launcher's pool, read by the kernel from there when the batch is short or the
 programs many (:data:`HOST_IDS_PROGRAMS`), uploaded first by
 :func:`~.by_ids_jit.load_ids_kernel`, launched the same way, otherwise. One launch of
@@ -29,6 +29,7 @@ from typing import Any, Optional
 import numpy as np
 
 from kvswap.memory.allocation import allocating
+from kvswap.registry.impl import ByIdsFn
 
 from .compiled import Variant, direct_parts, hook_is_set
 from .launch import KernelCopy, Tile, batch_alignment
@@ -47,7 +48,7 @@ HOST_IDS_PROGRAMS = 16
 class IdsLaunch:
     """What one call launched: ``n`` id pairs, ``items`` (pieces x n) rows, ``grid``
     programs, the ``tile``, and where the kernel read the ids: ``"host"`` (pinned
-    staging), ``"device"`` (uploaded first) or ``""`` (interpreter, or nothing launched)."""
+    launch buffer), ``"device"`` (uploaded first) or ``""`` (interpreter, or nothing launched)."""
 
     n: int
     items: int
@@ -78,7 +79,7 @@ def bind_by_ids(copy: KernelCopy, template: Any) -> Optional[CopyByIds]:
     return fn
 
 
-class CopyByIds:
+class CopyByIds(ByIdsFn):
     """``fn(src_ids, dst_ids, stream=None) -> IdsLaunch``: copy every piece of block
     ``src_ids[i]`` to block ``dst_ids[i]`` in one launch, on ``copy``'s SMs and device.
 
@@ -137,10 +138,10 @@ class CopyByIds:
     def __call__(self, src_ids: np.ndarray, dst_ids: np.ndarray, stream: Any = None) -> IdsLaunch:
         """Copy validated int64 id arrays; enqueued on ``stream`` (GPU) or done on return
         (interpreter)."""
-        return self.stage(src_ids, dst_ids)(stream)
+        return self.pack(src_ids, dst_ids)(stream)
 
-    def stage(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> Any:
-        """The host half of a call: the ids packed into a pinned staging buffer and the
+    def pack(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> Any:
+        """The host half of a call: the ids packed into a pinned launch buffer and the
         launch arguments resolved now; the returned ``launch(stream) -> IdsLaunch``
         enqueues the kernel(s) that read them.
         A caller that records a start marker between the two times the device's part
@@ -159,11 +160,11 @@ class CopyByIds:
         except BaseException:
             self.copy._pool.give(entry)
             raise
-        return _Staged(self, entry, launch, calls)
+        return _Packed(self, entry, launch, calls)
 
     def launch_only(self, n: int) -> bool:
         """Whether a call of ``n`` id pairs is only launches: the kernel reads the ids where
-        the call staged them, in pinned host memory, or an upload kernel copies them to the
+        the call packed them, in pinned host memory, or an upload kernel copies them to the
         device first; every launch direct, no profiler hook set (:meth:`_direct`)."""
         return self.copy._pool is not None and n > 0 and self._direct(self._plan(n)) is not None
 
@@ -191,7 +192,7 @@ class CopyByIds:
         return (variant, upload) if upload.direct else None
 
     def _direct_calls(self, entry: Any, launch: IdsLaunch) -> Optional[tuple]:
-        """The launches of a staged call, every argument but the stream resolved now
+        """The launches of a packed call, every argument but the stream resolved now
         (before the caller's start marker): ``(run, grid, function, metadata, args)`` each,
         ids upload first where the kernel reads them from the device. None where they are
         not direct (:meth:`_direct`)."""
@@ -214,7 +215,7 @@ class CopyByIds:
         return self._tmpl_ptr, ids_ptr, launch.n, self.pieces, t.splits, t.jobs, t.words, t.align, t.cache
 
     def _enqueue(self, entry: Any, launch: IdsLaunch, calls: Optional[tuple], stream: Any) -> None:
-        """Enqueue a staged call on ``stream`` with the copy's device current; between the
+        """Enqueue a packed call on ``stream`` with the copy's device current; between the
         caller's start marker and a pre-resolved launch (``calls``), only the stream's
         handle, the device check and the launcher run."""
         c = self.copy
@@ -306,8 +307,8 @@ class CopyByIds:
             _upload_variant(self.copy.device_index)
 
 
-class _Staged:
-    """A call's ids in a staging buffer, waiting for their launch (:meth:`CopyByIds.stage`)."""
+class _Packed:
+    """A call's ids in a launch buffer, waiting for their launch (:meth:`CopyByIds.pack`)."""
 
     __slots__ = ("fn", "entry", "launch", "calls")
 
@@ -317,7 +318,7 @@ class _Staged:
     def __call__(self, stream: Any = None) -> IdsLaunch:
         entry, self.entry = self.entry, None
         if entry is None:
-            raise RuntimeError("these staged ids were already launched or cancelled")
+            raise RuntimeError("these packed ids were already launched or cancelled")
         self.fn._enqueue(entry, self.launch, self.calls, stream)
         self.fn.last_launch = self.launch
         return self.launch
@@ -329,7 +330,7 @@ class _Staged:
 
 
 class _Later:
-    """A call without a staging buffer: no ids, or the interpreter's (copied at launch)."""
+    """A call without a launch buffer: no ids, or the interpreter's (copied here, read at launch)."""
 
     __slots__ = ("fn", "launch", "ids")
 

@@ -1,11 +1,9 @@
 """Small kernel copies replayed from CUDA graphs instead of launched.
 
 A copy of a few blocks costs more in its launch than in its bytes, and a graph replay
-reaches the GPU sooner than a kernel launch. Measured on an H100 host
-(tests/bench/bench_graph_launch.py, 1-256 blocks of 4 KiB, both directions): a graphed call
-took 0.88-0.94 of a plain call's GPU time from an idle stream. The call's own bookkeeping
-(descriptors packed, launch planned, events) stays, so its thread time moves less (0.75-0.78
-of a plain call's in five of eight cases, 1.1-1.4 in the other three). A graph bakes in its arguments,
+reaches the GPU sooner than a kernel launch (tests/bench/bench_graph_launch.py). The call's
+own bookkeeping (descriptors packed, launch planned, events) stays, so its thread time moves
+less than its GPU time. A graph bakes in its arguments,
 so one is captured per launch shape (descriptor count, grid, tile), once the shape has been
 seen :data:`SEEN_BEFORE_CAPTURE` times (engines repeat their shapes; a one-off shape is not
 worth a capture), over :data:`RING` fixed buffers, each written again only once the replay
@@ -17,6 +15,10 @@ from __future__ import annotations
 import os
 import threading
 from typing import Any, Optional
+
+# Measured on an H100 host (bench_graph_launch.py, 1-256 blocks of 4 KiB, both directions): a
+# graphed call took 0.88-0.94 of a plain call's GPU time from an idle stream, and 0.75-0.78 of
+# its thread time in five of eight cases, 1.1-1.4 in the other three.
 
 # Set to off (or 0, no, false) to launch every copy the plain way, e.g. where an engine's own
 # graph captures must not meet another thread's.
@@ -30,7 +32,7 @@ KEEP_SHAPES = 64
 
 
 class Slot:
-    """One fixed buffer of a shape (a staging entry kept for good) and the graph over it
+    """One fixed buffer of a shape (a launch buffer kept for good) and the graph over it
     (``exec``: its executable's raw handle). ``busy`` while a thread fills and replays it;
     ``used`` once a replay was enqueued (its ``entry.done`` then says when the buffer may be
     written again)."""
@@ -44,9 +46,9 @@ class Slot:
 def raw_launcher() -> Optional[Any]:
     """The platform's graph launch (``cuGraphLaunch``, ``hipGraphLaunch``) through ctypes, or
     None: then no graphs. torch's ``replay()`` launches on the current stream only, and making
-    the caller's stream current costs more than the launch saves: graphed calls replayed that
-    way took 1.4-1.8 times a plain call's GPU and thread time (bench_graph_launch.py, an H100
-    host)."""
+    the caller's stream current costs more than the launch saves (bench_graph_launch.py)."""
+    # Replayed through torch, graphed calls took 1.4-1.8 times a plain call's GPU and thread
+    # time (bench_graph_launch.py, an H100 host).
     import ctypes
 
     import torch
@@ -63,7 +65,7 @@ def raw_launcher() -> Optional[Any]:
 class Graphs:
     """The graphs of one launcher (:class:`~.launch.KernelCopy`) on one device.
 
-    :param pool: where the fixed buffers come from (:class:`~.staging.StagingPool`); they
+    :param pool: where the fixed buffers come from (:class:`~.launch_buffers.LaunchBufferPool`); they
         are never given back.
     :param variants: the launcher's compiled variants.
     """

@@ -102,5 +102,6 @@ def copy_impl() -> CopyImpl:
         factory=bind,
         availability=availability,
         requires_pinned=True,
+        by_ids=True,
         description="Triton kernel: one launch per batch on a bounded SM budget, several blocks per step",
     )

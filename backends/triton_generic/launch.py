@@ -2,7 +2,7 @@
 
 A :class:`KernelCopy` is what ``triton.kernel``'s factory returns and what the public
 :func:`~kvswap.backends.triton_generic.copy.copy` uses. Per call it packs the descriptors into
-one pinned int64 staging buffer (staging.py). A small batch (each program handles at most
+one pinned int64 launch buffer (launch_buffers.py). A small batch (each program handles at most
 ``TilePlan.host_tiles`` tiles) is read by the kernel straight from that pinned buffer; a
 larger one is first uploaded with one asynchronous copy into the buffer's device twin, so
 the copy loop reads its descriptors from device memory. The kernel variant, compiled once
@@ -168,7 +168,7 @@ DEFAULT_PLANS: dict[str, TilePlan] = {
 @dataclass(frozen=True)
 class Launch:
     """What one call launched: ``grid`` programs (never more than the SM budget), and
-    where the kernel read the descriptors: ``"host"`` (the pinned staging buffer),
+    where the kernel read the descriptors: ``"host"`` (the pinned launch buffer),
     ``"device"`` (uploaded first) or ``""`` (interpreter, or nothing launched)."""
 
     n: int
@@ -212,9 +212,9 @@ class KernelCopy:
         self.variants: Any = None  # compiled.Variants of the device (GPU only)
         if device_index is not None:
             from .compiled import variants
-            from .staging import Streams, shared_pool
+            from .launch_buffers import Streams, shared_pool
 
-            # The staging buffers are host memory a kernel reads: map them like host data.
+            # The launch buffers are host memory a kernel reads: map them like host data.
             self._pool = shared_pool(device_index, translate_src or translate_dst)
             self._streams = Streams(device_index)
             self.variants = variants(device_index)

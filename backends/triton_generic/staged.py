@@ -6,10 +6,10 @@ for the whole transfer; the copy engines leave the SMs alone but slow down on sm
 A staged copy does each part where it is fast. On the device, the Triton kernel
 (:mod:`.by_ids_jit`, :mod:`.jit`) gathers (device to host) or scatters (host to device)
 the scattered chunks to or from a staging buffer in device memory, at memory speed, in a
-burst that is short beside the transfer (about 3% of it at 2 TB/s against 55 GB/s). Over
-the link, the bound batch route (:attr:`kvswap.BindContext.link`, the copy engines) moves
-the slot of each block to its host run: one descriptor per run and block, and runs of
-consecutive host blocks merge. A block-major host cache (:func:`kvswap.host_cache`) is one
+burst that is short beside the transfer (device memory is tens of times faster than the
+link). Over the link, the bound batch route (:attr:`kvswap.BindContext.link`, the copy
+engines) moves the slot of each block to its host run: one descriptor per run and block,
+and runs of consecutive host blocks merge. A block-major host cache (:func:`kvswap.host_cache`) is one
 run per block.
 
 The buffer is two halves used in turn: while one crosses the link on the route's own
@@ -22,14 +22,12 @@ runs on any Triton GPU platform; the link is whichever batch route the platform 
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
-from kvswap.registry import deferred
 from kvswap.memory.allocation import allocating
-from kvswap.addressing.descriptors import merge_runs
-from kvswap.registry.impl import BindContext, CopyImpl, TransferFn
+from kvswap.registry.impl import BindContext, ByIdsFn, CopyImpl, TransferFn
 from kvswap.registry.streams import own_stream
 from kvswap.addressing.runs import SLOT_ALIGN, Runs, host_runs
 from kvswap.types import DeviceInfo, Direction
@@ -52,15 +50,96 @@ LINK_STREAMS = 4
 MIN_LINK_DESCRIPTORS = 8
 
 
-class _Halves:
-    """A staging buffer of two halves and the events that order their reuse.
+class Slice(NamedTuple):
+    """One slice of a staged job, prepared before any slice is issued: the half it uses,
+    its device side (``device(stream)`` enqueues the gather or scatter; ``cancel()`` where
+    it never will) and its link, ``(src, dst, sizes)`` per link stream it is spread over."""
 
-    Device to host, per slice on half ``h``: the caller's stream waits until the link let
-    go of ``h`` (``free``), the kernel gathers into it (``ready``), the link stream waits
-    for that and copies it out (``free`` again). Host to device the other way round: the
-    link fills ``h`` once the kernel is done with it, the caller's stream scatters it once
-    filled. In the interpreter every step runs at once, in order.
+    half: int
+    device: Any
+    links: tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]
+
+
+class Pipeline:
+    """The streams and events that order a staged job's slices, issued all at once.
+
+    Each half ``h`` has two events. Device to host: the gather into ``h`` waits ``free[h]``
+    (its last link let go of it) and records ``ready[h]``; the link waits ``ready[h]`` and
+    records ``free[h]``. Host to device the other way round: the link fills ``h`` after
+    ``free[h]`` (its last scatter read it) and records ``ready[h]``; the scatter waits
+    ``ready[h]`` and records ``free[h]``. A wait captures the event's last record enqueued
+    before it, so :meth:`issue` keeps one side a slice ahead of the other (the device side
+    device to host, the link host to device) and enqueues every wait after the record it
+    means: slice ``k + 2`` reuses slice ``k``'s half only once ``k`` has let go of it, and
+    the host issues everything without waiting for the device.
+
+    :param links: the link streams (the first joins the others after each slice).
+    :param event: makes an event (``torch.cuda.Event``).
     """
+
+    def __init__(self, links: tuple, event: Any) -> None:
+        self.links = links
+        self.ready = (event(), event())
+        self.free = (event(), event())
+        self.start = event()
+        # Per half, an event per further link stream: the first link stream joins them.
+        self.joined = tuple(tuple(event() for _ in links[1:]) for _ in range(2))
+
+    def issue(self, slices: list[Slice], to_host: bool, s: Any, link: TransferFn) -> None:
+        """Enqueue every slice on the caller's stream ``s`` (the device side) and the link
+        streams; ``s`` ends after every slice's link (device to host) or scatter."""
+        n = len(slices)
+        done = 0  # slices whose device side was enqueued (or cancelled)
+        try:
+            if to_host:
+                self._gather(slices[0], s)
+                done = 1
+                for k in range(n):
+                    if k + 1 < n:  # its half was let go by link k - 1, enqueued before
+                        self._gather(slices[k + 1], s)
+                        done = k + 2
+                    self._link(slices[k], link, self.ready, self.free)
+                s.wait_event(self.free[slices[-1].half])
+            else:
+                self.start.record(s)  # the link reads the host no sooner than the caller's stream asks
+                for ls in self.links:
+                    ls.wait_event(self.start)
+                self._link(slices[0], link, self.free, self.ready)
+                for k in range(n):
+                    if k + 1 < n:  # its half was let go by scatter k - 1, enqueued before
+                        self._link(slices[k + 1], link, self.free, self.ready)
+                    self._scatter(slices[k], s)
+                    done = k + 1
+        finally:
+            for sl in slices[done:]:  # never enqueued: what each packed goes back
+                sl.device.cancel()
+
+    def _gather(self, sl: Slice, s: Any) -> None:
+        s.wait_event(self.free[sl.half])
+        sl.device(s)
+        self.ready[sl.half].record(s)
+
+    def _scatter(self, sl: Slice, s: Any) -> None:
+        s.wait_event(self.ready[sl.half])
+        sl.device(s)
+        self.free[sl.half].record(s)
+
+    def _link(self, sl: Slice, link: TransferFn, after: tuple, then: tuple) -> None:
+        """The slice's link on its streams, each waiting ``after[half]``; the first link
+        stream joins the others and records ``then[half]``."""
+        h, first = sl.half, self.links[0]
+        for (a, b, z), ls in zip(sl.links, self.links):
+            ls.wait_event(after[h])
+            link(a, b, z, ls)
+        for ls, ev in zip(self.links[1:len(sl.links)], self.joined[h]):
+            ev.record(ls)
+            first.wait_event(ev)
+        then[h].record(first)
+
+
+class _Halves:
+    """A staging buffer of two halves used in turn, and, on a device, the pipeline that
+    orders their reuse. In the interpreter every step runs at once, in order."""
 
     def __init__(self, nbytes: int, device_index: Optional[int], link_streams: int = 1) -> None:
         import torch
@@ -73,22 +152,24 @@ class _Halves:
             self.buffer = torch.empty(2 * self.half, dtype=torch.uint8, device=where)
         self.base = (self.buffer.data_ptr(), self.buffer.data_ptr() + self.half)
         self.turn = 0
-        if device_index is None:
-            self.link_stream = None
-            self.links: tuple = (None,) * max(1, link_streams)  # in order, at once
-        else:
-            self.links = tuple(own_stream(device_index, self) for _ in range(max(1, link_streams)))
-            self.link_stream = self.links[0]
-            self.ready = (torch.cuda.Event(), torch.cuda.Event())
-            self.free = (torch.cuda.Event(), torch.cuda.Event())
-            self.start = torch.cuda.Event()
-            # Per half, an event per further link stream: the first link stream joins them.
-            self.joined = tuple(tuple(torch.cuda.Event() for _ in self.links[1:]) for _ in range(2))
+        self.streams = max(1, link_streams)  # a slice's link is spread over up to this many streams
+        self.pipeline: Optional[Pipeline] = None
+        if device_index is not None:
+            links = tuple(own_stream(device_index, self) for _ in range(self.streams))
+            self.pipeline = Pipeline(links, torch.cuda.Event)
+
+    @property
+    def links(self) -> tuple:
+        return () if self.pipeline is None else self.pipeline.links
+
+    def take(self, slices: int) -> int:
+        """The half the first of ``slices`` slices uses; the next job's starts after them."""
+        first = self.turn
+        self.turn = (first + slices) % 2
+        return first
 
     def caller(self, stream: Any) -> Any:
         """The caller's stream as a torch stream (None: the current one)."""
-        if self.link_stream is None:
-            return None
         import torch
 
         if stream is None:
@@ -97,51 +178,63 @@ class _Halves:
             return torch.cuda.ExternalStream(stream, device=self.device_index)
         return stream
 
-    def run(self, slices: Any, to_host: bool, stream: Any) -> None:
-        """Run ``slices``: ``(device_op(h, stream), link_op(h, streams, gate))`` pairs for half
-        ``h``; ``link_op`` may spread its copies over the link streams it is given, each
-        stream it uses waiting for the event ``gate`` first. The
-        caller's stream ends after every slice's link (device to host) or scatter."""
-        s, link, links = self.caller(stream), self.link_stream, self.links
-        if link is None:
-            for device_op, link_op in slices:
-                h, self.turn = self.turn, self.turn ^ 1
-                if to_host:
-                    device_op(h, None)
-                    link_op(h, links, None)
-                else:
-                    link_op(h, links, None)
-                    device_op(h, None)
+    def issue(self, slices: list[Slice], to_host: bool, stream: Any, link: TransferFn) -> None:
+        """Issue every slice (see :class:`Pipeline`)."""
+        if self.pipeline is not None:
+            self.pipeline.issue(slices, to_host, self.caller(stream), link)
             return
-        last = None
-        if not to_host:  # the link reads the host no sooner than the caller's stream asks
-            self.start.record(s)
-            for ls in links:
-                ls.wait_event(self.start)
-        for device_op, link_op in slices:
-            h, self.turn = self.turn, self.turn ^ 1
-            ready, free = self.ready[h], self.free[h]
-            if to_host:
-                s.wait_event(free)
-                device_op(h, s)
-                ready.record(s)
-                self._join(h, link_op(h, links, ready))
-                free.record(link)
-                last = free
-            else:
-                self._join(h, link_op(h, links, free))
-                ready.record(link)
-                s.wait_event(ready)
-                device_op(h, s)
-                free.record(s)
-        if last is not None:
-            s.wait_event(last)
+        for k, sl in enumerate(slices):
+            try:
+                if to_host:
+                    sl.device(None)
+                for a, b, z in sl.links:
+                    link(a, b, z, None)
+                if not to_host:
+                    sl.device(None)
+            except BaseException:
+                for rest in slices[k + 1:]:
+                    rest.device.cancel()
+                raise
 
-    def _join(self, h: int, used: int) -> None:
-        """The first link stream waits for the ``used - 1`` further ones of half ``h``."""
-        for ls, ev in zip(self.links[1:used], self.joined[h]):
-            ev.record(ls)
-            self.link_stream.wait_event(ev)
+
+def _parts(a: np.ndarray, b: np.ndarray, z: np.ndarray, streams: int) -> tuple:
+    """A slice's link runs ``a`` to ``b`` (``z`` bytes each) in up to ``streams`` parts of
+    equal bytes, at least :data:`MIN_LINK_DESCRIPTORS` each."""
+    parts = max(1, min(streams, len(z) // MIN_LINK_DESCRIPTORS))
+    if parts == 1:
+        return ((a, b, z),)
+    ends = np.cumsum(z)
+    cuts = [0, *np.searchsorted(ends, ends[-1] * np.arange(1, parts) / parts, side="right").tolist(), len(z)]
+    return tuple((a[lo:hi], b[lo:hi], z[lo:hi]) for lo, hi in zip(cuts, cuts[1:]) if hi > lo)
+
+
+def _merged(a: np.ndarray, b: np.ndarray, z: np.ndarray, firsts: np.ndarray) -> tuple:
+    """The runs of a whole job merged where they follow each other on both sides, never
+    across the start of a slice (``firsts``): ``(a, b, z, bounds)``, slice ``k``'s runs in
+    ``bounds[k]:bounds[k + 1]``."""
+    starts = np.ones(len(z), dtype=bool)
+    starts[1:] = (a[:-1] + z[:-1] != a[1:]) | (b[:-1] + z[:-1] != b[1:])
+    starts[firsts] = True
+    idx = np.flatnonzero(starts)
+    bounds = np.append(np.searchsorted(idx, firsts), len(idx))
+    if len(idx) == len(z):
+        return a, b, z, bounds
+    return a[idx], b[idx], np.add.reduceat(z, idx), bounds
+
+
+class _Eager:
+    """A device side called when issued (raw descriptors: the kernel packs them then)."""
+
+    __slots__ = ("call",)
+
+    def __init__(self, call: Any) -> None:
+        self.call = call
+
+    def __call__(self, stream: Any) -> Any:
+        return self.call(stream)
+
+    def cancel(self) -> None:
+        pass
 
 
 class StagedCopy:
@@ -176,7 +269,8 @@ class StagedCopy:
 
     def __call__(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream: Any = None) -> None:
         """Copy validated descriptors: each slice's descriptors in host address order, packed
-        end to end in a half, so those adjacent on the host cross the link as one."""
+        end to end in a half, so those adjacent on the host cross the link as one. Every
+        slice is prepared, then all are issued at once (:class:`Pipeline`)."""
         if not len(sizes):
             return
         halves = self.halves()
@@ -185,57 +279,28 @@ class StagedCopy:
         order = np.argsort(host, kind="stable")
         host, dev, sizes = host[order], dev[order], sizes[order]
         ends = np.cumsum(sizes)
-        slices, lo = [], 0
-        while lo < len(sizes):
-            hi = int(np.searchsorted(ends, (ends[lo - 1] if lo else 0) + halves.half, side="right"))
-            slices.append(self._raw_slice(halves, host[lo:hi], dev[lo:hi], sizes[lo:hi]))
-            lo = hi
-        halves.run(slices, self.to_host, stream)
-
-    def _raw_slice(self, halves: _Halves, host: np.ndarray, dev: np.ndarray, sizes: np.ndarray) -> tuple:
-        rel = np.cumsum(sizes) - sizes
-
-        def device_op(h: int, s: Any) -> None:
-            staged = halves.base[h] + rel
-            if self.to_host:
-                self.kernel(dev, staged, sizes, s)
-            else:
-                self.kernel(staged, dev, sizes, s)
-
-        def link_op(h: int, streams: tuple, gate: Any) -> int:
-            staged = halves.base[h] + rel
-            return self._link(staged, host, sizes, streams, gate)
-
-        return device_op, link_op
-
-    def _link(self, staged: np.ndarray, host: np.ndarray, sizes: np.ndarray, streams: tuple, gate: Any) -> int:
-        """Copy the runs over the link, spread over up to ``len(streams)`` streams in parts
-        of equal bytes, each stream used waiting for ``gate`` (an event; None: nothing)
-        first; returns how many streams were used."""
-        a, b, z = merge_runs(staged, host, sizes) if self.to_host else merge_runs(host, staged, sizes)
-        return self._issue(a, b, z, streams, gate)
-
-    def _issue(self, a: np.ndarray, b: np.ndarray, z: np.ndarray, streams: tuple, gate: Any) -> int:
-        """:meth:`_link` for runs already merged: ``a`` to ``b``, ``z`` bytes each."""
-        parts = max(1, min(len(streams), len(z) // MIN_LINK_DESCRIPTORS))
-        if parts == 1:
-            cuts = [0, len(z)]
-        else:
-            ends = np.cumsum(z)
-            cuts = [0, *np.searchsorted(ends, ends[-1] * np.arange(1, parts) / parts, side="right").tolist(), len(z)]
-        used = 0
-        # These arrays live for this call only: a link that issues later must copy them
-        # (not stable), and whatever it leaves to another thread still reaches the caller's job.
-        with deferred.collect(stable=False) as issued:
-            for lo, hi, stream in zip(cuts, cuts[1:], streams):
-                if hi > lo:
-                    if gate is not None:
-                        stream.wait_event(gate)
-                    self.link(a[lo:hi], b[lo:hi], z[lo:hi], stream)
-                    used += 1
-        for item in issued:
-            deferred.report(item)
-        return used
+        firsts, lo = [], 0
+        while lo < len(sizes):  # as many descriptors as fill a half, from lo on
+            firsts.append(lo)
+            lo = int(np.searchsorted(ends, (ends[lo - 1] if lo else 0) + halves.half, side="right"))
+        firsts = np.array(firsts, dtype=np.int64)
+        first = halves.take(len(firsts))
+        # Each descriptor's place in its slice's half, for every slice at once.
+        of = np.repeat(np.arange(len(firsts)), np.diff(np.append(firsts, len(sizes))))
+        before = np.where(firsts > 0, ends[firsts - 1], 0)
+        staged = np.asarray(halves.base, dtype=np.int64)[(first + of) % 2] + (ends - sizes) - before[of]
+        a, b, z, bounds = _merged(staged, host, sizes, firsts) if self.to_host else \
+            _merged(host, staged, sizes, firsts)
+        streams, kernel, to_host = halves.streams, self.kernel, self.to_host
+        slices = []
+        for k, lo in enumerate(firsts.tolist()):
+            hi = int(firsts[k + 1]) if k + 1 < len(firsts) else len(sizes)
+            d, t, n = dev[lo:hi], staged[lo:hi], sizes[lo:hi]
+            call = ((lambda s, d=d, t=t, n=n: kernel(d, t, n, s)) if to_host else
+                    (lambda s, d=d, t=t, n=n: kernel(t, d, n, s)))
+            m0, m1 = bounds[k], bounds[k + 1]
+            slices.append(Slice((first + k) % 2, _Eager(call), _parts(a[m0:m1], b[m0:m1], z[m0:m1], streams)))
+        halves.issue(slices, to_host, stream, self.link)
 
     def by_ids(self, template: Any) -> Optional[StagedByIds]:
         """Copy a mover's blocks by id through the staging buffer, or None where the
@@ -254,54 +319,77 @@ def _split(host: np.ndarray, dev: np.ndarray, sizes: np.ndarray, most: int) -> t
     return host[at] + off, dev[at] + off, np.minimum(sizes[at] - off, most)
 
 
-class StagedByIds:
+class StagedByIds(ByIdsFn):
     """``fn(src_ids, dst_ids, stream)``: a mover's blocks through the staging buffer, a
     half's worth of blocks (one slot each) per slice, in host block order."""
 
     def __init__(self, staged: StagedCopy, runs: Runs, kernels: tuple, slots: int) -> None:
         self.staged, self.runs, self.kernels, self.slots = staged, runs, kernels, slots
         self.slot_ids = np.arange(slots, dtype=np.int64)
-        # A full slice's runs in the staging half, relative to its base, and their sizes.
-        self.slot_rel = (self.slot_ids[:, None] * runs.slot_bytes + runs.rel[None, :]).ravel()
-        self.slot_sizes = np.tile(runs.size, slots)
         self.note = (f"staged: {runs.count} link run(s) of {runs.smallest}+ bytes per block, "
                      f"{slots} block(s) per slice")
 
     def __call__(self, src_ids: np.ndarray, dst_ids: np.ndarray, stream: Any = None) -> None:
+        """Copy the blocks: :meth:`pack`, then its launch."""
+        self.pack(src_ids, dst_ids)(stream)
+
+    def pack(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> Job:
+        """Every slice of a job prepared (its ids packed for its gather or scatter, its link
+        runs merged and spread over the link streams); the returned launch issues them all
+        at once (:class:`Pipeline`). A BlockMover packs before the job's start marker."""
+        st, r, per = self.staged, self.runs, self.slots
         if not len(src_ids):
-            return
-        st = self.staged
+            return Job(st, [])
         host_ids, dev_ids = (dst_ids, src_ids) if st.to_host else (src_ids, dst_ids)
         order = np.argsort(host_ids, kind="stable")
         host_ids, dev_ids = host_ids[order], dev_ids[order]
         halves = st.halves()
-        # Built one at a time as the halves take them: each slice's runs are ready before its
-        # gather is launched, so its link is enqueued right behind it.
-        slices = (self._slice(halves, host_ids[lo:lo + self.slots], dev_ids[lo:lo + self.slots])
-                  for lo in range(0, len(host_ids), self.slots))
-        halves.run(slices, st.to_host, stream)
-
-    def _slice(self, halves: _Halves, host_ids: np.ndarray, dev_ids: np.ndarray) -> tuple:
-        st, r = self.staged, self.runs
-        k = len(host_ids)
-        slots = self.slot_ids[:k]
-        m = k * r.count
+        n = len(host_ids)
+        count = -(-n // per)
+        first = halves.take(count)
+        # Every block's runs, host side and its slot in its slice's half, in host block order.
+        i = np.arange(n)
+        slot_base = np.asarray(halves.base, dtype=np.int64)[(first + i // per) % 2] + (i % per) * r.slot_bytes
         host = (r.base[None, :] + host_ids[:, None] * r.stride[None, :]).ravel()
-        rel, sizes = self.slot_rel[:m], self.slot_sizes[:m]
-        # Merged relative to the half's base, which moves every run of the half alike.
-        a, b, z = merge_runs(rel, host, sizes) if st.to_host else merge_runs(host, rel, sizes)
+        staged = (slot_base[:, None] + r.rel[None, :]).ravel()
+        sizes = np.tile(r.size, n)
+        firsts = np.arange(0, n, per) * r.count
+        a, b, z, bounds = _merged(staged, host, sizes, firsts) if st.to_host else \
+            _merged(host, staged, sizes, firsts)
+        streams = halves.streams
+        job = Job(st, [])
+        try:
+            for k in range(count):
+                h = (first + k) % 2
+                dev, slots = dev_ids[k * per:(k + 1) * per], self.slot_ids[:min(per, n - k * per)]
+                device = self.kernels[h].pack(dev, slots) if st.to_host else self.kernels[h].pack(slots, dev)
+                m0, m1 = bounds[k], bounds[k + 1]
+                job.slices.append(Slice(h, device, _parts(a[m0:m1], b[m0:m1], z[m0:m1], streams)))
+        except BaseException:
+            job.cancel()
+            raise
+        return job
 
-        def device_op(h: int, s: Any) -> None:
-            if st.to_host:
-                self.kernels[h](dev_ids, slots, s)
-            else:
-                self.kernels[h](slots, dev_ids, s)
 
-        def link_op(h: int, streams: tuple, gate: Any) -> int:
-            base = halves.base[h]
-            return st._issue(a + base, b, z, streams, gate) if st.to_host else st._issue(a, b + base, z, streams, gate)
+class Job:
+    """A staged job's slices, prepared: ``job(stream)`` issues them all at once;
+    ``job.cancel()`` where it never will (what each slice packed goes back)."""
 
-        return device_op, link_op
+    __slots__ = ("staged", "slices")
+
+    def __init__(self, staged: StagedCopy, slices: list[Slice]) -> None:
+        self.staged, self.slices = staged, slices
+
+    def __call__(self, stream: Any = None) -> None:
+        slices, self.slices = self.slices, []
+        if slices:
+            st = self.staged
+            st.halves().issue(slices, st.to_host, stream, st.link)
+
+    def cancel(self) -> None:
+        slices, self.slices = self.slices, []
+        for sl in slices:
+            sl.device.cancel()
 
 
 class _SlotTemplate:
@@ -364,6 +452,7 @@ def staged_impl() -> CopyImpl:
         factory=bind,
         availability=availability,
         requires_pinned=True,
+        by_ids=True,
         description="Triton gather/scatter through a device staging buffer, whole runs over the link "
                     "on the copy engines",
     )

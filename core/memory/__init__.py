@@ -1,3 +1,3 @@
 """Host memory kvswap allocates and uses: pinned and NUMA-local host tensors, the block-major
-host cache, descriptor pools, and staging for pageable memory.
+host cache, descriptor pools, and bounce buffers for pageable memory.
 """

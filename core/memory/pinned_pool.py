@@ -3,7 +3,7 @@
 A transfer's descriptors (src addresses, dst addresses, sizes) must stay valid until the
 device has finished with them, and an asynchronous upload from pageable memory is
 synchronous (CUDA runtime API, "API synchronization behavior"), so on a GPU they live in
-pinned memory. The staging buffers that carry pageable host memory's blocks are pooled
+pinned memory. The bounce buffers that carry pageable host memory's blocks are pooled
 the same way. Pinning is slow (a driver call per
 allocation), hence a pool: buffers are sized in powers of two and come back to the pool
 only when the owner says the job that used them has completed.
@@ -117,20 +117,20 @@ def new_host_array(shape: tuple[int, ...], dtype: Any, pinned: bool) -> tuple[np
     return owner.numpy(), owner
 
 
-# A staging buffer is at least 1 MiB: small jobs share one size class.
-MIN_STAGING_BYTES = 1 << 20
+# A bounce buffer is at least 1 MiB: small jobs share one size class.
+MIN_BOUNCE_BYTES = 1 << 20
 
 
-class StagingPool(DescriptorPool):
-    """Byte buffers (``array`` is 1-D uint8) that stage pageable host memory's blocks,
+class BouncePool(DescriptorPool):
+    """Byte buffers (``array`` is 1-D uint8) that carry pageable host memory's blocks,
     page-locked where a device reads them; reused by power-of-two size class."""
 
     def acquire(self, count: int) -> DescriptorBuffer:
         """A buffer of at least ``count`` bytes."""
-        return self._take(MIN_STAGING_BYTES if count <= MIN_STAGING_BYTES else 1 << (count - 1).bit_length())
+        return self._take(MIN_BOUNCE_BYTES if count <= MIN_BOUNCE_BYTES else 1 << (count - 1).bit_length())
 
     def _allocate(self, cap: int) -> DescriptorBuffer:
-        array, owner = host_array((cap,), np.uint8, self.pinned, "a staging buffer for pageable host memory")
+        array, owner = host_array((cap,), np.uint8, self.pinned, "a bounce buffer for pageable host memory")
         with self._lock:
             self.allocated += 1
         return DescriptorBuffer(array, owner, cap)

@@ -4,8 +4,8 @@ A mover enqueues every job on one transfer stream, so jobs complete in submissio
 and a job is complete once the marker recorded after it is. The host flavour is what a
 CPU-only machine gets: the copy has finished when the copy function returns.
 
-Markers may be recorded from a mover's issuing thread (the end marker) while the engine's
-thread records start markers and recycles finished ones: the free list is only popped
+Markers may be recorded on a mover's issuing thread while the engine's thread records
+those of a job it issues itself and recycles finished ones: the free list is only popped
 and extended, each atomic under the GIL.
 """
 from __future__ import annotations
@@ -80,6 +80,9 @@ class HostCompletion:
         """Nothing to bind: host copies need no device context."""
 
     def mark(self) -> Any:
+        return time.perf_counter()
+
+    def unrecorded(self) -> Any:
         return time.perf_counter()
 
     def done(self, marker: Any) -> bool:
@@ -171,6 +174,11 @@ class CudaCompletion:
             ev = self._torch.cuda.Event(enable_timing=True)
         ev.record(self.stream)
         return ev
+
+    def unrecorded(self) -> Any:
+        """A marker that reads as passed at once, for a job that enqueued nothing where no
+        marker could be recorded (an event never recorded counts as complete)."""
+        return self._torch.cuda.Event(enable_timing=True)
 
     def done(self, marker: Any) -> bool:
         return marker.query()

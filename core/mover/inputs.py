@@ -13,10 +13,10 @@ import numpy as np
 from ..addressing.descriptors import as_int64
 from ..addressing.regions import DescriptorTemplate, pair_regions
 from ..errors import BlockIdError, BlockLayoutError, InvalidTransferError, TensorPlacementError, UnpinnedMemoryError
-from ..memory.staging import PageableMemoryWarning, Stager, storage_spans
+from ..memory.bounce import Bouncer, PageableMemoryWarning, storage_spans
 from ..resolution.swapfn import SwapFn
 from ..types import Direction, Policy
-from .types import KVGroup, Tensors
+from .types import BlockIds, KVGroup, Tensors
 
 
 
@@ -136,9 +136,9 @@ def pinned_routes(fn: SwapFn, on_device: bool) -> list[str]:
     return sorted(names & need)
 
 
-def stager_for(host: list, fn: SwapFn, direction: Direction, policy: Policy, on_device: bool,
-               grouped: bool) -> Optional[Stager]:
-    """Staging buffers for the pageable ones among ``host`` where a route needs pinned
+def bouncer_for(host: list, fn: SwapFn, direction: Direction, policy: Policy, on_device: bool,
+                grouped: bool) -> Optional[Bouncer]:
+    """Bounce buffers for the pageable ones among ``host`` where a route needs pinned
     memory (with a warning, once), or None; refused under ``Policy(require_pinned=True)``."""
     pinned_for = pinned_routes(fn, on_device=on_device)
     if not (on_device or pinned_for):
@@ -150,10 +150,10 @@ def stager_for(host: list, fn: SwapFn, direction: Direction, policy: Policy, on_
         refuse_pageable(host, pageable, direction, pinned_for, grouped)
     warnings.warn(PageableMemoryWarning(
         f"{len(pageable)} of the {len(host)} host tensor(s) of this {direction} mover are pageable: "
-        f"their blocks are staged through pinned buffers, a host memcpy of every byte on top of the "
+        f"their blocks go through pinned bounce buffers, a host memcpy of every byte on top of the "
         f"device copy; allocate host KV with pin_memory=True (or kvswap.host_empty) to avoid it"
-    ), stacklevel=4)  # BlockMover's caller
-    return Stager(storage_spans([host[i] for i in pageable]), 0 if direction.src_is_host else 1, pinned=on_device)
+    ), stacklevel=5)  # BlockMover's caller
+    return Bouncer(storage_spans([host[i] for i in pageable]), 0 if direction.src_is_host else 1, pinned=on_device)
 
 
 def refuse_pageable(host: list, pageable: list[int], direction: Direction, routes: list[str], grouped: bool) -> None:
@@ -162,7 +162,7 @@ def refuse_pageable(host: list, pageable: list[int], direction: Direction, route
     need = f"the route(s) {', '.join(routes)} need" if routes else "a device reads it asynchronously only when it is"
     raise UnpinnedMemoryError(
         f"{which} is pageable host memory, but {need} pinned (page-locked) memory and the policy sets "
-        f"require_pinned=True; allocate it with pin_memory=True, or drop require_pinned to stage it (slower)"
+        f"require_pinned=True; allocate it with pin_memory=True, or drop require_pinned to carry it through bounce buffers (slower)"
     )
 
 
@@ -190,7 +190,7 @@ BITMAP_BLOCKS_PER_ID = 32
 
 
 def checked_groups(templates: list[DescriptorTemplate], src_block_ids: Any,
-                   dst_block_ids: Any) -> list[tuple[np.ndarray, np.ndarray]]:
+                   dst_block_ids: Any) -> list[BlockIds]:
     """A :meth:`BlockMover.groups` mover's ids: one id list per group on each side."""
     n = len(templates)
     for what, ids in (("src_block_ids", src_block_ids), ("dst_block_ids", dst_block_ids)):
@@ -210,7 +210,7 @@ def checked_groups(templates: list[DescriptorTemplate], src_block_ids: Any,
 
 
 def checked_pair(t: DescriptorTemplate, src_block_ids: Any, dst_block_ids: Any,
-                 at: str) -> tuple[np.ndarray, np.ndarray]:
+                 at: str) -> BlockIds:
     sid = block_ids(src_block_ids, "src_block_ids", at)
     did = block_ids(dst_block_ids, "dst_block_ids", at)
     n = len(sid)
@@ -219,7 +219,7 @@ def checked_pair(t: DescriptorTemplate, src_block_ids: Any, dst_block_ids: Any,
             f"src_block_ids{at} has {n} ids but dst_block_ids{at} has {len(did)}; they pair up one to one"
         )
     if not n:
-        return sid, did
+        return BlockIds(sid, did)
     if n <= SMALL_IDS:
         sl, dl = sid.tolist(), did.tolist()
         if not (min(sl) >= 0 and max(sl) < t.src_blocks and min(dl) >= 0 and max(dl) < t.dst_blocks):
@@ -238,7 +238,7 @@ def checked_pair(t: DescriptorTemplate, src_block_ids: Any, dst_block_ids: Any,
             repeated = bool((s[1:] == s[:-1]).any())
     if repeated:
         _name_repeat(did, at)
-    return sid, did
+    return BlockIds(sid, did)
 
 
 def _name_repeat(did: np.ndarray, at: str) -> None:

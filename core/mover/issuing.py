@@ -1,10 +1,10 @@
 """A per-mover thread that issues jobs in submission order, off the engine's thread.
 
 ``BlockMover.submit`` on a device mover does only O(blocks) work on the caller's thread
-(id checks, the stream wait for ``after``, the job's start marker) and hands the job to
-this thread, which builds its descriptors, calls the copy route and records the job's end
-marker. One thread per mover, one queue, first in first out: the transfer stream sees the
-jobs' copies in the order they were submitted.
+(id checks, the stream wait for ``after``) and hands the job to this thread, which issues
+it (:func:`kvswap.mover.run.run`: its addresses, its markers, the copy route's call). One
+thread per mover, one queue, first in first out: the transfer stream sees the jobs' copies
+in the order they were submitted.
 
 The thread holds only its queue, a condition and the ``issue`` callable (which must not
 reference the mover): a mover nobody closed is still collected, and collecting it stops the
@@ -34,17 +34,20 @@ class IssuingThread:
     that is what :meth:`wait_issued` and the owner's completion checks look at.
 
     :param issue: what to do with each job; must not hold a reference to the owner.
+    :param abandon: ``abandon(job, error)`` ends a job ``issue`` left unended (it raised,
+        or the thread was gone): fails it and sets ``job.end``.
     :param name: the thread's name.
     :param prepare: called once on the thread before the first job (binding a device
         context, say); what it raises is ignored (the jobs then report the failure).
     """
 
-    def __init__(self, issue: Callable[[Any], None], name: str = "kvswap-issuing",
-                 prepare: Optional[Callable[[], None]] = None) -> None:
+    def __init__(self, issue: Callable[[Any], None], abandon: Callable[[Any, Any], None],
+                 name: str = "kvswap-issuing", prepare: Optional[Callable[[], None]] = None) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._issued = threading.Condition()
-        self._thread = threading.Thread(target=_run, args=(self._queue, self._issued, issue, prepare), name=name,
-                                        daemon=True)
+        self._abandon = abandon
+        self._thread = threading.Thread(target=_run, args=(self._queue, self._issued, issue, abandon, prepare),
+                                        name=name, daemon=True)
         self._thread.start()
         # Collected (or the interpreter exits) without stop(): issue what is queued, then end.
         self._finalizer = weakref.finalize(self, _shutdown, self._queue, self._thread)
@@ -67,8 +70,7 @@ class IssuingThread:
         with self._issued:
             while job.end is None:
                 if not self._thread.is_alive():
-                    job.error = job.error or "RuntimeError: the issuing thread stopped before the job was issued"
-                    job.end = job.start
+                    self._abandon(job, "RuntimeError: the issuing thread stopped before the job was issued")
                     return
                 self._issued.wait(_ALIVE_CHECK_S)
 
@@ -83,7 +85,7 @@ class IssuingThread:
 
 
 def _run(jobs: queue.SimpleQueue, issued: threading.Condition, issue: Callable[[Any], None],
-         prepare: Optional[Callable[[], None]]) -> None:
+         abandon: Callable[[Any, Any], None], prepare: Optional[Callable[[], None]]) -> None:
     if prepare is not None:
         try:
             prepare()
@@ -97,11 +99,12 @@ def _run(jobs: queue.SimpleQueue, issued: threading.Condition, issue: Callable[[
         try:
             issue(job)
         except BaseException as e:  # issue() keeps its errors; this is the last guard
-            job.error = job.error or f"{type(e).__name__}: {e}"
+            if job.end is None:
+                abandon(job, e)
             del e
         finally:
             if job.end is None:
-                job.end = job.start
+                abandon(job, "RuntimeError: the job was not issued")
             with issued:
                 issued.notify_all()
         del job  # hold no job (nor what it references) while waiting for the next one

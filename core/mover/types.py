@@ -2,11 +2,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Sequence, Union
+
+import numpy as np
 
 from ..addressing.regions import BlockDim
 
 Tensors = Union[Any, Sequence[Any]]
+
+
+class BlockIds(NamedTuple):
+    """One KV group's checked ids of a job: 1-D int64, paired one to one."""
+
+    src: np.ndarray
+    dst: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -14,10 +23,10 @@ class TransferResult:
     """One finished job.
 
     :ivar bytes: bytes the job moved (block ids x bytes per block over all tensors).
-    :ivar seconds: time on the transfer stream between the job's start event (recorded by
-        ``submit``) and its end event (recorded once the copy was enqueued): a copy issued
-        from the mover's issuing thread counts the thread's preparation too. On a
-        host-only mover: wall time from ``submit`` to the copy's end.
+    :ivar seconds: time on the transfer stream between the job's start event (recorded once
+        its addresses were ready, right before the copy was enqueued) and its end event
+        (recorded after it): the device's time, the host's preparation left out. On a
+        host-only mover: wall time of the copy.
     :ivar descriptors: descriptors after coalescing, as the copy route received them.
     :ivar error: why the copy call raised, when ``ok`` is False.
     """

@@ -30,33 +30,58 @@ class TransferFn(Protocol):
     def __call__(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream: Any) -> None: ...
 
 
-class ByIdsFn(Protocol):
-    """An optional capability of a bound TransferFn: ``fn.by_ids(template)`` returns one
-    of these (or None where the template does not suit it), bound once to a BlockMover's
-    descriptor template, so a transfer sends only block ids and the implementation derives
-    the addresses itself (a kernel on the device, say).
+class Launch(Protocol):
+    """What :meth:`ByIdsFn.pack` returns: ``launch(stream)`` enqueues the copy on
+    ``stream``; ``launch.cancel()`` releases what was packed where the launch never comes."""
+
+    def __call__(self, stream: Any) -> Any: ...
+
+    def cancel(self) -> None: ...
+
+
+class ByIdsFn:
+    """A transfer bound to a BlockMover's descriptor template, which copies blocks by id: what
+    ``fn.by_ids(template)`` returns where the implementation declares :attr:`CopyImpl.by_ids`
+    (or None where the template does not suit it). Backends subclass it and implement
+    ``__call__``; :meth:`pack` and :meth:`launch_only` have defaults.
 
     ``template`` has 1-D int64 arrays ``src_base``, ``src_stride``, ``dst_base``,
     ``dst_stride`` and ``sizes``, one entry per piece. A call copies, for every ``i`` and
     piece ``p``, ``sizes[p]`` bytes from ``src_base[p] + src_ids[i] * src_stride[p]`` to
     ``dst_base[p] + dst_ids[i] * dst_stride[p]``, enqueued on ``stream`` like a TransferFn.
     The caller has validated the template once and the ids per call (in range, no
-    destination repeated): the same whole-batch guarantee a TransferFn gets.
-
-    Optionally ``launch_only(n) -> bool``: True where a call of ``n`` id pairs only
-    stages the ids and enqueues launches (host work that does not grow with ``n`` beyond
-    copying the ids; no stream switch, no host-side copy to the device). BlockMover then
-    calls it in ``submit`` on the engine's thread; without the method, or where it says
-    False, on the mover's issuing thread.
-
-    Optionally ``stage(src_ids, dst_ids) -> launch``: the host half of a call (the ids
-    copied where the launch reads them), returning ``launch(stream)``, the rest, and
-    ``launch.cancel()``, which releases what was staged where the launch never comes.
-    BlockMover stages before it records the job's start marker, as it builds descriptors
-    before it on the descriptor path, so a job's time is the device's.
+    destination repeated): the same whole-batch guarantee a TransferFn gets. The id arrays
+    are the caller's only during the call.
     """
 
-    def __call__(self, src_ids: np.ndarray, dst_ids: np.ndarray, stream: Any) -> Any: ...
+    def __call__(self, src_ids: np.ndarray, dst_ids: np.ndarray, stream: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must implement __call__(src_ids, dst_ids, stream)")
+
+    def pack(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> Launch:
+        """The host half of a call: the ids copied where the launch reads them (pinned
+        memory, say), and the rest returned as a :class:`Launch`. BlockMover packs a job's
+        ids before it records the job's start marker, so that a job's time is the device's.
+        The default copies the ids and leaves the whole call to the launch."""
+        return _WholeCall(self, src_ids.copy(), dst_ids.copy())
+
+    def launch_only(self, n: int) -> bool:
+        """Whether the launch of ``n`` packed id pairs only enqueues launches (no stream
+        switch, no host-side copy to the device): a device BlockMover may then make it in
+        ``submit`` on the engine's thread. The default says no."""
+        return False
+
+
+class _WholeCall:
+    __slots__ = ("fn", "src", "dst")
+
+    def __init__(self, fn: ByIdsFn, src: np.ndarray, dst: np.ndarray) -> None:
+        self.fn, self.src, self.dst = fn, src, dst
+
+    def __call__(self, stream: Any) -> Any:
+        return self.fn(self.src, self.dst, stream)
+
+    def cancel(self) -> None:
+        pass
 
 
 def same_addresses(addrs: np.ndarray) -> np.ndarray:
@@ -107,6 +132,8 @@ class CopyImpl:
     :param max_block_bytes: largest descriptor size it accepts (None: unbounded).
     :param requires_pinned: host memory must be page-locked (and mapped for kernels).
     :param mixed_sizes: whether one call may mix descriptor sizes.
+    :param by_ids: its bound transfers offer ``fn.by_ids(template) -> ByIdsFn | None``: a
+        BlockMover then sends block ids, not descriptors (:class:`ByIdsFn`).
     :param description: one line for ``kvswap info``.
     """
 
@@ -121,6 +148,7 @@ class CopyImpl:
     max_block_bytes: Optional[int] = None
     requires_pinned: bool = False
     mixed_sizes: bool = True
+    by_ids: bool = False
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -161,7 +189,7 @@ class CopyImpl:
         if hi is not None and -(-lo // a) * a > hi:
             raise bad(f"accepts no block size: no multiple of alignment={a} lies between "
                       f"min_block_bytes={lo} and max_block_bytes={hi}")
-        for name in ("requires_pinned", "mixed_sizes"):
+        for name in ("requires_pinned", "mixed_sizes", "by_ids"):
             value = getattr(self, name)
             if not isinstance(value, (bool, np.bool_)):
                 raise bad(f"{name}={value!r} must be True or False")

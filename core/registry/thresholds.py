@@ -137,7 +137,7 @@ class Calibration:
     :param staged_chunks: the chunks a host run held where the staged route's curves (GB/s by
         chunk size, named by its implementation) were measured (a block-major host: a block's
         every chunk); 0 where not known. A host run of fewer is predicted slower by what the
-        batch route loses on the shorter run (:mod:`kvswap.mover.staged`).
+        batch route loses on the shorter run (:mod:`kvswap.mover.route_choice`).
     :param ceiling_gbps: per direction, the contiguous copy ceiling when measured.
     :param calibrated: False for guesses; ``explain()`` then says how to calibrate.
     :param host_reference: measured host memory copies (the host reference, on a machine

@@ -229,7 +229,7 @@ def resolve(
         usable = [impl]
         notes.append(f"forced by {where}")
     else:
-        # A staged route serves a BlockMover whose host side suits it (kvswap.mover.staged),
+        # A staged route serves a BlockMover whose host side suits it (kvswap.mover.route_choice),
         # or where forced; it does not compete for raw descriptor batches.
         usable = [i for i in usable if i.kind != "staged"]
         routes = build_routes(usable, cal, direction, policy, sizes, num_sms, dev, builtin)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, NamedTuple, Optional, Sequence
 
 from ..registry.impl import CopyImpl
 from ..registry.thresholds import Calibration
@@ -19,6 +19,7 @@ __all__ = [
     "EDGES",
     "HOST_COST_AT",
     "KERNEL_MARGIN",
+    "Rate",
     "SIZE_CLASSES",
     "knee_sms",
     "margin",
@@ -26,10 +27,12 @@ __all__ = [
     "predicted",
     "rank",
     "rank_key",
+    "rates",
     "routes",
     "sm_cap",
     "thread_bound",
     "sms_by_batch",
+    "step_cost",
     "tiers_at",
 ]
 
@@ -289,62 +292,49 @@ def _no_zero_from(tiers: Sequence[tuple[int, int]], start: int, knee: int) -> tu
     return tiers_at(out, knee)
 
 
-def step_cost(seconds: float, slowdown: float, within: float) -> float:
-    """When both are done: the engine's compute, ``within`` seconds alone, and a copy of
+def step_cost(seconds: float, slowdown: float, compute: float) -> float:
+    """When both are done: the engine's compute, ``compute`` seconds alone, and a copy of
     ``seconds`` beside it that takes ``slowdown`` (a fraction) of the compute's throughput
     while they overlap: the compute ends ``slowdown * seconds`` late, unless the copy
     outlasts it, and then the copy ends the step."""
-    return max(within + slowdown * seconds, seconds)
+    return max(compute + slowdown * seconds, seconds)
 
 
-def quiet_rates(route: Route, kernel: CopyImpl, num_sms: int, others: Iterable[CopyImpl], cal: Calibration,
-                direction: Direction, size: int) -> Optional[tuple[tuple, ...]]:
-    """What :func:`costs_at` needs that does not depend on the batch's length, for
-    blocks of ``size`` bytes: ``(name, GB/s, a_us, b_us, slowdown)`` for ``kernel`` at
-    ``num_sms`` first, then for every implementation among ``others`` that takes no SMs and
-    is predicted (speed curve, host cost ``a_us + b_us * n``, compute slowdown by SM count
-    and block size). None where the kernel is not predicted."""
+class Rate(NamedTuple):
+    """A route's predicted cost for blocks of one size: its speed (``gbps``), the host cost
+    of a call of ``n`` descriptors (``a_us + b_us * n``) and the fraction of the compute's
+    throughput it takes while it runs (``slowdown``)."""
 
-    def rate(impl: CopyImpl, sms: Optional[int]) -> Optional[tuple]:
-        gbps = predicted(impl, cal, direction, size, sms)
-        line = route.host_line(impl.name)
+    name: str
+    gbps: float
+    a_us: float
+    b_us: float
+    slowdown: float
+
+    def seconds(self, count: int, nbytes: int) -> float:
+        """The predicted time of ``count`` descriptors of ``nbytes`` in all: the bytes at the
+        route's speed plus the host cost of its call. The two are added, though the speed
+        curve holds the call's host work on the calibration's layout: where the call and the
+        copy overlap that overestimates the route."""
+        return nbytes / (self.gbps * 1e9) + (self.a_us + self.b_us * count) * 1e-6
+
+
+def rates(route: Route, impl: CopyImpl, num_sms: Optional[int], others: Iterable[CopyImpl], cal: Calibration,
+          direction: Direction, size: int) -> Optional[tuple[Rate, ...]]:
+    """The predicted cost of blocks of ``size`` bytes on ``impl`` at ``num_sms`` first, then
+    on every implementation among ``others`` that takes no SMs and is predicted (speed
+    curve, host cost, compute slowdown by SM count and block size); None where ``impl`` is
+    not predicted."""
+
+    def rate(c: CopyImpl, sms: Optional[int]) -> Optional[Rate]:
+        gbps = predicted(c, cal, direction, size, sms)
+        line = route.host_line(c.name)
         if not gbps or line is None:
             return None
-        return (impl.name, gbps, *line, cal.slowdown_at(impl.name, impl.kind, direction, sms, size))
+        return Rate(c.name, gbps, line[0], line[1], cal.slowdown_at(c.name, c.kind, direction, sms, size))
 
-    mine = rate(kernel, num_sms)
+    mine = rate(impl, num_sms)
     if mine is None:
         return None
     quiet = (rate(o, None) for o in others if not o.uses_sms and o.accepts_size(size))
     return (mine, *(q for q in quiet if q is not None))
-
-
-def costs_at(rates: Optional[tuple[tuple, ...]], count: int,
-             nbytes: int) -> Optional[tuple[tuple[float, float], tuple[tuple[str, float, float], ...]]]:
-    """What :func:`quieter_route` weighs, from :func:`quiet_rates`, for a batch of ``count``
-    descriptors (``nbytes`` in all): ``((kernel seconds, kernel slowdown), ((name, seconds,
-    slowdown), ...))``; seconds are the bytes at the predicted speed plus the host cost.
-    The two times are added, though the curve's includes the call's host work on the
-    calibration's layout: where the call and the copy overlap that overestimates the route,
-    which then costs the step a kernel's slowdown; underestimating a route that takes no
-    SMs can let its copy end the step late. None where the kernel's time is not predicted."""
-    if rates is None:
-        return None
-    out = [(name, nbytes / (gbps * 1e9) + (a + b * count) * 1e-6, slow) for name, gbps, a, b, slow in rates]
-    return out[0][1:], tuple(out[1:])
-
-
-def quieter_route(costs: Optional[tuple], within: float) -> Optional[str]:
-    """The implementation that takes no SMs, by name, on which a batch with ``within``
-    seconds beside the engine's compute before anything waits for it is predicted to end
-    the step sooner than on the kernel (:func:`step_cost` over :func:`costs_at`); None
-    where none is, or nothing was predicted."""
-    if costs is None:
-        return None
-    (t_kernel, s_kernel), quiet = costs
-    best, cost = None, step_cost(t_kernel, s_kernel, within)
-    for name, t, slow in quiet:
-        c = step_cost(t, slow, within)
-        if c < cost:
-            best, cost = name, c
-    return best

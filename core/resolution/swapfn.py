@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from bisect import bisect_right
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -12,12 +12,46 @@ from ..registry.failures import copy_failure
 from ..registry.impl import CopyImpl, TransferFn
 from ..registry.thresholds import Calibration
 from .plan import Plan, Route
-from .routing import costs_at, quiet_rates, quieter_route
+from .routing import Rate, rates
 
 
 # Batches shorter than this are not worth a look for contiguous runs: the look costs more
 # than the few driver descriptors it could save.
 COALESCE_FROM = 8
+
+
+class Steps(NamedTuple):
+    """What one route does by batch size, decided at resolve time: one entry per step,
+    ``starts`` ascending from 0; a batch of ``n`` descriptors takes the last step whose start
+    is ``<= n`` (the small-batch implementation below ``min_batch`` and in tiers of 0 SMs,
+    the kernel's SM tiers elsewhere)."""
+
+    starts: tuple[int, ...]
+    fns: tuple[TransferFn, ...]
+    plain: tuple[bool, ...]  # no constraint to check per call: the batch goes to ``fns[i]`` as is
+    keys: tuple[tuple[str, Optional[int]], ...]  # (implementation, num_sms)
+
+
+class BatchSteps(NamedTuple):
+    """Where a batch of one route goes whole, by its descriptor count: ``fns[i]`` (bound
+    from ``impls[i]``) for the last ``starts[i] <= n``; ``fns[i]`` is None where that
+    implementation checks constraints per call."""
+
+    starts: tuple[int, ...]
+    fns: tuple[Optional[TransferFn], ...]
+    impls: tuple[CopyImpl, ...]
+
+
+class RateTable(NamedTuple):
+    """What each route is predicted to cost for one block size, per batch tier
+    (:meth:`SwapFn.rate_table`)."""
+
+    starts: tuple[int, ...]
+    every: tuple[Optional[tuple[Rate, ...]], ...]
+
+    def at(self, count: int) -> Optional[tuple[Rate, ...]]:
+        """The tier of ``count`` descriptors: its own route's rate first, then the others'."""
+        return self.every[bisect_right(self.starts, count) - 1]
 
 
 class SwapFn:
@@ -41,12 +75,11 @@ class SwapFn:
         """:param bound: the bound transfer per ``(impl, num_sms)``: num_sms as in
         ``plan.params`` (None for impls that take no SMs), plus one per SM count the
         routes' batch tiers name.
-        :param calibration: what the plan was decided by (for :meth:`quieter`).
+        :param calibration: what the plan was decided by (for :meth:`rate_table`).
         :param usable: every implementation that could copy here, used or not."""
         self.plan = plan
         self._cal = calibration
         self._usable = tuple(usable)
-        self._quiet_tables: dict[int, tuple] = {}
         self._impls = impls
         self._fns = bound
         self._sms = {name: plan.params.get(name, {}).get("num_sms") for name in impls}
@@ -65,12 +98,8 @@ class SwapFn:
         self._merge_cap = min(caps) if caps else None
         self._coalesce = plan.policy.coalesce
 
-    def _steps_of(self, route: Route) -> tuple[tuple[int, ...], tuple[TransferFn, ...], tuple[bool, ...],
-                                              tuple[tuple[str, Optional[int]], ...]]:
-        """What ``route`` does by batch size, decided once: ``(starts, fns, plain, keys)``,
-        one entry per step, ``starts`` ascending from 0; a batch of ``n`` descriptors takes
-        the last step whose start is ``<= n`` (the small-batch impl below ``min_batch``
-        and in tiers of 0 SMs, the kernel's SM tiers elsewhere). ``keys`` are ``(impl, num_sms)``."""
+    def _steps_of(self, route: Route) -> Steps:
+        """What ``route`` does by batch size, decided once (:class:`Steps`)."""
         base = route.min_batch if route.small_batch_impl else 0
         steps: list[tuple[int, str, Optional[int]]] = []
         for start in sorted({0, base} | {t for t, _ in route.sms_by_batch if t > base}):
@@ -78,8 +107,8 @@ class SwapFn:
             sms = tier or self._sms[name]
             if not steps or steps[-1][1:] != (name, sms):
                 steps.append((start, name, sms))
-        return (tuple(start for start, _, _ in steps), tuple(self._fns[(n, k)] for _, n, k in steps),
-                tuple(n in self._plain for _, n, _ in steps), tuple((n, k) for _, n, k in steps))
+        return Steps(tuple(start for start, _, _ in steps), tuple(self._fns[(n, k)] for _, n, k in steps),
+                     tuple(n in self._plain for _, n, _ in steps), tuple((n, k) for _, n, k in steps))
 
     @property
     def requires_pinned(self) -> bool:
@@ -141,12 +170,12 @@ class SwapFn:
             r = bisect_right(lows, smallest) - 1
             steps = self._steps[r] if r == bisect_right(lows, largest) - 1 else None
         if steps is not None:  # one size class: the common case, no per-descriptor work here
-            i = bisect_right(steps[0], count) - 1
-            if steps[2][i]:
+            i = bisect_right(steps.starts, count) - 1
+            if steps.plain[i]:
                 try:
-                    steps[1][i](src, dst, n, stream)
+                    steps.fns[i](src, dst, n, stream)
                 except Exception as e:
-                    out = _raised(e, steps[3][i][0], None, given)
+                    out = _raised(e, steps.keys[i][0], None, given)
                     if out is e:
                         raise
                     raise out from e
@@ -188,7 +217,7 @@ class SwapFn:
             return None
         return merged
 
-    def _steps_at(self, size: int) -> tuple:
+    def _steps_at(self, size: int) -> Steps:
         """The steps of the route for blocks of ``size`` bytes, remembered (up to 4096 sizes)."""
         steps = self._steps[bisect_right(self._low_list, size) - 1]
         if len(self._by_size) < 4096:
@@ -197,79 +226,46 @@ class SwapFn:
 
     def _choose(self, r: int, count: int) -> tuple[str, Optional[int]]:
         """The impl, and its SM count, that route ``r`` takes for ``count`` descriptors."""
-        starts, _, _, keys = self._steps[r]
-        return keys[bisect_right(starts, count) - 1]
+        steps = self._steps[r]
+        return steps.keys[bisect_right(steps.starts, count) - 1]
 
-    @property
-    def quiet_impls(self) -> tuple[str, ...]:
-        """Usable implementations that take no SMs (what :meth:`quieter` may name); none
-        for a forced route, without a calibration, or where no route takes SMs."""
-        if self._cal is None or self.plan.forced or not any(i.uses_sms for i in self._impls.values()):
-            return ()
-        return tuple(i.name for i in self._usable if not i.uses_sms)
-
-    def quieter(self, size: int, count: int, nbytes: int, within: float) -> Optional[str]:
-        """The implementation that takes no SMs, by name, where a batch of ``count``
-        descriptors of ``size`` bytes (``nbytes`` in all) that has ``within`` seconds beside
-        the engine's compute is predicted to end the step sooner on it than on the kernel
-        this function gives it (:func:`kvswap.resolution.routing.quieter_route`); None otherwise, and
-        for a forced route."""
-        if self._cal is None or self.plan.forced:
-            return None
-        table = self._quiet_tables.get(size)
-        if table is None:
-            table = self.prepare_quieter(size)
-        # A few float operations per call, on what was predicted once per size and tier.
-        rates = table[1][bisect_right(table[0], count) - 1]
-        return quieter_route(costs_at(rates, count, nbytes), within)
-
-    def prepare_quieter(self, size: int) -> Optional[tuple]:
-        """Predict now what :meth:`quieter` weighs for blocks of ``size`` bytes at every batch
-        tier (:func:`kvswap.resolution.routing.quiet_rates`), so that an engine's step pays only a few
-        float operations per batch: ``(tier starts, rates per tier, every route's rates per
-        tier)``, remembered per size (up to 4096 sizes); None for a forced route or without a
-        calibration. ``rates`` is None at a tier that takes no kernel; the third item gives,
-        per tier, ``(name, GB/s, a_us, b_us, slowdown)`` for the tier's own route first, then
-        for every other usable one (kernels at the tier's SMs, else the knee), or None where
-        the tier's own route is not predicted: what a BlockMover ranks its staged route
-        against (:mod:`kvswap.mover.staged`)."""
+    def rate_table(self, size: int) -> Optional[RateTable]:
+        """What each route is predicted to cost for blocks of ``size`` bytes at every batch
+        tier of this function (:func:`kvswap.resolution.routing.rates`): per tier, the tier's
+        own route first, then every other usable one (kernels at the tier's SMs, else the
+        knee), or None where the tier's own route is not predicted; None for a forced route
+        or without a calibration. What a BlockMover ranks the staged route against
+        (:mod:`kvswap.mover.route_choice`)."""
         if self._cal is None or self.plan.forced:
             return None
         r = bisect_right(self._low_list, size) - 1
-        starts, _, _, keys = self._steps[r]
+        steps = self._steps[r]
         route, usable, cal, direction = self._routes[r], self._usable, self._cal, self.plan.direction
-        rates = tuple(quiet_rates(route, self._impls[name], sms, usable, cal, direction, size)
-                      if self._impls[name].uses_sms else None for name, sms in keys)
         knee = next((k for k in self._sms.values() if k), None) or cal.sms(direction)
-        every = []
-        for name, sms in keys:
-            own = quiet_rates(route, self._impls[name], sms, usable, cal, direction, size)
+        every: list[Optional[tuple[Rate, ...]]] = []
+        for name, sms in steps.keys:
+            own = rates(route, self._impls[name], sms, usable, cal, direction, size)
             if own is None:
                 every.append(None)
                 continue
-            kernels = (quiet_rates(route, k, sms or knee, (), cal, direction, size) for k in usable
+            kernels = (rates(route, k, sms or knee, (), cal, direction, size) for k in usable
                        if k.uses_sms and k.name != name and k.accepts_size(size))
-            others = [q for q in own[1:] if q[0] != name] + [q[0] for q in kernels if q is not None]
+            others = [q for q in own[1:] if q.name != name] + [q[0] for q in kernels if q is not None]
             every.append((own[0], *others))
-        table = (starts, rates, tuple(every))
-        if len(self._quiet_tables) < 4096:
-            self._quiet_tables[size] = table
-        return table
+        return RateTable(steps.starts, tuple(every))
 
-    def whole_batch_steps(self, smallest: int, largest: int) -> Optional[tuple[
-            tuple[int, ...], tuple[Optional[TransferFn], ...], tuple[str, ...]]]:
+    def whole_batch_steps(self, smallest: int, largest: int) -> Optional[BatchSteps]:
         """Where a batch whose sizes all lie in ``[smallest, largest]`` goes whole, by its
-        descriptor count: ``(starts, fns, names)``, a batch of ``n`` taking ``fns[i]`` (of
-        the implementation ``names[i]``) for the last ``starts[i] <= n``; ``fns[i]`` is None
-        where that implementation checks constraints per call. None when such a batch could
-        span routes. BlockMover asks once, to bind the optional ``by_ids`` capability
-        (:class:`~kvswap.registry.impl.ByIdsFn`) of those transfers."""
+        descriptor count (:class:`BatchSteps`); None when such a batch could span routes.
+        BlockMover asks once, to bind the transfers' optional ``by_ids``
+        (:attr:`~kvswap.CopyImpl.by_ids`)."""
         lows = self._low_list
         r = bisect_right(lows, smallest) - 1
         if r != bisect_right(lows, largest) - 1:
             return None
-        starts, fns, plain, keys = self._steps[r]
-        return starts, tuple(f if p else None for f, p in zip(fns, plain)), tuple(k[0] for k in keys)
+        steps = self._steps[r]
+        return BatchSteps(steps.starts, tuple(f if p else None for f, p in zip(steps.fns, steps.plain)),
+                          tuple(self._impls[name] for name, _ in steps.keys))
 
     def assign(self, src: np.ndarray, dst: np.ndarray, n: np.ndarray) -> list[tuple[str, Optional[int], Optional[np.ndarray]]]:
         """Which implementation copies which descriptors: ``(impl, num_sms, indices or

@@ -144,13 +144,12 @@ def main() -> None:
                                    gs.view(torch.uint8) if gs.dtype != torch.uint8 else gs):
                     raise SystemExit(f"{name}: wrong bytes after a job")
 
-        ids_path = getattr(mover, "_ids_steps", None)
+        ids_path = mover._plan.ids
         paths = [("by-ids", ids_path), ("descriptors", None)] if ids_path is not None else [("descriptors", None)]
         if ids_path is None:
             print(f"{name}: this mover has no by-id path (kernel route without the capability?)")
         for path, steps in paths:
-            if hasattr(mover, "_ids_steps"):
-                mover._ids_steps = steps
+            mover._plan.ids = steps
             t = timed_mover(mover, draw, args.reps, args.queue, check)
             for how in ("idle", "stream", "queued"):
                 ref = ceil["stream"] if how == "queued" else ceil[how]

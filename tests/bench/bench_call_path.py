@@ -26,6 +26,7 @@ kvswap's Python plus one foreign call; ``host.reference`` copies with memmove.
 from __future__ import annotations
 
 import argparse
+import bisect
 import cProfile
 import ctypes
 import dataclasses
@@ -176,8 +177,8 @@ def swapfn_rows(args: argparse.Namespace, env: dict) -> list[dict]:
             d = rng.permutation(n_max)[:n].astype(np.int64) * slot + dst_pool
             z = np.full(n, BLOCK, dtype=np.int64)
             stream = env["stream"]
-            ((impl, sms, _),) = fn.assign(s, d, z)
-            bound = fn._fns[(impl, sms)]
+            steps = fn.whole_batch_steps(BLOCK, BLOCK)
+            bound = steps.fns[bisect.bisect_right(steps.starts, n) - 1]  # the transfer this batch ends in
             call = lambda: fn(s, d, z, stream=stream)  # noqa: E731
             for _ in range(3):
                 call()
@@ -207,7 +208,7 @@ def submit_rows(args: argparse.Namespace, env: dict) -> list[dict]:
             mover = kvswap.BlockMover(host, dev, "h2d", block_dim=1, policy=kvswap.Policy(force=route),
                                       issuing_thread=threaded, **env["mover"])
             if env["device"] == "cpu":  # host tensors: the stand-in driver gets a stream handle all the same
-                mover._completion.stream = env["stream"]
+                mover._plan.completion.stream = env["stream"]
             for b in args.blocks:
                 draws = [(rng.permutation(nb)[:b].astype(np.int64), rng.permutation(nb)[:b].astype(np.int64))
                          for _ in range(8)]

@@ -5,7 +5,7 @@ For each direction and batch of scattered 4 KiB blocks, the copy kernel that ``t
 binds, three ways, each call on fresh random blocks:
 
 * ``plain``: the bound transfer with its graphs turned off (descriptors packed into its
-  pinned staging buffer, the compiled variant launched on the raw stream);
+  pinned launch buffer, the compiled variant launched on the raw stream);
 * ``graphed``: the bound transfer as it ships: once a launch shape was seen twice, its
   calls replay a graph captured over fixed pinned buffers;
 * ``floor``: one graph captured here over one fixed buffer and replayed, none of the

@@ -1,4 +1,4 @@
-"""Where the by-id kernel should read its block ids: from the pinned staging buffer the
+"""Where the by-id kernel should read its block ids: from the pinned launch buffer the
 call wrote them to, or from device memory after an upload (GPU; not a test: it prints,
 it asserts nothing). The figures behind ``HOST_IDS_PROGRAMS`` in
 ``backends/triton_generic/by_ids.py``.
@@ -60,7 +60,7 @@ def main() -> None:
                 sid = rng.choice(NB, n, replace=False).astype(np.int64)
                 did = rng.choice(NB, n, replace=False).astype(np.int64)
                 mover.wait(mover.submit(sid, did, after=None))  # binds and compiles
-                fn = mover._desc.by_ids([(sid, did)])
+                fn = mover._plan.ids.at(n * mover.chunks_per_block)[0]
                 plan = fn._plan(n)
                 ms = {}
                 for where in ("host", "device"):

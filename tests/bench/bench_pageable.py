@@ -6,13 +6,13 @@ through kvswap's pinned buffers). Jobs alternate between the two, so drift hits 
 alike. Per job it times, on the host clock:
 
 * ``submit_us``: how long ``submit`` holds the calling thread (for pageable host-to-device
-  this includes copying the blocks into the staging buffer);
+  this includes copying the blocks into the bounce buffer);
 * ``job_ms``: from the start of ``submit`` until ``wait`` returns, i.e. until the bytes
-  are in place (for pageable device-to-host, copied out of the staging buffer);
+  are in place (for pageable device-to-host, copied out of the bounce buffer);
 
 and prints the medians with the pageable/pinned ratio (the slowdown), measured in this
-one run, for each number of host copy threads in ``--copy-threads`` (the staging copy of
-a large job is split over threads; ``kvswap.memory.staging.COPY_THREADS`` is the default). Every job's bytes are checked on sampled blocks. JSON goes to ``--json`` or to
+one run, for each number of host copy threads in ``--copy-threads`` (the bounce copy of
+a large job is split over threads; ``kvswap.memory.bounce.COPY_THREADS`` is the default). Every job's bytes are checked on sampled blocks. JSON goes to ``--json`` or to
 ``$OUT/bench_pageable.json``.
 
     python tests/bench/bench_pageable.py [--models llama-3.1-8b,qwen2.5-7b] [--blocks 32,512] [--reps 15]
@@ -34,7 +34,7 @@ import torch
 import kvswap
 from kvswap import BlockMover, PageableMemoryWarning
 from kvswap.cli import models
-from kvswap.memory import staging
+from kvswap.memory import bounce
 
 
 def _tensors(cache: Any, blocks: int, where: str, pinned: bool = False) -> list[torch.Tensor]:
@@ -77,7 +77,7 @@ def run(names: list[str], blocks: list[int], reps: int, pool_blocks: int, tp: in
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", PageableMemoryWarning)
                     movers[memory] = (BlockMover(src, dst, direction, block_dim=cache.block_dim), src, dst)
-                assert movers[memory][0].stages_host_memory == (memory == "pageable")
+                assert movers[memory][0].bounces_host_memory == (memory == "pageable")
             variants = [("pinned", "pinned", None)] + [(f"pageable_t{t}", "pageable", t) for t in copy_threads]
             for n in blocks:
                 times: dict[str, dict[str, list[float]]] = {v: {"submit": [], "job": []} for v, _, _ in variants}
@@ -86,7 +86,7 @@ def run(names: list[str], blocks: list[int], reps: int, pool_blocks: int, tp: in
                     for variant, memory, threads in variants:
                         mover, src, dst = movers[memory]
                         if threads is not None:
-                            staging.COPY_THREADS = threads
+                            bounce.COPY_THREADS = threads
                         sid = rng.choice(pool_blocks, n, replace=False)
                         did = rng.choice(pool_blocks, n, replace=False)
                         torch.cuda.synchronize()
@@ -136,7 +136,7 @@ def main() -> int:
     ap.add_argument("--pool-blocks", type=int, default=1024, help="blocks in each side's tensors")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--copy-threads", default="1,8",
-                    help="host copy threads of the staging route to compare (default: 1 and kvswap's default)")
+                    help="host copy threads of the bounce copies to compare (default: 1 and kvswap's default)")
     ap.add_argument("--json", help="write results here (default: $OUT/bench_pageable.json when OUT is set)")
     args = ap.parse_args()
     if not torch.cuda.is_available():

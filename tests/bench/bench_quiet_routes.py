@@ -471,7 +471,7 @@ def main(argv=None) -> int:
                         for where in ("host", "device"):
                             a_, b_ = (ids, slot_ids) if d == "gather" else (slot_ids, ids)
                             variants.append((f"{label} ids@{where}", sms, d,
-                                             (lambda f=fn_ids, w=where, a_=a_, b_=b_: _ids_stage(f, a_, b_, by_ids_mod, w))))
+                                             (lambda f=fn_ids, w=where, a_=a_, b_=b_: _ids_pack(f, a_, b_, by_ids_mod, w))))
                     for warps in (8, 16, 32):
                         sa, da = (S, P) if d == "gather" else (P, S)
                         variants.append((f"cuda gather {warps}w", sms, d,
@@ -521,14 +521,14 @@ def _on(s, fn):
         return fn()
 
 
-def _ids_stage(fn_ids, src_ids, dst_ids, mod, where):
+def _ids_pack(fn_ids, src_ids, dst_ids, mod, where):
     """The host half of a by-id call with the ids read from pinned host memory or uploaded
     first; returns its launch(stream)."""
     old = mod.HOST_IDS_PROGRAMS
     mod.HOST_IDS_PROGRAMS = 16 if where == "host" else 10**9
     fn_ids._launches.clear()
     try:
-        return fn_ids.stage(src_ids, dst_ids)
+        return fn_ids.pack(src_ids, dst_ids)
     finally:
         mod.HOST_IDS_PROGRAMS = old
 

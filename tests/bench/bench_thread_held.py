@@ -14,9 +14,8 @@ call starts cold; ``--warm`` polls it instead, so the thread stays busy.
 * ``submit``: ``BlockMover.submit`` on 80 per-layer FlashAttention tensors a side
   (2 chunks of 4 KiB per layer and block: 32 blocks are 5,120 descriptors).
 
-Routes: ``cuda.batch`` (large batches on the issuer thread, turned on here: it is opt-in),
-``cuda.batch`` with the issuer off (``KVSWAP_CUDA_ISSUER=off``: the synchronous driver call,
-for comparison), ``triton.kernel`` and kvswap's default. Every transfer's bytes are checked once per
+Routes: ``cuda.batch`` (the driver call on the caller's thread), ``triton.kernel`` and
+kvswap's default. Every transfer's bytes are checked once per
 route and count (the first call), so a fast wrong answer cannot pass.
 
     python3 tests/bench/bench_thread_held.py --json $OUT/thread_held.json
@@ -25,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import sys
@@ -35,7 +33,7 @@ import numpy as np
 
 BLOCK = 4096
 LAYERS = 80
-ROUTES = ("cuda.batch", "cuda.batch/issuer-off", "triton.kernel", "default")
+ROUTES = ("cuda.batch", "triton.kernel", "default")
 
 
 def budget_us(descriptors: int) -> float:
@@ -51,20 +49,11 @@ def held_us(stream: Any, fn: Callable[[], Any], spin: int = 50_000_000) -> float
     return timed(fn, stream, spin, spin=WARM)  # what calibration times a route's host cost with
 
 
-def issuer_env(route: str) -> str:
-    """``KVSWAP_CUDA_ISSUER`` for a route: on for ``cuda.batch`` (the issuer is opt-in), off
-    for ``cuda.batch/issuer-off`` and every other route (kvswap's default)."""
-    return "on" if route == "cuda.batch" else "off"
-
-
 def resolve_for(route: str, direction: str, device: str, block_bytes: Any) -> Any:
     import kvswap
     from kvswap import Policy
 
-    from kvswap.backends.cuda import issuer
-
-    os.environ[issuer.ENV] = issuer_env(route)
-    force = route.split("/")[0] if route != "default" else None
+    force = route if route != "default" else None
     return kvswap.resolve(direction, device=device, block_bytes=block_bytes,
                           policy=Policy(force=force) if force else None)
 
@@ -129,7 +118,6 @@ def submit_rows(args: argparse.Namespace, rows: list) -> None:
 
     import kvswap
     from kvswap import Policy
-    from kvswap.backends.cuda import issuer
 
     rng = np.random.default_rng(1)
     dev = f"cuda:{torch.cuda.current_device()}"
@@ -141,8 +129,7 @@ def submit_rows(args: argparse.Namespace, rows: list) -> None:
     for direction in ("h2d", "d2h"):
         src, dst = (host, gpu) if direction == "h2d" else (gpu, host)
         for route in args.routes:
-            os.environ[issuer.ENV] = issuer_env(route)
-            force = route.split("/")[0] if route != "default" else None
+            force = route if route != "default" else None
             mover = kvswap.BlockMover(src, dst, direction, block_dim=1, policy=Policy(force=force) if force else None)
             for n in args.counts:
                 blocks = max(1, n // (2 * LAYERS))

@@ -20,7 +20,7 @@ Part ``raw``: the driver call alone, over a grid of
     BlockMover keeps them);
   * both directions.
 Part ``kvswap``: BlockMover on model-like layouts (per-layer tensors on both sides,
-``cuda.batch`` forced, the issuer thread off so the call stays on this thread), each
+``cuda.batch`` forced, the call on this thread), each
 step timed alone: descriptor build + coalesce, the SwapFn call, the raw driver call on
 the very same arrays with kvswap's attributes and with the other order, and the whole
 submit.
@@ -37,7 +37,6 @@ import ctypes
 import gc
 import itertools
 import json
-import os
 import platform
 import statistics
 import sys
@@ -46,7 +45,6 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-os.environ.setdefault("KVSWAP_CUDA_ISSUER", "off")  # time the driver call on this thread
 
 ORDERS = {"stream": 1, "during": 2, "any": 3}
 LOC_DEVICE, LOC_HOST = 1, 2  # CU_MEM_LOCATION_TYPE_DEVICE / _HOST
@@ -321,7 +319,7 @@ def _build_us(mover: Any, sid: np.ndarray, did: np.ndarray, reps: int) -> float:
     times = []
     for _ in range(reps + 1):
         t0 = time.perf_counter_ns()
-        buf, _ = mover._desc.build([(sid, did)])  # one KV group: build + coalesce, as the issuing thread does
+        buf, _ = mover._plan.descriptors.build([(sid, did)])  # one KV group: build + coalesce, as the issuing thread does
         times.append((time.perf_counter_ns() - t0) / 1e3)
         mover.pool.release(buf)
     return statistics.median(times[1:])

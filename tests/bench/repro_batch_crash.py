@@ -5,9 +5,7 @@ addresses; ``uniform``: 4 KiB blocks at 4 KiB-aligned addresses), from one pinne
 random bytes (``--zero-source``: of zeros) to one device pool, are copied again and again,
 each run in a child process so that a crash is reported instead of ending this script:
 
-* ``resolve``: through ``kvswap.resolve("h2d", policy=Policy(force="cuda.batch"))``,
-  the CUDA issuer thread off;
-* ``resolve-issuer``: the same with ``KVSWAP_CUDA_ISSUER=on``;
+* ``resolve``: through ``kvswap.resolve("h2d", policy=Policy(force="cuda.batch"))``;
 * ``bound``: the same arrays through a ``cuda.batch`` callable bound directly
   (``kvswap.backends.cuda.batch.bind``), in a process where ``resolve`` also ran.
 
@@ -73,9 +71,6 @@ print("checked", "ok" if bad == 0 else f"{bad} wrong blocks", flush=True)
 
 def run(mode: str, calls: int, n: int, timeout: float, uniform: bool, zero: bool) -> str:
     env = dict(os.environ)
-    env.pop("KVSWAP_CUDA_ISSUER", None)
-    if mode == "resolve-issuer":
-        env["KVSWAP_CUDA_ISSUER"] = "on"
     t0 = time.time()
     try:
         p = subprocess.run([sys.executable, "-c", CHILD, "bound" if mode == "bound" else "resolve", str(calls), str(n),
@@ -94,7 +89,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=12)
     ap.add_argument("--descriptors", type=int, default=200_000)
     ap.add_argument("--timeout", type=float, default=120.0)
-    ap.add_argument("--modes", default="resolve,resolve-issuer,bound")
+    ap.add_argument("--modes", default="resolve,bound")
     ap.add_argument("--sizes", choices=("mixed", "uniform"), default="mixed")
     ap.add_argument("--zero-source", action="store_true", help="a source pool of zeros instead of random bytes")
     args = ap.parse_args()

@@ -208,9 +208,9 @@ def reading(torch: Any, cfg: Config, movers: dict) -> dict[str, Any]:
             except Exception:
                 pass
         try:
-            from kvswap.backends.triton_generic import staging
+            from kvswap.backends.triton_generic import launch_buffers
 
-            out["launch_staging_buffers"] = sum(len(p) for p in list(staging._POOLS.values()))
+            out["launch_buffers"] = sum(len(p) for p in list(launch_buffers._POOLS.values()))
         except Exception:
             pass
     return out

@@ -95,7 +95,7 @@ class PoolMovers:
                 current = _current_stream(self._index)
                 if current.cuda_stream != stream.cuda_stream:
                     current.wait_stream(stream)  # what the caller records next follows the copy
-                if mover.stages_host_memory and verb != "load":
+                if mover.bounces_host_memory and verb != "load":
                     mover.wait(job)  # pageable host memory is written by a thread, after the stream
             failed = [r for r in mover.poll() if not r.ok]
         except Exception as e:
@@ -113,7 +113,7 @@ class PoolMovers:
             loads, backup = self._loads, self._backup
         parts = [f"kvswap serves SGLang host pool {self.layout.name}"]
         built = next(iter((loads or {}).values()), backup)
-        if built is not None and built.stages_host_memory:
+        if built is not None and built.bounces_host_memory:
             parts.append("host memory: pageable (pin_memory=False), staged through kvswap's pinned buffers; "
                          "backups wait for their copy")
         if loads is None:

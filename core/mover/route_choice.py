@@ -14,18 +14,17 @@ otherwise by rule, where the host runs are :data:`MIN_RUN_BYTES` or longer.
 """
 from __future__ import annotations
 
-from bisect import bisect_right
-from dataclasses import dataclass, replace
-from typing import Any, Optional
+from dataclasses import replace
+from typing import Any, NamedTuple, Optional
 
 from ..addressing.regions import DescriptorTemplate
 from ..addressing.runs import host_runs
 from ..errors import AllocationError
 from ..resolution.resolver import resolve
-from ..resolution.routing import step_cost
+from ..resolution.routing import Rate, step_cost
 from ..resolution.swapfn import SwapFn
 from ..types import Direction, Policy
-from .descriptors import by_ids_steps
+from .plan import IdSteps, bind_ids
 
 # The shortest host run a staged route takes where the calibration does not predict it.
 # Batch copies of 64 KiB blocks ran at 0.8 of the link's ceiling on an H200 and of 128 KiB at
@@ -33,53 +32,26 @@ from .descriptors import by_ids_steps
 # the device's chunks.
 MIN_RUN_BYTES = 64 << 10
 # The job the build-time choice is predicted for: the step benchmark's larger job (512 blocks
-# a step); ``within`` then decides per job by its own length.
+# a step).
 REFERENCE_BLOCKS = 512
 
-Rate = tuple  # (name, GB/s, a_us, b_us, slowdown): a route's predicted cost, as routing.quiet_rates gives it
 
+class StagedChoice(NamedTuple):
+    """What :func:`staged_choice` decided for a mover: the staged route's by-id steps where
+    the mover takes it, else None, and why, for ``explain()`` (the predictions per candidate
+    where there are some)."""
 
-def seconds(rate: Rate, count: int, nbytes: int) -> float:
-    """A route's predicted time for ``count`` descriptors of ``nbytes`` in all: the bytes at
-    its speed plus the host cost of the call (as :func:`kvswap.resolution.routing.costs_at`)."""
-    _, gbps, a, b, _ = rate
-    return nbytes / (gbps * 1e9) + (a + b * count) * 1e-6
-
-
-@dataclass
-class StagedChoice:
-    """What :func:`staged_choice` decided for a mover.
-
-    :param steps: the staged route's by-id steps (as :func:`by_ids_steps` gives them) where
-        the mover takes it, else None.
-    :param note: why, for ``explain()``; the predictions per candidate where there are some.
-    :param staged: the staged rate where the calibration predicts it (``within`` ranks it).
-    :param table: the resolved route's rates per batch tier (:meth:`SwapFn.prepare_quieter`).
-    :param fn: the staged route's SwapFn (for a ``within`` job that takes it instead).
-    """
-
-    steps: Optional[tuple]
+    steps: Optional[IdSteps]
     note: str
-    staged: Optional[Rate] = None
-    table: Optional[tuple] = None
-    fn: Optional[SwapFn] = None
-
-    def rates(self, count: int) -> Optional[tuple[Rate, ...]]:
-        """Every predicted candidate for ``count`` descriptors: the staged route first, then
-        the resolved route's own at that tier, then the other routes; None where unpredicted."""
-        if self.staged is None or self.table is None:
-            return None
-        every = self.table[2][bisect_right(self.table[0], count) - 1]
-        return None if every is None else (self.staged, *every)
 
 
-def _explained(rates: tuple[Rate, ...], count: int, nbytes: int, within: Optional[float], winner: str) -> str:
+def _explained(rates: tuple[Rate, ...], count: int, nbytes: int, compute: float, winner: str) -> str:
     """The predictions per candidate in words."""
     parts = []
     for r in rates:
-        t = seconds(r, count, nbytes)
-        cost = f"{t * 1e3:.3g} ms" + ("" if within is None else f", step {step_cost(t, r[4], within) * 1e3:.3g} ms")
-        parts.append(f"{r[0]} {cost} (compute slowdown {r[4]:.0%}){' <- chosen' if r[0] == winner else ''}")
+        t = r.seconds(count, nbytes)
+        cost = f"{t * 1e3:.3g} ms, step {step_cost(t, r.slowdown, compute) * 1e3:.3g} ms"
+        parts.append(f"{r.name} {cost} (compute slowdown {r.slowdown:.0%}){' <- chosen' if r.name == winner else ''}")
     return "; ".join(parts)
 
 
@@ -113,11 +85,11 @@ def staged_choice(fn: SwapFn, template: DescriptorTemplate, direction: Direction
         if gbps and line is not None:
             scale = _shorter_runs(fn, cal, direction, runs.smallest, chunk)
             gbps *= scale
-            rate = (name, gbps, *line, cal.slowdown_at(name, "staged", direction, None, chunk))
-    table = fn.prepare_quieter(chunk) if rate is not None and len(set(template.chunk_sizes)) == 1 else None
-    choice = StagedChoice(None, "", rate, table)
+            rate = Rate(name, gbps, line[0], line[1], cal.slowdown_at(name, "staged", direction, None, chunk))
+    table = fn.rate_table(chunk) if rate is not None and len(set(template.chunk_sizes)) == 1 else None
     count, nbytes = REFERENCE_BLOCKS * template.count, REFERENCE_BLOCKS * template.block_bytes
-    rates = choice.rates(count)
+    every = None if table is None else table.at(count)
+    rates = None if every is None else (rate, *every)
     if rates is None:
         why = ("the calibration holds no staged measurement" if rate is None else
                "the calibration does not predict the resolved route's cost (no host cost measured)")
@@ -126,28 +98,25 @@ def staged_choice(fn: SwapFn, template: DescriptorTemplate, direction: Direction
                 f"staged route not used (by rule: {why}): the host side holds a block as {runs.count} run(s) of "
                 f"{runs.smallest}+ bytes, and the link copies runs under {MIN_RUN_BYTES >> 10} KiB slowly; "
                 f"`kvswap calibrate` measures the staged route"))
-        verdict, choice.staged = (f"by rule: host runs of {MIN_RUN_BYTES >> 10} KiB or more ({why}); jobs with "
-                                  f"`within` keep it"), None
+        verdict = f"by rule: host runs of {MIN_RUN_BYTES >> 10} KiB or more ({why})"
     else:
         # A step whose compute is as long as the quickest transfer: a route that is as fast but
         # slows the compute ends the step later, so a copy beside compute is ranked as one.
-        within = min(seconds(r, count, nbytes) for r in rates)
-        cost = [(step_cost(seconds(r, count, nbytes), r[4], within), i) for i, r in enumerate(rates)]
-        win = rates[min(cost)[1]][0]
-        how = "step makespan max(within + slowdown x transfer, transfer), within = the quickest transfer"
+        compute = min(r.seconds(count, nbytes) for r in rates)
+        cost = [(step_cost(r.seconds(count, nbytes), r.slowdown, compute), i) for i, r in enumerate(rates)]
+        win = rates[min(cost)[1]].name
+        how = "step makespan max(compute + slowdown x transfer, transfer), compute = the quickest transfer"
         said = (f"predicted {how} for a job of {REFERENCE_BLOCKS} blocks ({cal.source}): "
-                f"{_explained(rates, count, nbytes, within, win)}; a job with `within` ranks them again by its "
-                f"own length")
+                f"{_explained(rates, count, nbytes, compute, win)}")
         if scale < 1.0:
             said += (f" (the staged curve scaled by {scale:.2f}: host runs of {runs.smallest} bytes, shorter than "
                      f"the {cal.staged_chunks} chunks a run it was measured on)")
         if win != name:
-            return replace(choice, note=f"staged route not used: {said}", fn=_bind(name, direction, policy,
-                                                                                    resolve_args))
+            return StagedChoice(None, f"staged route not used: {said}")
         verdict = f"by {said}"
     try:
         route = resolve(direction, policy=replace(policy, force=name), **resolve_args)
-        steps = by_ids_steps(route, template)
+        steps = bind_ids(route, template)
     except AllocationError:  # out of memory: the mover cannot be built as asked
         raise
     except Exception as e:  # the resolved route serves instead
@@ -156,7 +125,7 @@ def staged_choice(fn: SwapFn, template: DescriptorTemplate, direction: Direction
         return StagedChoice(None, (
             f"staged route not used: {name} declined this layout (pieces not 8-byte aligned, or a "
             f"block larger than half of Policy.staging_bytes={policy.staging_bytes})"))
-    return replace(choice, steps=steps, fn=route, note=(
+    return StagedChoice(steps, (
         f"staged: {name} moves each block as {runs.count} host run(s) of {runs.smallest}+ bytes over the link, "
         f"the device side gathered or scattered in bursts; chosen {verdict}"))
 
@@ -173,20 +142,3 @@ def _shorter_runs(fn: SwapFn, cal: Any, direction: Direction, run: int, chunk: i
     at_run = cal.predict(link.name, "batch", direction, run) if link else None
     at_measured = cal.predict(link.name, "batch", direction, measured) if link else None
     return min(1.0, at_run / at_measured) if at_run and at_measured else 1.0
-
-
-def _bind(name: str, direction: Direction, policy: Policy, resolve_args: dict[str, Any]) -> Optional[SwapFn]:
-    """The staged route forced, for jobs whose ``within`` picks it; None where it cannot be bound."""
-    try:
-        return resolve(direction, policy=replace(policy, force=name), **resolve_args)
-    except AllocationError:
-        raise
-    except Exception:
-        return None
-
-
-def staged_steps(fn: SwapFn, template: DescriptorTemplate, direction: Direction, policy: Policy,
-                 resolve_args: dict[str, Any]) -> tuple[Optional[tuple], str]:
-    """``(steps, note)`` of :func:`staged_choice`."""
-    choice = staged_choice(fn, template, direction, policy, resolve_args)
-    return choice.steps, choice.note

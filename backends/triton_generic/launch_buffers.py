@@ -1,6 +1,6 @@
 """Where a GPU launch keeps its descriptors, and the stream it enqueues on.
 
-A :class:`Staging` is one pinned int64 buffer the launcher packs a batch into, with the
+A :class:`LaunchBuffer` is one pinned int64 buffer the launcher packs a batch into, with the
 event recorded after the kernel that reads it and, made on first need, a device buffer of
 the same size for batches whose descriptors are uploaded first. The event guards both:
 neither is written again before the kernel that read it has finished. Buffers are kept
@@ -29,8 +29,8 @@ def _pow2_at_least(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
-class Staging:
-    """One staging buffer: ``host`` (pinned tensor), ``view`` (its numpy view),
+class LaunchBuffer:
+    """One launch buffer: ``host`` (pinned tensor), ``view`` (its numpy view),
     ``host_ptr`` (the address a kernel reads it at), ``done`` (event), ``dev`` (device
     tensor or None until needed) and ``dev_ptr``."""
 
@@ -49,8 +49,8 @@ class Staging:
         return self.view.size
 
 
-class StagingPool:
-    """Staging buffers of one device, each reused only once its last kernel finished.
+class LaunchBufferPool:
+    """Launch buffers of one device, each reused only once its last kernel finished.
     Launchers share one per device (:func:`shared_pool`), so ``take`` and ``give`` hold
     a lock.
 
@@ -65,7 +65,7 @@ class StagingPool:
         # launchers hold it), so the pool must not be what keeps it alive.
         self._translate_ref = None if translate is None else weakref.ref(translate)
         # Oldest first: buffers go back in the order their kernels were enqueued.
-        self._free: deque[Staging] = deque()
+        self._free: deque[LaunchBuffer] = deque()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -75,7 +75,7 @@ class StagingPool:
     def _translate(self) -> Optional[Callable[[np.ndarray], np.ndarray]]:
         return None if self._translate_ref is None else self._translate_ref()
 
-    def take(self, count: int) -> Staging:
+    def take(self, count: int) -> LaunchBuffer:
         """A free buffer of at least ``count`` elements (made if none is; never waits)."""
         free = self._free
         with self._lock:
@@ -94,12 +94,12 @@ class StagingPool:
         # stream); the pool grows to the most transfers ever in flight, a few KiB each.
         return self._new(count)
 
-    def give(self, entry: Staging) -> None:
+    def give(self, entry: LaunchBuffer) -> None:
         """Return ``entry`` once its kernel (and event) are enqueued."""
         with self._lock:
             self._free.append(entry)
 
-    def device_buffer(self, entry: Staging) -> Any:
+    def device_buffer(self, entry: LaunchBuffer) -> Any:
         """``entry``'s device buffer, made on first need (same size, same event)."""
         if entry.dev is None:
             import torch
@@ -110,39 +110,40 @@ class StagingPool:
             entry.dev_ptr = entry.dev.data_ptr()
         return entry.dev
 
-    def _new(self, count: int) -> Staging:
+    def _new(self, count: int) -> LaunchBuffer:
         import torch
 
         translate = self._translate
         if translate is None and self._translate_ref is not None:
-            raise RuntimeError("staging pool outlived the address translator its buffers are mapped through")
+            raise RuntimeError("launch buffer pool outlived the address translator its buffers are mapped through")
         words = max(_pow2_at_least(count), MIN_ELEMS)
-        with allocating(f"a kernel launch's descriptor staging ({words} words)", 8 * words, "page-locked host"):
+        with allocating(f"a kernel launch's descriptor buffer ({words} words)", 8 * words, "page-locked host"):
             host = torch.empty(words, dtype=torch.int64, pin_memory=True)
         ptr = host.data_ptr()
         if translate is not None:
             ptr = int(np.asarray(translate(np.array([ptr], dtype=np.int64)))[0])
-        return Staging(host, ptr, torch.cuda.Event())
+        return LaunchBuffer(host, ptr, torch.cuda.Event())
 
 
-_POOLS: dict[int, StagingPool] = {}
+_POOLS: dict[int, LaunchBufferPool] = {}
 # Pools whose buffers are mapped through a translator live as long as it does: a plugin may
 # make a translator per resolve, and a pool held past it would keep its pinned buffers.
-_MAPPED: "weakref.WeakKeyDictionary[Any, dict[int, StagingPool]]" = weakref.WeakKeyDictionary()
+_MAPPED: "weakref.WeakKeyDictionary[Any, dict[int, LaunchBufferPool]]" = weakref.WeakKeyDictionary()
 _POOLS_LOCK = threading.Lock()
 
 
-def shared_pool(device_index: int, translate: Optional[Callable[[np.ndarray], np.ndarray]] = None) -> StagingPool:
-    """The staging pool every launcher on ``device_index`` (with this ``translate``)
+def shared_pool(device_index: int, translate: Optional[Callable[[np.ndarray], np.ndarray]] = None) -> LaunchBufferPool:
+    """The launch buffer pool every launcher on ``device_index`` (with this ``translate``)
     shares. One pool, not one per bound function: a resolved function binds its kernel
     once per SM tier, an engine resolves both directions, and each pool would keep its own
-    pinned buffers (and reading descriptors from buffers placed differently made two
-    bindings of one route time up to 2% apart on the H200)."""
+    pinned buffers (and two bindings of one route would read descriptors from buffers placed
+    differently, which timed them apart)."""
+    # Up to 2% apart on the H200.
     with _POOLS_LOCK:
         pools = _POOLS if translate is None else _MAPPED.setdefault(translate, {})
         pool = pools.get(device_index)
         if pool is None:
-            pool = pools[device_index] = StagingPool(device_index, translate)
+            pool = pools[device_index] = LaunchBufferPool(device_index, translate)
         return pool
 
 

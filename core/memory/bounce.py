@@ -1,16 +1,16 @@
-"""Pageable host memory, carried through kvswap's own page-locked staging buffers.
+"""Pageable host memory, carried through kvswap's own page-locked bounce buffers.
 
 A device reads and writes host memory asynchronously only where it is page-locked: a copy
 kernel faults on pageable memory, and the driver's pageable path is synchronous with the
 calling thread (a device-to-host copy into pageable memory returns only after everything
 queued before it has run; CUDA runtime API, "API synchronization behavior"). So a mover
 whose host tensors are pageable moves their blocks in two steps, with the resolved route
-unchanged between a pinned staging buffer and the device:
+unchanged between a pinned bounce buffer and the device:
 
 * host to device: ``submit`` copies each descriptor's bytes from the pageable tensors into
-  the staging buffer on the calling thread (so the host blocks are read at that moment,
+  the bounce buffer on the calling thread (so the host blocks are read at that moment,
   not when the device copy runs), then enqueues the device copy from there;
-* device to host: the device copy lands in the staging buffer, and a worker thread copies
+* device to host: the device copy lands in the bounce buffer, and a worker thread copies
   the bytes out to the pageable tensors once the device copy has completed. The job is
   reported complete only after that.
 
@@ -27,19 +27,19 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from ..errors import KvSwapWarning
-from .pinned_pool import DescriptorBuffer, StagingPool
+from .pinned_pool import BouncePool, DescriptorBuffer
 
 
 class PageableMemoryWarning(KvSwapWarning):
-    """A mover's host tensors are pageable: their blocks go through staging buffers,
+    """A mover's host tensors are pageable: their blocks go through bounce buffers,
     which costs a host memcpy of every byte (allocate host KV with ``pin_memory=True``)."""
 
-# Staged descriptors start on 256-byte boundaries: as aligned as any route asks of the
+# Bounced descriptors start on 256-byte boundaries: as aligned as any route asks of the
 # addresses it is given (kernels vectorise up to 16 bytes; DMA prefers 256).
 ALIGN = 256
 
 
-# A staged job this large may be copied by several threads (ctypes releases the GIL during
+# A bounced job this large may be copied by several threads (ctypes releases the GIL during
 # each memmove). One thread by default: with 8, the Python loop between memmoves contends
 # for the GIL and pageable jobs ran about twice as slow (docs/benchmarks.md, pageable host
 # memory).
@@ -80,12 +80,13 @@ def host_memmove(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, threads: O
 
 
 @dataclass(eq=False)
-class Staged:
-    """One job's staging: its buffer and, for device-to-host, the copy-out still to do."""
+class Bounced:
+    """One job's bounce: its buffer, the pageable host addresses and the bounce addresses
+    that stand in for them, their sizes and, for device-to-host, the copy-out still to do."""
 
     buffer: DescriptorBuffer
     host: np.ndarray
-    staged: np.ndarray
+    bounce: np.ndarray
     sizes: np.ndarray
     finish: Optional[Future] = None
 
@@ -103,26 +104,26 @@ def storage_spans(tensors: Sequence[Any]) -> list[tuple[int, int]]:
     return [(lo, hi) for lo, hi in out]
 
 
-class Stager:
-    """Swap the pageable host addresses of a batch for staging addresses, and move the
+class Bouncer:
+    """Swap the pageable host addresses of a batch for bounce-buffer addresses, and move the
     bytes between them.
 
     :param spans: ``[start, end)`` of the pageable host memory.
     :param host_row: which row of a descriptor buffer holds host addresses (0: sources,
         host to device; 1: destinations, device to host).
-    :param pinned: page-lock the staging buffers (a device reads them).
+    :param pinned: page-lock the bounce buffers (a device reads them).
     """
 
     def __init__(self, spans: Sequence[tuple[int, int]], host_row: int, pinned: bool) -> None:
         self.lo = np.array([lo for lo, _ in spans], dtype=np.int64)
         self.hi = np.array([hi for _, hi in spans], dtype=np.int64)
         self.row = host_row
-        self.pool = StagingPool(pinned=pinned)
+        self.pool = BouncePool(pinned=pinned)
         self._worker: Optional[ThreadPoolExecutor] = None
 
-    def stage(self, arr: np.ndarray, m: int) -> Optional[Staged]:
-        """Point the pageable descriptors of ``arr[:, :m]`` at a staging buffer; for host
-        to device, copy their bytes in now. None when no descriptor is pageable."""
+    def bounce(self, arr: np.ndarray, m: int) -> Optional[Bounced]:
+        """Point the pageable descriptors of ``arr[:, :m]`` at a bounce buffer; for host to
+        device, copy their bytes in now. None when no descriptor is pageable."""
         addrs = arr[self.row, :m]
         at = np.searchsorted(self.lo, addrs, side="right") - 1
         mask = (at >= 0) & (addrs < self.hi[np.maximum(at, 0)])
@@ -133,26 +134,26 @@ class Stager:
         offsets = np.cumsum(pitch) - pitch
         buf = self.pool.acquire(int(pitch.sum()) + ALIGN)
         base = -(-buf.array.ctypes.data // ALIGN) * ALIGN
-        staged = base + offsets
+        bounce = base + offsets
         host = addrs[mask]
-        addrs[mask] = staged
+        addrs[mask] = bounce
         if self.row == 0:
-            host_memmove(host, staged, sizes)
-        return Staged(buf, host, staged, sizes)
+            host_memmove(host, bounce, sizes)
+        return Bounced(buf, host, bounce, sizes)
 
-    def copy_out(self, job: Staged, wait: Callable[[], None]) -> None:
+    def copy_out(self, job: Bounced, wait: Callable[[], None]) -> None:
         """Device to host: after ``wait`` returns (the device copy is complete), copy the
-        staged bytes to the pageable tensors, on the worker thread."""
+        bounced bytes to the pageable tensors, on the worker thread."""
         if self._worker is None:
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvswap-staging")
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvswap-bounce")
 
         def run() -> None:
             wait()
-            host_memmove(job.staged, job.host, job.sizes)
+            host_memmove(job.bounce, job.host, job.sizes)
 
         job.finish = self._worker.submit(run)
 
-    def release(self, job: Staged) -> None:
+    def release(self, job: Bounced) -> None:
         self.pool.release(job.buffer)
 
     def close(self) -> None:

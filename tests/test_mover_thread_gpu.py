@@ -85,7 +85,7 @@ def test_by_id_launches_in_submit_and_jobs_on_the_thread_keep_submission_order(d
 
     from kvswap.mover.plan import IdSteps
 
-    monkeypatch.setattr("kvswap.mover.plan.LAUNCH_HERE_FROM", 0)  # these jobs are small
+    monkeypatch.setattr("kvswap.mover.build.LAUNCH_HERE_FROM", 0)  # these jobs are small
     rng = np.random.default_rng(zlib.crc32(f"mixed/{direction}".encode()))
     src, dst = _pair("flash", direction, seed=5, dst_blocks=24)
     # 32 SMs: the kernel reads the ids where submit staged them, so a call is only a launch.

@@ -398,15 +398,18 @@ def step(setup: Setup, op: str, fn: Any) -> tuple[float, Optional[float]]:
     return (max(total, transfer) if transfer is not None and op == "backup" else total), transfer
 
 
-# SGLang pins its host pools with cudaHostRegister and never unregisters them: a pool freed
-# while still registered would hand its addresses to the next case's pool, whose registration
-# then fails (cudaErrorHostMemoryAlreadyRegistered). Every case's pool stays alive instead.
-_POOLS: list = []
-
-
 def measure(case: Case, args: argparse.Namespace, clock: Clock) -> list[dict]:
     setup = Setup(case, args, clock)
-    _POOLS.append(setup.host)
+    try:
+        return _measure(setup, case, args)
+    finally:
+        # SGLang registers a pinned pool with cudaHostRegister and unregisters it only in destroy():
+        # a pool freed while registered would make the next case's registration fail.
+        clock.sync()
+        setup.host.destroy()
+
+
+def _measure(setup: Any, case: Case, args: argparse.Namespace) -> list[dict]:
     found = setup.contenders(args)
     live = {n: f for n, f in found.items() if not isinstance(f, str)}
     for name, fn in live.items():

@@ -147,6 +147,19 @@ class HiCache:
             self.host.free(taken[page * size:(page + 1) * size])
 
 
+# Host pools built pinned: SGLang registers them with cudaHostRegister and unregisters them only in
+# ``destroy()``. A test must call it (``destroy_pinned``) before their memory goes back: a later
+# pool at the same addresses would otherwise fail to register.
+PINNED: list[Any] = []
+
+
+def destroy_pinned() -> None:
+    """Unregister every pinned host pool built so far, once the device is done with them."""
+    torch.cuda.synchronize()
+    while PINNED:
+        PINNED.pop().destroy()
+
+
 def build(kind: str, layout: str, io: str, dtype: Any, *, device: str = "cpu", pin: bool = False,
           storage: Optional[str] = None, host_class: Any = None, page_size: int = P,
           device_tokens: int = DEVICE_TOKENS, layers: int = LAYERS, heads: int = HEADS, head_dim: int = HEAD_DIM,
@@ -173,6 +186,8 @@ def build(kind: str, layout: str, io: str, dtype: Any, *, device: str = "cpu", p
     with get_parallel().override(attn_dcp_size=1, attn_dcp_rank=0, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1):
         ctl = HiCacheController(alloc, host, page_size, tp_group=None, load_cache_event=threading.Event(), io_backend=io,
                                 storage_backend=storage, model_name="kvswap-e2e" if storage else None)
+    if pin:
+        PINNED.append(host)
     return HiCache(kind, dev, host, alloc, ctl)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from hicache import CASES, DTYPES, P, bits, build, dtype_id, plugin, random_bits, round_trip, tokens  # noqa: F401
+from hicache import CASES, DTYPES, P, bits, build, destroy_pinned, dtype_id, plugin, random_bits, round_trip, tokens  # noqa: F401
 
 import torch  # noqa: E402
 
@@ -24,13 +24,16 @@ SLEEP_CYCLES = 200_000_000  # ~0.1 s of GPU time queued before the copy
 @pytest.fixture(autouse=True)
 def without_sglangs_own_kernels(monkeypatch):
     """SGLang's host pools build its JIT copy kernels (nvcc, minutes) where it could use them;
-    the hooks copy instead, so the pools are built without them."""
+    the hooks copy instead, so the pools are built without them. After the test, the pinned host
+    pools it built are unregistered."""
     from sglang.srt.mem_cache.pool_host import mha, mla
 
     for module in (mha, mla):
         for name in ("can_use_hicache_jit_kernel", "can_use_write_back_jit_kernel"):
             if hasattr(module, name):
                 monkeypatch.setattr(module, name, lambda **kw: False)
+    yield
+    destroy_pinned()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)

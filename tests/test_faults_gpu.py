@@ -62,7 +62,9 @@ def test_device_memory_exhausted_while_movers_are_built_and_used():
             try:
                 mover = kvswap.BlockMover(host, dev, "h2d", block_dim=1, policy=policy)
             except kvswap.AllocationError as e:
-                assert e.memory == "device" and e.nbytes > 0 and "could not allocate" in str(e)
+                # A buffer names its size; a stream or an event the driver could not create has none.
+                assert e.memory == "device" and (e.nbytes > 0 or "stream" in e.what or "event" in e.what), e
+                assert "could not allocate" in str(e)
                 outcomes[route] = f"not built: {e.what}"
                 assert torch.cuda.memory_allocated() == held  # the failed build kept nothing
                 continue

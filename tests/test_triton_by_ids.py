@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from kvswap.backends.triton_generic.by_ids import FIELDS, CopyByIds, KernelCopyByIds, bind_by_ids, pack_template  # noqa: E402
-from kvswap.backends.triton_generic.launch import KernelCopy, TilePlan, interpreting  # noqa: E402
+from kvswap.backends.triton_generic.launch import DEFAULT_PLANS, KernelCopy, TilePlan, interpreting  # noqa: E402
 from kvswap.addressing.regions import pair_regions  # noqa: E402
 
 from mover_layouts import Pool, expected_after, layouts  # noqa: E402
@@ -55,12 +55,14 @@ def test_blocks_by_id_match_torch_indexing(name):
     (TilePlan(), True),                 # few tiles, long pieces: programs share a tile's steps
     (TilePlan(align_max=8), True),      # the 8-byte word variant
     (TilePlan(tile_elems=64, row_max=32), False),  # many tiles per program, short rows
+    (DEFAULT_PLANS["d2d"], True),       # the staged route's device side
 ])
 def test_launch_shapes_copy_the_same_bytes(plan, want_splits):
     rng = np.random.default_rng(5)
     src, dst = pools("flash", 2, src_blocks=9, dst_blocks=7, heads=4, head_dim=512)  # 16 KiB pieces
     template = pair_regions(src.tensors, dst.tensors, 1)
     fn = bind_by_ids(KernelCopy(num_sms=8, device_index=None, tiles=plan), template)
+    assert fn.each == 16384 // 8  # one piece size: the loop bound is given
     before, src_before = dst.snapshot(), src.snapshot()
     sid, did = random_ids(rng, 3, src, dst)
     launch = fn(sid, did)
@@ -81,6 +83,7 @@ def test_mixed_piece_sizes_in_one_launch():
     template = pair_regions(src_t, dst_t, 1)
     assert len(set(template.sizes.tolist())) == 2
     fn = bind_by_ids(KernelCopy(num_sms=2, device_index=None), template)
+    assert fn.each == 0  # each tile finds its longest row
     sid, did = rng.integers(0, 12, 7).astype(np.int64), rng.permutation(10)[:7].astype(np.int64)
     snaps = [(p, p.snapshot()) for p in (a_dst, b_dst)]
     src_snaps = {id(p): p.snapshot() for p in (a_src, b_src)}

@@ -20,7 +20,7 @@ from kvswap.registry import plugins
 from kvswap.backends import triton_generic as tg
 from kvswap.backends.triton_generic import kernel as tk
 from kvswap.backends.triton_generic import launch
-from kvswap.backends.triton_generic.launch import KernelCopy, TilePlan, batch_alignment, interpreting
+from kvswap.backends.triton_generic.launch import DEFAULT_PLANS, KernelCopy, TilePlan, batch_alignment, interpreting
 from kvswap.registry.platform import cpu_device
 from kvswap.testing.memory import Layout, make_transfer, scattered
 
@@ -249,11 +249,23 @@ def test_tile_shape_follows_block_size() -> None:
     assert large.words == plan.row_max and large.jobs * large.words == plan.tile_elems
 
 
+def test_warp_elems_sets_the_warps_of_a_tile() -> None:
+    # The staged route's device side: rows of 2 KiB, one per warp, on 32 warps at any chunk size.
+    d2d = DEFAULT_PLANS["d2d"]
+    for kib in (4, 16, 32):
+        tile = d2d.pick(512 * 64, 512 * 64 * kib * KiB, 32)
+        assert (tile.jobs, tile.words, tile.warps) == (32, 256, 32)
+    assert TilePlan(warps=32).pick(10_000, 10_000 * 4 * KiB, 4).warps == 8192 // 512
+    assert TilePlan(warps=32, warp_elems=1024).pick(10_000, 10_000 * 4 * KiB, 4).warps == 8192 // 1024
+
+
 def test_tile_plan_rejects_bad_params() -> None:
     with pytest.raises(kvswap.ConfigurationError, match="power of two"):
         TilePlan(tile_elems=3000)
     with pytest.raises(kvswap.ConfigurationError, match="row_max"):
         TilePlan(tile_elems=1024, row_max=2048)
+    with pytest.raises(kvswap.ConfigurationError, match="warp_elems"):
+        TilePlan(warp_elems=100)
     with pytest.raises(kvswap.ConfigurationError, match="align_max"):
         TilePlan(align_max=4)
     with pytest.raises(kvswap.ConfigurationError, match="cache"):

@@ -99,6 +99,9 @@ class CopyByIds(ByIdsFn):
                 packed[lo:lo + p] = np.asarray(fn(packed[lo:lo + p]), dtype=np.int64)
         self.packed = packed
         self.block_bytes = int(packed[4 * p:].sum())
+        sizes = packed[4 * p:]
+        # Every piece one size: the kernel's loop bound, given (no reduction per tile).
+        self.each = int(sizes[0]) >> 3 if (sizes == sizes[0]).all() else 0
         self.align = batch_alignment(packed)
         self._launches: dict[int, IdsLaunch] = {}
         self._variants: dict[tuple, Variant] = {}
@@ -176,8 +179,8 @@ class CopyByIds(ByIdsFn):
 
         t = launch.tile
         copy_by_ids_kernel[(launch.grid,)](torch.from_numpy(self.packed), torch.from_numpy(ids), launch.n,
-                                           self.pieces, t.splits, JOBS=t.jobs, WORDS=t.words, ALIGN=t.align,
-                                           CACHE=t.cache, num_warps=t.warps)
+                                           self.pieces, t.splits, self.each, JOBS=t.jobs, WORDS=t.words,
+                                           ALIGN=t.align, CACHE=t.cache, UNIFORM=self.each > 0, num_warps=t.warps)
 
     def _direct(self, launch: IdsLaunch) -> Optional[tuple[Variant, Optional[Variant]]]:
         """The compiled copy and, where the kernel reads the ids from the device, the ids'
@@ -212,7 +215,8 @@ class CopyByIds(ByIdsFn):
     def _args(self, launch: IdsLaunch, ids_ptr: int) -> tuple:
         """The copy kernel's arguments, constexprs last, for ids at ``ids_ptr``."""
         t = launch.tile
-        return self._tmpl_ptr, ids_ptr, launch.n, self.pieces, t.splits, t.jobs, t.words, t.align, t.cache
+        return (self._tmpl_ptr, ids_ptr, launch.n, self.pieces, t.splits, self.each, t.jobs, t.words, t.align,
+                t.cache, self.each > 0)
 
     def _enqueue(self, entry: Any, launch: IdsLaunch, calls: Optional[tuple], stream: Any) -> None:
         """Enqueue a packed call on ``stream`` with the copy's device current; between the
@@ -278,9 +282,9 @@ class CopyByIds(ByIdsFn):
             from .by_ids_jit import copy_by_ids_kernel
 
             with torch.cuda.stream(s):
-                copy_by_ids_kernel[(launch.grid,)](self._tmpl, ids, launch.n, self.pieces, tile.splits,
+                copy_by_ids_kernel[(launch.grid,)](self._tmpl, ids, launch.n, self.pieces, tile.splits, self.each,
                                                    JOBS=tile.jobs, WORDS=tile.words, ALIGN=tile.align,
-                                                   CACHE=tile.cache, num_warps=tile.warps)
+                                                   CACHE=tile.cache, UNIFORM=self.each > 0, num_warps=tile.warps)
 
     def _hooked(self) -> bool:
         """Whether a launch hook (a profiler) is set: launches then carry Triton's metadata."""
@@ -291,7 +295,7 @@ class CopyByIds(ByIdsFn):
         key = (tile.jobs, tile.words, tile.align, tile.cache, tile.warps)
         v = self._variants.get(key)
         if v is None:
-            v = self._variants[key] = _compile(self.copy.device_index, tile)
+            v = self._variants[key] = _compile(self.copy.device_index, tile, self.each > 0)
             if v.direct and self._runtime is None:
                 from triton import knobs
 
@@ -367,9 +371,9 @@ def _upload_variant(device_index: int) -> Variant:
     return v
 
 
-def _compile(device_index: int, tile: Tile) -> Variant:
-    """One compiled variant per device and tile shape, shared by every binding."""
-    key = (device_index, tile.jobs, tile.words, tile.align, tile.cache, tile.warps)
+def _compile(device_index: int, tile: Tile, uniform: bool) -> Variant:
+    """One compiled variant per device, tile shape and ``uniform``, shared by every binding."""
+    key = (device_index, tile.jobs, tile.words, tile.align, tile.cache, tile.warps, uniform)
     v = _COMPILED.get(key)
     if v is None:
         import torch
@@ -377,10 +381,11 @@ def _compile(device_index: int, tile: Tile) -> Variant:
         from .by_ids_jit import copy_by_ids_kernel
 
         with torch.cuda.device(device_index):
-            # ``torch.int64`` stands for the two (16-byte aligned) pointers; the ints only type n, pieces, splits.
-            compiled = copy_by_ids_kernel.warmup(torch.int64, torch.int64, 0, 1, 1, JOBS=tile.jobs, WORDS=tile.words,
-                                                 ALIGN=tile.align, CACHE=tile.cache, num_warps=tile.warps,
-                                                 grid=(1,))
+            # ``torch.int64`` stands for the two (16-byte aligned) pointers; the ints only type n, pieces,
+            # splits, each.
+            compiled = copy_by_ids_kernel.warmup(torch.int64, torch.int64, 0, 1, 1, 1, JOBS=tile.jobs,
+                                                 WORDS=tile.words, ALIGN=tile.align, CACHE=tile.cache,
+                                                 UNIFORM=uniform, num_warps=tile.warps, grid=(1,))
             parts = direct_parts(compiled) if compiled is not None else None
         v = _COMPILED[key] = Variant(compiled, *parts) if parts else Variant(compiled)
     return v

@@ -11,7 +11,10 @@ each. Work item ``w`` (``pieces x n`` of them, piece-major) copies ``size[p]`` b
 dst_stride[p]`` with ``p = w // n``, ``i = w % n``. The copy loop is copy_kernel's
 (jit.py): a persistent grid of ``num_programs`` programs strides over tiles of
 ``JOBS`` work items, ``WORDS`` 8-byte elements of each per step; ``splits`` programs
-share a tile when there are fewer tiles than programs.
+share a tile when there are fewer tiles than programs. Where every piece has one size
+(``UNIFORM``, the usual template: K and V of every layer alike), the launcher passes it in
+words as ``each``; otherwise each tile finds its longest row by a reduction, which makes the
+program's warps wait for each other at every tile.
 
 Only 8- and 16-byte aligned templates run here (every base, stride and size a multiple
 of 8, or of 16 for vectors); the launcher declines others, which then take the
@@ -25,11 +28,12 @@ import triton.language as tl
 from .jit import _copy_words
 
 
-@triton.jit(do_not_specialize=["n", "pieces", "splits"])
-def copy_by_ids_kernel(tmpl, ids, n, pieces, splits, JOBS: tl.constexpr, WORDS: tl.constexpr,
-                       ALIGN: tl.constexpr, CACHE: tl.constexpr):
+@triton.jit(do_not_specialize=["n", "pieces", "splits", "each"])
+def copy_by_ids_kernel(tmpl, ids, n, pieces, splits, each, JOBS: tl.constexpr, WORDS: tl.constexpr,
+                       ALIGN: tl.constexpr, CACHE: tl.constexpr, UNIFORM: tl.constexpr):
     """Copy ``pieces x n`` work items; see the module docstring. ``ALIGN``: 16 (vectors)
-    or 8 (words), what every base, stride and size is a multiple of."""
+    or 8 (words), what every base, stride and size is a multiple of. ``UNIFORM``: every
+    piece is ``each`` words long."""
     col = tl.arange(0, WORDS)
     total = n.to(tl.int64) * pieces
     work = tl.cdiv(total, JOBS) * splits
@@ -47,7 +51,10 @@ def copy_by_ids_kernel(tmpl, ids, n, pieces, splits, JOBS: tl.constexpr, WORDS: 
                                                                                other=0)
         # Rows past the end read as size 0 and copy nothing.
         nw = tl.load(tmpl + 4 * pieces + p, mask=live, other=0) >> 3
-        top = tl.max(nw, 0)
+        if UNIFORM:
+            top = each
+        else:
+            top = tl.max(nw, 0)
         _copy_words(s, d, nw, top, part, splits, col, WORDS, ALIGN, CACHE)
 
 

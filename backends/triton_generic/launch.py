@@ -89,6 +89,8 @@ class TilePlan:
     :param tile_elems: elements in flight per program and step.
     :param row_max: most elements of one descriptor per step.
     :param warps: warps per program for a full tile (fewer for smaller tiles).
+    :param warp_elems: elements a warp takes per step at least: a tile of ``tile_elems``
+        runs on at most ``tile_elems // warp_elems`` warps.
     :param align_max: the widest variant allowed (16, 8 or 1; 1 always takes the path
         that handles any alignment).
     :param prefetch: load the next tile's descriptors during this tile's copy.
@@ -101,13 +103,14 @@ class TilePlan:
     tile_elems: int = TILE_ELEMS
     row_max: int = ROW_MAX
     warps: int = WARPS
+    warp_elems: int = 512
     align_max: int = 16
     prefetch: bool = False
     cache: str = ""
     host_tiles: int = HOST_TILES["h2d"]
 
     def __post_init__(self) -> None:
-        for name in ("tile_elems", "row_max", "warps"):
+        for name in ("tile_elems", "row_max", "warps", "warp_elems"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1 or v & (v - 1):
                 raise ConfigurationError(f"triton.kernel {name}={v!r} must be a power of two >= 1")
@@ -129,7 +132,7 @@ class TilePlan:
         """``base`` (default: the defaults) with the launch-shape keys found in ``params``."""
         import dataclasses
 
-        keys = ("tile_elems", "row_max", "warps", "align_max", "prefetch", "cache", "host_tiles")
+        keys = ("tile_elems", "row_max", "warps", "warp_elems", "align_max", "prefetch", "cache", "host_tiles")
         return dataclasses.replace(base or cls(), **{k: params[k] for k in keys if k in params})
 
     def pick(self, n: int, total_bytes: int, num_sms: int, align: int = 16) -> Tile:
@@ -148,20 +151,22 @@ class TilePlan:
         if tiles < num_sms:
             # Fewer tiles than programs: let programs share a tile's steps.
             splits = max(1, min(num_sms // tiles, -(-mean_words // words)))
-        warps = max(1, min(max_warps, tile_elems // 512))
+        warps = max(1, min(max_warps, tile_elems // self.warp_elems))
         return Tile(jobs, words, warps, splits, align, self.prefetch, self.cache)
 
 
 # Launch shapes per direction where the resolver passes none: the winners of
 # tests/bench/bench_triton.py --sweep on an H200 (best mean fraction of the ceiling at
 # 4-8 SMs). Device->host the 64 KiB tiles tie within 1%; 16 warps with L2-only loads led.
-# Device->device is not swept: it takes device->host's loads (its sources are device
-# memory too) and host->device's descriptor reads (a copy that does not cross the link is
-# short, so a round trip per tile to read descriptors from host memory weighs more).
+# Device->device (the staged route's device side) takes device->host's loads (its sources
+# are device memory too) and host->device's descriptor reads (a copy that does not cross the
+# link is short, so a round trip per tile to read descriptors weighs more); its shape, 32
+# warps over rows of 2 KiB, led tests/bench/bench_device_gather_tiles.py at 4-32 KiB chunks
+# on 32 SMs of an H200 (docs/benchmarks.md).
 DEFAULT_PLANS: dict[str, TilePlan] = {
     "h2d": TilePlan(host_tiles=HOST_TILES["h2d"]),
     "d2h": TilePlan(warps=16, cache=".cg", host_tiles=HOST_TILES["d2h"]),
-    "d2d": TilePlan(warps=16, cache=".cg", host_tiles=HOST_TILES["h2d"]),
+    "d2d": TilePlan(row_max=256, warps=32, warp_elems=256, cache=".cg", host_tiles=HOST_TILES["h2d"]),
 }
 
 

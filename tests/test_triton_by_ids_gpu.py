@@ -59,6 +59,26 @@ def test_layouts_both_directions(name, direction):
     assert src.matches(src_before)
 
 
+def test_device_to_device_uploads_the_ids_and_copies_every_piece():
+    """The staged route's device side (the d2d plan on 32 programs): its ids are uploaded
+    first however short the batch, and its given piece size copies every byte."""
+    rng = np.random.default_rng(8)
+    gen = torch.Generator().manual_seed(8)
+    src, dst = (Pool(LAYOUTS["flash"], nb, gen, device="cuda") for nb in (300, 400))
+    fn = _bound(src, dst, "d2d", num_sms=32)
+    assert fn.each > 0
+    before, src_before = dst.snapshot(), src.snapshot()
+    jobs = []
+    for n in (1, 5, 300):
+        sid = rng.integers(0, src.num_blocks, n).astype(np.int64)
+        did = rng.permutation(dst.num_blocks)[:n].astype(np.int64)
+        assert fn(sid, did, torch.cuda.current_stream()).ids == "device"
+        jobs.append((sid, did))
+    torch.cuda.synchronize()
+    assert dst.matches(expected_after(dst, before, src_before, src, jobs))
+    assert src.matches(src_before)
+
+
 @pytest.mark.parametrize("direction", ["h2d", "d2h"])
 def test_ordered_on_the_stream_both_ways(direction):
     """Work queued before the launch (a fill of the destinations) lands first; work queued

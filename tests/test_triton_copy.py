@@ -250,11 +250,11 @@ def test_tile_shape_follows_block_size() -> None:
 
 
 def test_warp_elems_sets_the_warps_of_a_tile() -> None:
-    # The staged route's device side: rows of 2 KiB, one per warp, on 32 warps at any chunk size.
+    # The staged route's device side: rows of 512 B, four per warp, on 32 warps at any chunk size.
     d2d = DEFAULT_PLANS["d2d"]
     for kib in (4, 16, 32):
         tile = d2d.pick(512 * 64, 512 * 64 * kib * KiB, 32)
-        assert (tile.jobs, tile.words, tile.warps) == (32, 256, 32)
+        assert (tile.jobs, tile.words, tile.warps) == (128, 64, 32)
     assert TilePlan(warps=32).pick(10_000, 10_000 * 4 * KiB, 4).warps == 8192 // 512
     assert TilePlan(warps=32, warp_elems=1024).pick(10_000, 10_000 * 4 * KiB, 4).warps == 8192 // 1024
 

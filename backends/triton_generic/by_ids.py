@@ -130,7 +130,8 @@ class CopyByIds(ByIdsFn):
             tile = c.tiles.pick(items, n * self.block_bytes, c.num_sms, self.align)
             work = -(-items // tile.jobs) * tile.splits
             grid = min(c.num_sms, work)
-            host = work <= grid * c.tiles.host_tiles or grid >= HOST_IDS_PROGRAMS
+            # host_tiles 0: always uploaded (a copy that does not cross the link waits on each read).
+            host = c.tiles.host_tiles > 0 and (work <= grid * c.tiles.host_tiles or grid >= HOST_IDS_PROGRAMS)
             where = "" if c._pool is None else "host" if host else "device"
             launch = IdsLaunch(n, items, grid, tile, where)
             if len(self._launches) >= self.KEEP_LAUNCHES:

@@ -159,14 +159,14 @@ class TilePlan:
 # tests/bench/bench_triton.py --sweep on an H200 (best mean fraction of the ceiling at
 # 4-8 SMs). Device->host the 64 KiB tiles tie within 1%; 16 warps with L2-only loads led.
 # Device->device (the staged route's device side) takes device->host's loads (its sources
-# are device memory too) and host->device's descriptor reads (a copy that does not cross the
-# link is short, so a round trip per tile to read descriptors weighs more); its shape, 32
-# warps over rows of 2 KiB, led tests/bench/bench_device_gather_tiles.py at 4-32 KiB chunks
-# on 32 SMs of an H200 (docs/benchmarks.md).
+# are device memory too) and its ids or descriptors uploaded first (a copy that does not
+# cross the link is short, so a round trip per tile to read them weighs more); its shape, 32
+# warps over rows of 512 B (many rows in flight per warp), led
+# tests/bench/bench_device_gather_tiles.py at 4-32 KiB chunks on 32 SMs of an H200.
 DEFAULT_PLANS: dict[str, TilePlan] = {
     "h2d": TilePlan(host_tiles=HOST_TILES["h2d"]),
     "d2h": TilePlan(warps=16, cache=".cg", host_tiles=HOST_TILES["d2h"]),
-    "d2d": TilePlan(row_max=256, warps=32, warp_elems=256, cache=".cg", host_tiles=HOST_TILES["h2d"]),
+    "d2d": TilePlan(row_max=64, warps=32, warp_elems=256, cache=".cg", host_tiles=0),
 }
 
 

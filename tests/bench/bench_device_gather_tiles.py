@@ -61,7 +61,7 @@ def main(argv: list | None = None) -> int:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--blocks", type=int, default=512, help="blocks per job")
     ap.add_argument("--cache-blocks", type=int, default=1024, help="blocks of the device KV cache")
-    ap.add_argument("--shapes", default="16x16x8192,32x32x8192,32x64x8192,32x32x4096,32x128x8192,16x32x8192",
+    ap.add_argument("--shapes", default="32x32x8192,32x128x8192,32x256x16384,16x128x8192,32x128x4096",
                     help="warps x rows x tile elements, comma-separated")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--json", default="")

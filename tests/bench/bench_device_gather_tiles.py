@@ -11,6 +11,7 @@ contenders' turns rotating. Per-layer K/V of ``--layers`` layers, ``--blocks`` r
 blocks of a cache of ``--cache-blocks``.
 
     python3 tests/bench/bench_device_gather_tiles.py --json $OUT/gather_tiles.json
+    python3 tests/bench/bench_device_gather_tiles.py --render gather_tiles.json   # docs/benchmarks.md's table
 """
 from __future__ import annotations
 
@@ -55,6 +56,24 @@ def rows_kernel(tmpl, ids, n, pieces, top, JOBS: tl.constexpr, WORDS: tl.constex
             tl.store(tl.multiple_of(dp + c, 16)[:, None] + col[None, :], v, mask=mask)
 
 
+def render(path: str) -> str:
+    """The markdown table of a JSON this script wrote: per operation and chunk size, the shipped
+    kernel's GB/s and its fraction of the contiguous device copy timed in the same run, and the
+    best other contender's."""
+    with open(path) as f:
+        data = json.load(f)
+    lines = [f"{data['device']}, {data['sms']} programs; GB/s of job bytes (fraction of a contiguous device copy "
+             "of the same bytes, same run)", "",
+             "| op | chunk | contiguous | shipped | best other shape |", "|---|---|---|---|---|"]
+    for r in data["records"]:
+        c, g = r["contiguous_gbps"], dict(r["gbps"])
+        shipped = g.pop("shipped")
+        best = max(g, key=g.get)
+        lines.append(f"| {r['op']} | {r['chunk_bytes'] >> 10} KiB | {c:.0f} | {shipped:.0f} ({shipped / c:.2f}) | "
+                     f"{best}: {g[best]:.0f} ({g[best] / c:.2f}) |")
+    return "\n".join(lines)
+
+
 def main(argv: list | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--chunks", default="4,16,32", help="chunk sizes, KiB")
@@ -65,7 +84,11 @@ def main(argv: list | None = None) -> int:
                     help="warps x rows x tile elements, comma-separated")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--json", default="")
+    ap.add_argument("--render", metavar="FILE.json", help="measure nothing: print the table of a JSON this wrote")
     args = ap.parse_args(argv)
+    if args.render:
+        print(render(args.render))
+        return 0
 
     import torch
 

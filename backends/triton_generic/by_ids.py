@@ -7,7 +7,8 @@ the template (bases, strides, sizes per piece) is uploaded once, when the capabi
 bound, and a transfer sends only its two id arrays: packed into a pinned launch buffer
 of the launcher's pool, read by the kernel from there when the batch is short or the
 programs many (:data:`HOST_IDS_PROGRAMS`), uploaded first by
-:func:`~.by_ids_jit.load_ids_kernel`, launched the same way, otherwise. One launch of
+:func:`~.by_ids_jit.load_ids_kernel`, launched the same way, otherwise, and always where
+the tile plan reads nothing from host memory (``host_tiles`` 0: device to device). One launch of
 :func:`~.by_ids_jit.copy_by_ids_kernel` copies pieces x ids.
 
 The caller guarantees what the descriptor path would check per call: the template was

@@ -103,6 +103,7 @@ class CopyByIds(ByIdsFn):
         sizes = packed[4 * p:]
         # Every piece one size: the kernel's loop bound, given (no reduction per tile).
         self.each = int(sizes[0]) >> 3 if (sizes == sizes[0]).all() else 0
+        self.uniform = self.each > 0
         self.align = batch_alignment(packed)
         self._launches: dict[int, IdsLaunch] = {}
         self._variants: dict[tuple, Variant] = {}
@@ -182,7 +183,7 @@ class CopyByIds(ByIdsFn):
         t = launch.tile
         copy_by_ids_kernel[(launch.grid,)](torch.from_numpy(self.packed), torch.from_numpy(ids), launch.n,
                                            self.pieces, t.splits, self.each, JOBS=t.jobs, WORDS=t.words,
-                                           ALIGN=t.align, CACHE=t.cache, UNIFORM=self.each > 0, num_warps=t.warps)
+                                           ALIGN=t.align, CACHE=t.cache, UNIFORM=self.uniform, num_warps=t.warps)
 
     def _direct(self, launch: IdsLaunch) -> Optional[tuple[Variant, Optional[Variant]]]:
         """The compiled copy and, where the kernel reads the ids from the device, the ids'
@@ -218,7 +219,7 @@ class CopyByIds(ByIdsFn):
         """The copy kernel's arguments, constexprs last, for ids at ``ids_ptr``."""
         t = launch.tile
         return (self._tmpl_ptr, ids_ptr, launch.n, self.pieces, t.splits, self.each, t.jobs, t.words, t.align,
-                t.cache, self.each > 0)
+                t.cache, self.uniform)
 
     def _enqueue(self, entry: Any, launch: IdsLaunch, calls: Optional[tuple], stream: Any) -> None:
         """Enqueue a packed call on ``stream`` with the copy's device current; between the
@@ -286,7 +287,7 @@ class CopyByIds(ByIdsFn):
             with torch.cuda.stream(s):
                 copy_by_ids_kernel[(launch.grid,)](self._tmpl, ids, launch.n, self.pieces, tile.splits, self.each,
                                                    JOBS=tile.jobs, WORDS=tile.words, ALIGN=tile.align,
-                                                   CACHE=tile.cache, UNIFORM=self.each > 0, num_warps=tile.warps)
+                                                   CACHE=tile.cache, UNIFORM=self.uniform, num_warps=tile.warps)
 
     def _hooked(self) -> bool:
         """Whether a launch hook (a profiler) is set: launches then carry Triton's metadata."""
@@ -297,7 +298,7 @@ class CopyByIds(ByIdsFn):
         key = (tile.jobs, tile.words, tile.align, tile.cache, tile.warps)
         v = self._variants.get(key)
         if v is None:
-            v = self._variants[key] = _compile(self.copy.device_index, tile, self.each > 0)
+            v = self._variants[key] = _compile(self.copy.device_index, tile, self.uniform)
             if v.direct and self._runtime is None:
                 from triton import knobs
 
